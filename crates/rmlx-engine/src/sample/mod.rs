@@ -1,0 +1,290 @@
+//! Token sampling on device, with mlx-lm 0.32.2's semantics and order (`sample_utils.py`,
+//! `generate.py::generate_step`): logits processors on raw logits, log-softmax, then either argmax
+//! (temperature 0) or top-p -> min-p -> top-k -> categorical(logprobs / temperature).
+//!
+//! Everything stays a lazy MLX array, so the decode loop can queue step n+1 before it reads the
+//! token of step n. Each `Sampler` owns its PRNG key, which keeps seeded requests reproducible
+//! when several requests share the engine thread (MLX's global seed would couple them).
+
+mod filters;
+mod processors;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use mlx_rs::Array;
+use serde::{Deserialize, Serialize};
+
+pub use filters::{
+    apply_min_p, apply_top_k, apply_top_p, categorical, greedy, log_softmax, temperature_scaled,
+};
+use processors::LogitsProcessors;
+
+/// mlx-lm's default window of the repetition, presence and frequency penalties.
+pub const DEFAULT_CONTEXT_SIZE: usize = 20;
+
+/// What a request asks of the sampler. `Default` is greedy decoding with nothing else enabled.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// 0 = greedy (argmax).
+    pub temperature: f32,
+    /// Nucleus sampling; 1.0 = off. Must be in (0, 1].
+    pub top_p: f32,
+    /// Keep the k most likely tokens; 0 = off (as is k >= vocab).
+    pub top_k: usize,
+    /// Drop tokens below `min_p` times the top probability; 0 = off. In [0, 1].
+    pub min_p: f32,
+    /// min-p never drops this many of the most likely tokens (>= 1).
+    pub min_tokens_to_keep: usize,
+    /// Sign-aware multiplicative penalty on ids in the window; None or 1.0 = off. > 0.
+    pub repetition_penalty: Option<f32>,
+    /// Window (last n ids of prompt + output) of the repetition penalty; 0 = the whole history,
+    /// as mlx-lm's `tokens[-0:]` slice gives.
+    pub repetition_context_size: usize,
+    /// Subtracted once from each id present in the window (OpenAI); 0 = off.
+    pub presence_penalty: f32,
+    pub presence_context_size: usize,
+    /// Subtracted once per occurrence of an id in the window (OpenAI); 0 = off.
+    pub frequency_penalty: f32,
+    pub frequency_context_size: usize,
+    /// Added to the raw logit of each id (OpenAI `logit_bias`).
+    pub logit_bias: BTreeMap<u32, f32>,
+    /// The same seed gives the same tokens; None seeds from the clock.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            min_tokens_to_keep: 1,
+            repetition_penalty: None,
+            repetition_context_size: DEFAULT_CONTEXT_SIZE,
+            presence_penalty: 0.0,
+            presence_context_size: DEFAULT_CONTEXT_SIZE,
+            frequency_penalty: 0.0,
+            frequency_context_size: DEFAULT_CONTEXT_SIZE,
+            logit_bias: BTreeMap::new(),
+            seed: None,
+        }
+    }
+}
+
+/// Errors from sampling: bad parameters are caught by `validate` before MLX sees them.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SampleError {
+    #[error("invalid sampling parameter {name} = {value}: must be {expected}")]
+    InvalidParam {
+        name: &'static str,
+        value: String,
+        expected: &'static str,
+    },
+    #[error("{what} token id {token} is outside the vocabulary (size {vocab})")]
+    TokenOutOfRange {
+        token: u32,
+        vocab: usize,
+        what: &'static str,
+    },
+    #[error("logits must have shape [vocab] or [rows, vocab], got {0:?}")]
+    BadShape(Vec<i32>),
+    #[error("MLX failed while sampling: {0}")]
+    Mlx(#[from] mlx_rs::error::Exception),
+}
+
+fn invalid(name: &'static str, value: impl ToString, expected: &'static str) -> SampleError {
+    SampleError::InvalidParam {
+        name,
+        value: value.to_string(),
+        expected,
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding (temperature 0) with no processors.
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// Whether a penalty reads the token history (logit bias does not). The decode loop can
+    /// still pipeline with one: pass the unread token to `Sampler::sample_pending`.
+    pub fn needs_history(&self) -> bool {
+        self.repetition_penalty.is_some_and(|p| p != 1.0)
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+    }
+
+    /// Check every value is in range; the first bad one is reported.
+    pub fn validate(&self) -> Result<(), SampleError> {
+        let t = self.temperature;
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(invalid("temperature", t, "a finite number >= 0"));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(invalid("top_p", self.top_p, "in (0, 1]"));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(invalid("min_p", self.min_p, "in [0, 1]"));
+        }
+        if self.min_tokens_to_keep < 1 {
+            return Err(invalid(
+                "min_tokens_to_keep",
+                self.min_tokens_to_keep,
+                ">= 1",
+            ));
+        }
+        if let Some(p) = self.repetition_penalty {
+            if !(p.is_finite() && p > 0.0) {
+                return Err(invalid("repetition_penalty", p, "a finite number > 0"));
+            }
+        }
+        if !self.presence_penalty.is_finite() {
+            return Err(invalid("presence_penalty", self.presence_penalty, "finite"));
+        }
+        if !self.frequency_penalty.is_finite() {
+            return Err(invalid(
+                "frequency_penalty",
+                self.frequency_penalty,
+                "finite",
+            ));
+        }
+        if let Some((id, bias)) = self.logit_bias.iter().find(|(_, b)| !b.is_finite()) {
+            return Err(invalid(
+                "logit_bias",
+                format!("{bias} (token {id})"),
+                "finite",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One request's sampler: its processors, filters and PRNG key.
+#[derive(Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    processors: LogitsProcessors,
+    /// The next key is split off this one at every draw.
+    key: Array,
+}
+
+impl Sampler {
+    /// Validate `params` and build the sampler.
+    pub fn new(params: &SamplingParams) -> Result<Self, SampleError> {
+        params.validate()?;
+        let seed = params.seed.unwrap_or_else(clock_seed);
+        Ok(Self {
+            params: params.clone(),
+            processors: LogitsProcessors::new(params),
+            key: mlx_rs::random::key(seed)?,
+        })
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Run the logits processors (logit bias, repetition, presence, frequency) on raw logits
+    /// `[vocab]` or `[rows, vocab]`; `history` is prompt + generated ids. Returns `[rows, vocab]`.
+    pub fn process(&self, logits: &Array, history: &[u32]) -> Result<Array, SampleError> {
+        self.process_pending(logits, history, None)
+    }
+
+    /// Like `process`, when the newest id is still a lazy array (`pending`, one uint32 id)
+    /// because the decode loop has not read it yet: history + pending form the window.
+    pub fn process_pending(
+        &self,
+        logits: &Array,
+        history: &[u32],
+        pending: Option<&Array>,
+    ) -> Result<Array, SampleError> {
+        let logits = as_rows(logits)?;
+        if self.processors.is_empty() {
+            return Ok(logits);
+        }
+        self.processors.apply(&logits, history, pending)
+    }
+
+    /// Process, then draw one token per row. Returns the lazy token ids (uint32 `[rows]`) and the
+    /// log-probabilities `[rows, vocab]` they were drawn from, before any top-p/min-p/top-k
+    /// filter (what mlx-lm's `generate_step` returns and OpenAI `logprobs` reports).
+    pub fn sample(
+        &mut self,
+        logits: &Array,
+        history: &[u32],
+    ) -> Result<(Array, Array), SampleError> {
+        self.sample_pending(logits, history, None)
+    }
+
+    /// `sample` with the newest id still lazy; see `process_pending`.
+    pub fn sample_pending(
+        &mut self,
+        logits: &Array,
+        history: &[u32],
+        pending: Option<&Array>,
+    ) -> Result<(Array, Array), SampleError> {
+        let logits = self.process_pending(logits, history, pending)?;
+        let logprobs = log_softmax(&logits)?;
+        if self.params.is_greedy() {
+            return Ok((greedy(&logprobs)?, logprobs));
+        }
+        let token = categorical(
+            &self.filter(&logprobs)?,
+            self.params.temperature,
+            &self.next_key()?,
+        )?;
+        Ok((token, logprobs))
+    }
+
+    /// The top-p -> min-p -> top-k chain of mlx-lm's `make_sampler`, each only when enabled.
+    pub fn filter(&self, logprobs: &Array) -> Result<Array, SampleError> {
+        let p = &self.params;
+        let mut out = logprobs.clone();
+        if p.top_p > 0.0 && p.top_p < 1.0 {
+            out = apply_top_p(&out, p.top_p)?;
+        }
+        if p.min_p != 0.0 {
+            out = apply_min_p(&out, p.min_p, p.min_tokens_to_keep)?;
+        }
+        if p.top_k > 0 {
+            out = apply_top_k(&out, p.top_k)?;
+        }
+        Ok(out)
+    }
+
+    fn next_key(&mut self) -> Result<Array, SampleError> {
+        let (next, this_step) = mlx_rs::random::split(&self.key, 2)?;
+        self.key = next;
+        Ok(this_step)
+    }
+}
+
+/// `[vocab]` becomes `[1, vocab]`; `[rows, vocab]` is kept.
+fn as_rows(logits: &Array) -> Result<Array, SampleError> {
+    match *logits.shape() {
+        [vocab] if vocab > 0 => Ok(logits.reshape(&[1, vocab])?),
+        [rows, vocab] if rows > 0 && vocab > 0 => Ok(logits.clone()),
+        _ => Err(SampleError::BadShape(logits.shape().to_vec())),
+    }
+}
+
+/// A seed for requests without one: the clock, mixed with a counter so that two samplers made
+/// in the same nanosecond still differ.
+fn clock_seed() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let count = COUNTER.fetch_add(1, Ordering::Relaxed);
+    nanos ^ count.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}

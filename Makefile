@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 
-.PHONY: run test bootstrap build lint fmt-check clippy cargo-test clean-mlx
+.PHONY: run test bootstrap build lint fmt-check clippy cargo-test clean-mlx bench
 
 ## Provide the pinned MLX + mlx-c pair under .mlx/ (idempotent; apt packages when root).
 bootstrap:
@@ -13,9 +13,14 @@ bootstrap:
 build: bootstrap
 	$(CARGO) build --release --bin rmlx
 
-## The main job. Until the engine generates text: check MLX end to end from Rust.
+## The main job: check MLX, then generate from the bundled tiny Qwen3 (random weights, so the
+## text is gibberish; the timings are real).
+MODEL ?= tests/fixtures/qwen3-tiny
+PROMPT ?= What is the capital of France?
 run: build
 	target/release/rmlx doctor
+	target/release/rmlx info --model $(MODEL)
+	target/release/rmlx generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 48
 
 fmt-check: bootstrap
 	$(CARGO) fmt --all -- --check
@@ -29,6 +34,10 @@ cargo-test: bootstrap
 lint: fmt-check clippy
 
 test: fmt-check clippy cargo-test
+
+## rmlx vs mlx-lm on benchmark-sized random checkpoints (not part of `make test`).
+bench:
+	scripts/bench/run
 
 clean-mlx:
 	rm -rf .mlx

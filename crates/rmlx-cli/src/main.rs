@@ -1,8 +1,19 @@
-//! `rmlx`: the engine on the command line.
+//! `rmlx`: the engine on the command line (generate, info, doctor).
 
-use std::process::ExitCode;
+use std::{
+    io::Write,
+    path::{Path, PathBuf},
+    process::ExitCode,
+};
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
+use rmlx_engine::{
+    chat::TemplateOptions,
+    engine::{Engine, Event, Prompt, Request},
+    generate::GenerateParams,
+    sample::SamplingParams,
+};
 
 #[derive(Parser)]
 #[command(name = "rmlx", version, about = "Run MLX models locally")]
@@ -13,6 +24,18 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Generate a reply to a prompt, streaming it to stdout.
+    Generate(GenerateArgs),
+    /// Describe a model folder: architecture, parameters, quantization, context, vision.
+    Info {
+        #[arg(long)]
+        model: PathBuf,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Time prefill and decode on random prompt ids (scripts/bench/run compares with mlx-lm).
+    Bench(BenchArgs),
     /// Check the MLX runtime: library, version, device, and a few real operations.
     Doctor {
         /// Print one JSON object instead of text.
@@ -21,9 +44,75 @@ enum Command {
     },
 }
 
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// Model folder (config.json, *.safetensors, tokenizer files).
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long)]
+    prompt: String,
+    #[arg(long)]
+    system: Option<String>,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Context limit; default the model's max_position_embeddings.
+    #[arg(long)]
+    max_ctx: Option<usize>,
+    /// Prompt tokens per prefill chunk.
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
+    /// Keep going through end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Stop strings (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Send the prompt as is, without the chat template.
+    #[arg(long)]
+    raw: bool,
+    /// Turn the template's thinking mode on or off (Qwen3).
+    #[arg(long)]
+    enable_thinking: Option<bool>,
+    /// Print exactly one JSON object (text, ids, usage, timings) instead of streaming.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
+    /// Measured runs after one warm-up; the median is reported.
+    #[arg(long, default_value_t = 1)]
+    runs: usize,
+    #[arg(long)]
+    json: bool,
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Generate(args) => generate(args),
+        Command::Info { model, json } => info(&model, json),
+        Command::Bench(args) => bench(args),
         Command::Doctor { json } => doctor(json),
     };
     match result {
@@ -35,33 +124,206 @@ fn main() -> ExitCode {
     }
 }
 
+fn check_model_dir(model: &Path) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        model.join("config.json").is_file(),
+        "{} is not a model folder (no config.json)",
+        model.display()
+    );
+    Ok(())
+}
+
+fn generate(args: GenerateArgs) -> anyhow::Result<()> {
+    check_model_dir(&args.model)?;
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        ..SamplingParams::default()
+    };
+    let prompt = if args.raw {
+        Prompt::Text(args.prompt)
+    } else {
+        let mut messages = Vec::new();
+        if let Some(system) = args.system {
+            messages.push(serde_json::json!({"role": "system", "content": system}));
+        }
+        messages.push(serde_json::json!({"role": "user", "content": args.prompt}));
+        Prompt::Chat {
+            messages,
+            options: TemplateOptions {
+                add_generation_prompt: true,
+                enable_thinking: args.enable_thinking,
+                ..TemplateOptions::default()
+            },
+        }
+    };
+    let request = Request {
+        model: args.model,
+        prompt,
+        params: GenerateParams {
+            max_tokens: args.max_tokens,
+            sampling,
+            ignore_eos: args.ignore_eos,
+            stop: args.stop,
+            max_ctx: args.max_ctx,
+            prefill_chunk: args.prefill_chunk,
+            ..GenerateParams::default()
+        },
+    };
+    let engine = Engine::start(1)?;
+    let handle = engine.submit(request)?;
+    let mut stdout = std::io::stdout().lock();
+    for event in handle.events.iter() {
+        match event {
+            Event::Delta { text, .. } if !args.json => {
+                stdout.write_all(text.as_bytes())?;
+                stdout.flush()?;
+            }
+            Event::Done(completion) => {
+                if args.json {
+                    serde_json::to_writer(&mut stdout, &completion)?;
+                }
+                writeln!(stdout)?;
+                if !args.json {
+                    let t = &completion.timings;
+                    eprintln!(
+                        "[{} prompt + {} generated tokens, {:?}; TTFT {:.1} ms, prefill {:.1} tok/s, decode {:.1} tok/s]",
+                        completion.prompt_tokens,
+                        completion.completion_tokens,
+                        completion.finish_reason,
+                        t.ttft_ms,
+                        t.prefill_tps,
+                        t.decode_tps
+                    );
+                }
+                return Ok(());
+            }
+            Event::Error(error) => return Err(error.into()),
+            _ => {}
+        }
+    }
+    anyhow::bail!("the engine stopped without an answer")
+}
+
+fn info(model: &Path, json: bool) -> anyhow::Result<()> {
+    check_model_dir(model)?;
+    let engine = Engine::start(1)?;
+    let info = engine.model_info(model).context("cannot load the model")?;
+    if json {
+        println!("{}", serde_json::to_string(&info)?);
+        return Ok(());
+    }
+    println!("model:         {}", info.path.display());
+    println!("architecture:  {}", info.model_type);
+    println!(
+        "parameters:    {} ({})",
+        info.parameters,
+        human_count(info.parameters)
+    );
+    println!(
+        "quantization:  {}",
+        info.quantization.as_deref().unwrap_or("none")
+    );
+    println!("context:       {} tokens", info.context_length);
+    println!("vision:        {}", if info.vision { "yes" } else { "no" });
+    println!("weights:       {:.1} MB", info.weight_bytes as f64 / 1e6);
+    Ok(())
+}
+
+/// The same LCG as scripts/bench/bench.py, so both engines get identical prompts.
+fn bench_prompt(count: usize, vocab: usize) -> Vec<u32> {
+    let mut state: u64 = 0;
+    (0..count)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    check_model_dir(&args.model)?;
+    let engine = Engine::start(1)?;
+    let info = engine.model_info(&args.model)?;
+    let ids = bench_prompt(args.prompt_tokens, info.vocab_size);
+    let run = |ids: Vec<u32>, max_tokens: usize| {
+        let request = Request {
+            model: args.model.clone(),
+            prompt: Prompt::Ids(ids),
+            params: GenerateParams {
+                max_tokens,
+                ignore_eos: true,
+                prefill_chunk: args.prefill_chunk,
+                ..GenerateParams::default()
+            },
+        };
+        engine.submit(request)?.wait()
+    };
+    run(ids[..ids.len().min(16)].to_vec(), 4)?; // warm-up, as the mlx-lm side does
+    let mut timings = Vec::new();
+    for _ in 0..args.runs.max(1) {
+        timings.push(run(ids.clone(), args.gen_tokens)?.timings);
+    }
+    let median = |key: fn(&rmlx_engine::generate::Timings) -> f64| {
+        let mut values: Vec<f64> = timings.iter().map(key).collect();
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    let (ttft, prefill, decode) = (
+        median(|t| t.ttft_ms),
+        median(|t| t.prefill_tps),
+        median(|t| t.decode_tps),
+    );
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({"ttft_ms": ttft, "prefill_tps": prefill, "decode_tps": decode})
+        );
+    } else {
+        println!(
+            "prompt {} tokens, {} generated: TTFT {ttft:.1} ms, prefill {prefill:.1} tok/s, decode {decode:.1} tok/s",
+            args.prompt_tokens, args.gen_tokens
+        );
+    }
+    Ok(())
+}
+
+fn human_count(count: u64) -> String {
+    match count {
+        0..=999_999 => format!("{:.1}K", count as f64 / 1e3),
+        1_000_000..=999_999_999 => format!("{:.1}M", count as f64 / 1e6),
+        _ => format!("{:.2}B", count as f64 / 1e9),
+    }
+}
+
 /// Loads MLX, evaluates a matmul, a softmax and a 4-bit quantized matmul, and reports where.
 fn doctor(json: bool) -> anyhow::Result<()> {
     use mlx_rs::{ops, Array};
+    use rmlx_engine::quant::{self, QuantMode, QuantSpec};
     let info = rmlx_engine::runtime::runtime_info()?;
     let a = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2]);
     let b = Array::from_slice(&[0.5f32, -1.0, 1.5, 2.0], &[2, 2]);
     let product = ops::matmul(&a, &b)?;
     let softmax = ops::softmax_axis(&product, -1, None)?;
     let w = mlx_rs::random::normal::<f32>(&[64, 64], None, None, None)?;
-    let spec = rmlx_engine::quant::QuantSpec::defaults(rmlx_engine::quant::QuantMode::Affine);
-    let q = rmlx_engine::quant::quantize(&w, spec)?;
+    let spec = QuantSpec::defaults(QuantMode::Affine);
+    let q = quant::quantize(&w, spec)?;
     let x = mlx_rs::random::normal::<f32>(&[1, 64], None, None, None)?;
-    let y = rmlx_engine::quant::quantized_matmul(
-        &x,
-        &q.weight,
-        &q.scales,
-        q.biases.as_ref(),
-        true,
-        spec,
-    )?;
+    let y = quant::quantized_matmul(&x, &q.weight, &q.scales, q.biases.as_ref(), true, spec)?;
     mlx_rs::transforms::eval([&product, &softmax, &y])?;
     let product_values = product.as_slice::<f32>().to_vec();
+    let row_sum = softmax.as_slice::<f32>()[0] + softmax.as_slice::<f32>()[1];
     if json {
         let value = serde_json::json!({
             "runtime": info,
             "matmul": product_values,
-            "softmax_row_sums": [softmax.as_slice::<f32>()[0] + softmax.as_slice::<f32>()[1]],
+            "softmax_row_sums": [row_sum],
             "quantized_matmul_shape": y.shape(),
         });
         println!("{value}");
@@ -82,12 +344,12 @@ fn doctor(json: bool) -> anyhow::Result<()> {
             "4-bit affine quantized matmul 1x64 @ 64x64: shape {:?}",
             y.shape()
         );
-        if info.mlx_version != info.compiled_mlx_version {
-            eprintln!(
-                "warning: loaded MLX {} differs from the pinned {}",
-                info.mlx_version, info.compiled_mlx_version
-            );
-        }
+    }
+    if info.mlx_version != info.compiled_mlx_version {
+        eprintln!(
+            "warning: loaded MLX {} differs from the pinned {}",
+            info.mlx_version, info.compiled_mlx_version
+        );
     }
     Ok(())
 }

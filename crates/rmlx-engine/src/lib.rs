@@ -1,4 +1,16 @@
 //! rMLX's engine: pure compute on MLX, no HTTP. Front doors (CLI, server, app) call into it.
 
+pub mod cache;
+pub mod chat;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod generate;
+pub mod models;
+pub mod nn;
 pub mod quant;
 pub mod runtime;
+pub mod sample;
+pub mod weights;
+
+pub use error::{EngineError, Result};

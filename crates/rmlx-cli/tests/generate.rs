@@ -1,0 +1,217 @@
+//! `rmlx generate` and `rmlx info` on the tiny fixtures: golden ids through the whole CLI,
+//! streaming text equal to the JSON text, and clear errors without panics.
+
+use std::{path::PathBuf, process::Command};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn rmlx(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_rmlx"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn golden_case(dir: &str, name: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(fixture(dir).join("golden.json")).unwrap();
+    let golden: serde_json::Value = serde_json::from_str(&text).unwrap();
+    golden["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == name)
+        .unwrap()
+        .clone()
+}
+
+fn generate_json(args: &[&str]) -> serde_json::Value {
+    let output = rmlx(args);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    assert_eq!(
+        stdout.trim().lines().count(),
+        1,
+        "exactly one JSON object: {stdout}"
+    );
+    serde_json::from_str(stdout.trim()).unwrap()
+}
+
+#[test]
+fn generate_json_reproduces_golden_ids() {
+    for (dir, case, extra) in [
+        ("qwen3-tiny", "plain_user", vec![]),
+        ("qwen3-tiny", "system_user_non_ascii", vec![]),
+        (
+            "qwen3-tiny",
+            "no_thinking",
+            vec!["--enable-thinking", "false"],
+        ),
+        ("qwen3-tiny-4bit", "plain_user", vec![]),
+        ("qwen3-tiny-mxfp4", "plain_user", vec![]),
+    ] {
+        let golden = golden_case(dir, case);
+        let messages = golden["messages"].as_array().unwrap();
+        let model = fixture(dir);
+        let mut args = vec![
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--json",
+            "--ignore-eos",
+            "--max-tokens",
+            "24",
+        ];
+        let system;
+        if messages[0]["role"] == "system" {
+            system = messages[0]["content"].as_str().unwrap().to_string();
+            args.extend(["--system", &system]);
+        }
+        let prompt = messages.last().unwrap()["content"].as_str().unwrap();
+        args.extend(["--prompt", prompt]);
+        args.extend(extra);
+        let out = generate_json(&args);
+        assert_eq!(
+            out["prompt_ids"], golden["input_ids"],
+            "{dir}/{case} prompt ids"
+        );
+        assert_eq!(
+            out["token_ids"], golden["greedy_ids"],
+            "{dir}/{case} greedy ids"
+        );
+        assert_eq!(out["finish_reason"], "length");
+        assert_eq!(
+            out["prompt_tokens"],
+            golden["input_ids"].as_array().unwrap().len()
+        );
+        assert_eq!(out["completion_tokens"], 24);
+        let timings = &out["timings"];
+        assert!(timings["ttft_ms"].as_f64().unwrap() > 0.0);
+        assert_eq!(timings["itl_ms"].as_array().unwrap().len(), 23);
+        assert!(timings["prefill_tps"].as_f64().unwrap() > 0.0);
+        assert!(timings["decode_tps"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn streamed_text_equals_json_text() {
+    let model = fixture("qwen3-tiny");
+    let base = [
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "Tell me about Zürich 🙂",
+        "--max-tokens",
+        "40",
+        "--ignore-eos",
+    ];
+    let streamed = rmlx(&base);
+    assert!(streamed.status.success());
+    let mut args = base.to_vec();
+    args.push("--json");
+    let json = generate_json(&args);
+    let text = String::from_utf8(streamed.stdout).unwrap();
+    assert_eq!(
+        text.strip_suffix('\n').unwrap(),
+        json["text"].as_str().unwrap()
+    );
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let model = fixture("qwen3-tiny");
+    let args = [
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "16",
+        "--ignore-eos",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        "--top-k",
+        "50",
+        "--seed",
+        "42",
+        "--json",
+    ];
+    let first = generate_json(&args);
+    assert_eq!(first["token_ids"], generate_json(&args)["token_ids"]);
+    let mut other = args.to_vec();
+    let seed_at = other.len() - 2;
+    other[seed_at] = "43";
+    assert_ne!(first["token_ids"], generate_json(&other)["token_ids"]);
+}
+
+#[test]
+fn info_describes_the_checkpoint() {
+    let model = fixture("qwen3-tiny-4bit");
+    let output = rmlx(&["info", "--model", model.to_str().unwrap(), "--json"]);
+    assert!(output.status.success());
+    let info: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(info["model_type"], "qwen3");
+    assert_eq!(info["quantization"], "affine 4-bit, group 64");
+    assert_eq!(info["context_length"], 2048);
+    assert_eq!(info["vision"], false);
+    // Tied 4-bit: embeddings 1024x64 + 2 layers x (attention 4*64*64 + MLP 3*64*128 + norms) + final norm.
+    let per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 16 + 2 * 64;
+    assert_eq!(info["parameters"], 1024 * 64 + 2 * per_layer + 64);
+}
+
+#[test]
+fn errors_are_messages_not_panics() {
+    let model = fixture("qwen3-tiny");
+    let fixtures_root = fixture("");
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["generate", "--model", "/nonexistent", "--prompt", "x"],
+            "not a model folder",
+        ),
+        (
+            &[
+                "generate",
+                "--model",
+                model.to_str().unwrap(),
+                "--prompt",
+                "hello there",
+                "--max-ctx",
+                "3",
+            ],
+            "context holds 3",
+        ),
+        (
+            &[
+                "generate",
+                "--model",
+                model.to_str().unwrap(),
+                "--prompt",
+                "x",
+                "--temperature=-1",
+            ],
+            "temperature",
+        ),
+        (
+            &["info", "--model", fixtures_root.to_str().unwrap()],
+            "not a model folder",
+        ),
+    ];
+    for (args, expected) in cases {
+        let output = rmlx(args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

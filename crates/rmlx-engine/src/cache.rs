@@ -1,0 +1,139 @@
+//! Per-layer KV cache that grows in steps of 256 positions (as mlx-lm's `KVCache`) but never past
+//! the request's effective context, so memory follows the prompt, not a fixed constant.
+//! Reference: mlx-lm `models/cache.py` (`KVCache.update_and_fetch`).
+
+use mlx_rs::{ops, ops::indexing::IndexOp, Array, Stream};
+
+use crate::error::{EngineError, Result};
+
+/// Positions added per growth step (mlx-lm uses the same).
+pub const GROWTH_STEP: i32 = 256;
+
+pub struct KvCache {
+    keys: Option<Array>,
+    values: Option<Array>,
+    offset: i32,
+    max_ctx: i32,
+}
+
+impl KvCache {
+    pub fn new(max_ctx: usize) -> Self {
+        Self {
+            keys: None,
+            values: None,
+            offset: 0,
+            max_ctx: max_ctx.min(i32::MAX as usize) as i32,
+        }
+    }
+
+    /// Positions already stored (the next token's position).
+    pub fn offset(&self) -> i32 {
+        self.offset
+    }
+
+    /// Positions allocated (what the cache holds in memory).
+    pub fn capacity(&self) -> i32 {
+        self.keys.as_ref().map_or(0, |keys| keys.shape()[2])
+    }
+
+    /// Appends `[B, heads, L, dim]` keys/values and returns everything stored so far.
+    pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let new = keys.shape()[2];
+        let end = self.offset + new;
+        if end > self.max_ctx {
+            return Err(EngineError::ContextOverflow {
+                prompt_tokens: end as usize,
+                max_ctx: self.max_ctx as usize,
+            });
+        }
+        if end > self.capacity() {
+            self.grow(keys, values, end)?;
+        }
+        let start = self.offset;
+        let stored_keys = slice_update_seq(self.keys.as_ref().unwrap(), keys, start, end)?;
+        let stored_values = slice_update_seq(self.values.as_ref().unwrap(), values, start, end)?;
+        self.offset = end;
+        let fetched = if end == stored_keys.shape()[2] {
+            (stored_keys.clone(), stored_values.clone())
+        } else {
+            (
+                stored_keys.index((.., .., ..end, ..)),
+                stored_values.index((.., .., ..end, ..)),
+            )
+        };
+        self.keys = Some(stored_keys);
+        self.values = Some(stored_values);
+        Ok(fetched)
+    }
+
+    /// Grows to hold `needed` positions, rounded up to whole steps, capped at `max_ctx`.
+    fn grow(&mut self, keys: &Array, values: &Array, needed: i32) -> Result<()> {
+        let steps = (needed - self.offset + GROWTH_STEP - 1) / GROWTH_STEP;
+        let target = (self.offset + steps * GROWTH_STEP).min(self.max_ctx);
+        let [batch, heads, _, key_dim] = dims4(keys);
+        let value_dim = values.shape()[3];
+        let extra = target - self.offset;
+        let new_keys = ops::zeros_dtype(&[batch, heads, extra, key_dim], keys.dtype())?;
+        let new_values = ops::zeros_dtype(&[batch, heads, extra, value_dim], values.dtype())?;
+        let (keys, values) = match (self.keys.take(), self.values.take()) {
+            (Some(old_keys), Some(old_values)) => (
+                ops::concatenate(&[old_keys.index((.., .., ..self.offset, ..)), new_keys], 2)?,
+                ops::concatenate(
+                    &[old_values.index((.., .., ..self.offset, ..)), new_values],
+                    2,
+                )?,
+            ),
+            _ => (new_keys, new_values),
+        };
+        self.keys = Some(keys);
+        self.values = Some(values);
+        Ok(())
+    }
+
+    /// The arrays to evaluate between prefill chunks.
+    pub fn state(&self) -> Vec<&Array> {
+        self.keys.iter().chain(self.values.iter()).collect()
+    }
+
+    /// Bytes the cache holds (allocated, not just used).
+    pub fn nbytes(&self) -> usize {
+        self.state().iter().map(|array| array.nbytes()).sum()
+    }
+}
+
+fn dims4(array: &Array) -> [i32; 4] {
+    let shape = array.shape();
+    [shape[0], shape[1], shape[2], shape[3]]
+}
+
+/// `dst[:, :, start:end, :] = update` as a new array (MLX updates in place when it can).
+fn slice_update_seq(dst: &Array, update: &Array, start: i32, end: i32) -> Result<Array> {
+    let [batch, heads, _, dim] = dims4(dst);
+    let starts = [0, 0, start, 0];
+    let stops = [batch, heads, end, dim];
+    let strides = [1, 1, 1, 1];
+    let stream = Stream::thread_local_or_default();
+    // SAFETY: handles are live for the call and the output becomes an owned Array.
+    unsafe {
+        let mut out = mlx_sys::mlx_array_new();
+        let status = mlx_sys::mlx_slice_update(
+            &mut out,
+            dst.as_ptr(),
+            update.as_ptr(),
+            starts.as_ptr(),
+            4,
+            stops.as_ptr(),
+            4,
+            strides.as_ptr(),
+            4,
+            stream.as_ptr(),
+        );
+        let out = Array::from_ptr(out);
+        if status != 0 {
+            return Err(EngineError::Mlx(
+                "slice_update of the KV cache failed".into(),
+            ));
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,112 @@
+//! What every config.json shares: the model type, the quantization block (with per-layer
+//! overrides) and the context length. Family fields live in each model file.
+//! Reference: mlx-lm `utils.py` (`load_model`'s class_predicate over `config["quantization"]`).
+
+use std::{collections::BTreeMap, fs, path::Path};
+
+use serde::Deserialize;
+
+use crate::{
+    error::{EngineError, Result},
+    quant::{QuantMode, QuantSpec},
+};
+
+/// The `quantization` block mlx-lm writes: defaults plus per-layer entries keyed by path,
+/// each either a `{group_size, bits, mode}` override or `false` (left unquantized).
+#[derive(Debug, Clone, Deserialize)]
+pub struct QuantizationConfig {
+    pub group_size: i32,
+    pub bits: i32,
+    #[serde(default)]
+    pub mode: Option<String>,
+    #[serde(flatten)]
+    pub layers: BTreeMap<String, serde_json::Value>,
+}
+
+impl QuantizationConfig {
+    /// The spec for the layer at `path`, or None when the config leaves it unquantized.
+    pub fn spec_for(&self, path: &str) -> Result<Option<QuantSpec>> {
+        let (group_size, bits, mode) = match self.layers.get(path) {
+            Some(serde_json::Value::Bool(false)) => return Ok(None),
+            Some(serde_json::Value::Object(layer)) => (
+                layer
+                    .get("group_size")
+                    .and_then(|v| v.as_i64())
+                    .map_or(self.group_size, |v| v as i32),
+                layer
+                    .get("bits")
+                    .and_then(|v| v.as_i64())
+                    .map_or(self.bits, |v| v as i32),
+                layer
+                    .get("mode")
+                    .and_then(|v| v.as_str())
+                    .map(str::to_string)
+                    .or_else(|| self.mode.clone()),
+            ),
+            _ => (self.group_size, self.bits, self.mode.clone()),
+        };
+        let mode: QuantMode = mode.as_deref().unwrap_or("affine").parse()?;
+        Ok(Some(QuantSpec::new(mode, group_size, bits)?))
+    }
+
+    /// Checks the default mode up front so an unknown mode fails before any tensor is read.
+    pub fn validate(&self) -> Result<()> {
+        let mode: QuantMode = self.mode.as_deref().unwrap_or("affine").parse()?;
+        QuantSpec::new(mode, self.group_size, self.bits)?;
+        Ok(())
+    }
+}
+
+/// Reads a JSON file; errors name the file (missing/unreadable vs malformed).
+pub fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = fs::read_to_string(path).map_err(|error| EngineError::Io {
+        path: path.to_path_buf(),
+        message: error.to_string(),
+    })?;
+    serde_json::from_str(&text).map_err(|error| EngineError::Config {
+        path: path.to_path_buf(),
+        message: error.to_string(),
+    })
+}
+
+/// The fields every family shares; the rest of config.json is read by the family.
+#[derive(Debug, Clone, Deserialize)]
+pub struct BaseConfig {
+    pub model_type: String,
+    #[serde(default)]
+    pub quantization: Option<QuantizationConfig>,
+    #[serde(default)]
+    pub max_position_embeddings: Option<usize>,
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
+}
+
+/// config.json as raw JSON plus the shared fields.
+pub struct ConfigFile {
+    pub json: serde_json::Value,
+    pub base: BaseConfig,
+}
+
+impl ConfigFile {
+    pub fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let json = read_json(&path)?;
+        let base: BaseConfig =
+            serde_json::from_value(json.clone()).map_err(|error| EngineError::Config {
+                path: path.clone(),
+                message: error.to_string(),
+            })?;
+        if let Some(quantization) = &base.quantization {
+            quantization.validate()?;
+        }
+        Ok(Self { json, base })
+    }
+
+    /// Deserialises the family's own config, naming config.json on error.
+    pub fn family<T: serde::de::DeserializeOwned>(&self, dir: &Path) -> Result<T> {
+        serde_json::from_value(self.json.clone()).map_err(|error| EngineError::Config {
+            path: dir.join("config.json"),
+            message: error.to_string(),
+        })
+    }
+}

@@ -1,0 +1,55 @@
+//! One error type for the engine: every variant says what failed and where (file, tensor,
+//! token counts), so front doors can map it to a clear message or HTTP status.
+
+use std::path::PathBuf;
+
+use crate::quant::QuantError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{path}: {message}")]
+    Io { path: PathBuf, message: String },
+    #[error("{path}: invalid config: {message}")]
+    Config { path: PathBuf, message: String },
+    #[error("unsupported model_type `{0}` (supported: qwen3)")]
+    UnknownModelType(String),
+    #[error("{file}: tensor `{tensor}`: {message}")]
+    Tensor {
+        file: PathBuf,
+        tensor: String,
+        message: String,
+    },
+    #[error("{file}: {message}")]
+    WeightsFile { file: PathBuf, message: String },
+    #[error("missing tensor `{tensor}` (not in any of: {files})")]
+    MissingTensor { tensor: String, files: String },
+    #[error("{} unexpected tensor(s) no layer uses, e.g. `{}` in {}", .tensors.len(), .tensors[0].0, .tensors[0].1.display())]
+    UnusedTensors { tensors: Vec<(String, PathBuf)> },
+    #[error("prompt has {prompt_tokens} tokens but the context holds {max_ctx}")]
+    ContextOverflow {
+        prompt_tokens: usize,
+        max_ctx: usize,
+    },
+    #[error(transparent)]
+    Quant(#[from] QuantError),
+    #[error(transparent)]
+    Chat(#[from] crate::chat::ChatError),
+    #[error(transparent)]
+    Sample(#[from] crate::sample::SampleError),
+    #[error("MLX: {0}")]
+    Mlx(String),
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("the engine is busy: {0} requests queued")]
+    QueueFull(usize),
+    #[error("the engine has stopped")]
+    EngineStopped,
+}
+
+impl From<mlx_rs::error::Exception> for EngineError {
+    fn from(error: mlx_rs::error::Exception) -> Self {
+        Self::Mlx(error.what().to_string())
+    }
+}
+
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

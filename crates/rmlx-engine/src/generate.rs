@@ -1,0 +1,276 @@
+//! Prefill in chunks, then decode with MLX's async evaluation pipelined one step ahead, with
+//! stop handling and per-request timings. Reference: mlx-lm `generate.py` (`generate_step`,
+//! `stream_generate`).
+
+use std::{
+    sync::atomic::{AtomicBool, Ordering},
+    time::Instant,
+};
+
+use mlx_rs::{ops::indexing::IndexOp, transforms, Array};
+
+use crate::{
+    chat::{ChatTokenizer, StopMatcher, StreamDecoder},
+    error::{EngineError, Result},
+    models::{LanguageModel, Logits},
+    sample::{Sampler, SamplingParams},
+};
+
+/// Prompt tokens per prefill chunk by default; each chunk is one bounded graph.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct GenerateParams {
+    pub max_tokens: usize,
+    #[serde(default)]
+    pub sampling: SamplingParams,
+    /// Keep generating through EOS (benchmarks, golden comparisons).
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// Extra stop token ids beyond the model's EOS ids.
+    #[serde(default)]
+    pub stop_token_ids: Vec<u32>,
+    #[serde(default)]
+    pub stop: Vec<String>,
+    /// Effective context; default the model's `max_position_embeddings`.
+    #[serde(default)]
+    pub max_ctx: Option<usize>,
+    #[serde(default)]
+    pub prefill_chunk: Option<usize>,
+}
+
+impl Default for GenerateParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: 256,
+            sampling: SamplingParams::default(),
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            stop: Vec::new(),
+            max_ctx: None,
+            prefill_chunk: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An EOS/stop token or a stop string.
+    Stop,
+    /// `max_tokens` reached, or the context is full.
+    Length,
+    Cancelled,
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct Timings {
+    /// Request start to the first generated token on the host.
+    pub ttft_ms: f64,
+    /// Gap before each token after the first.
+    pub itl_ms: Vec<f64>,
+    pub prefill_tps: f64,
+    pub decode_tps: f64,
+    pub total_ms: f64,
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Completion {
+    pub text: String,
+    pub prompt_ids: Vec<u32>,
+    pub token_ids: Vec<u32>,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub timings: Timings,
+}
+
+/// One streamed piece: the token and the text it completed (possibly empty while a character
+/// or a possible stop string is held back).
+#[derive(Debug, Clone)]
+pub struct Delta {
+    pub token_id: u32,
+    pub text: String,
+}
+
+/// The context a request gets, and the typed refusal of a prompt that cannot fit (checked
+/// before any compute).
+pub fn effective_context(
+    model: &dyn LanguageModel,
+    params: &GenerateParams,
+    prompt_tokens: usize,
+) -> Result<usize> {
+    let max_ctx = params
+        .max_ctx
+        .unwrap_or_else(|| model.max_position_embeddings());
+    if prompt_tokens == 0 {
+        return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+    }
+    if prompt_tokens > max_ctx {
+        return Err(EngineError::ContextOverflow {
+            prompt_tokens,
+            max_ctx,
+        });
+    }
+    Ok(max_ctx)
+}
+
+fn as_input(ids: &[u32]) -> Array {
+    let ids: Vec<i32> = ids.iter().map(|&id| id as i32).collect();
+    Array::from_slice(&ids, &[1, ids.len() as i32])
+}
+
+/// Runs one request to completion on the calling thread (the engine thread).
+pub fn generate(
+    model: &dyn LanguageModel,
+    tokenizer: &ChatTokenizer,
+    prompt_ids: &[u32],
+    params: &GenerateParams,
+    cancel: &AtomicBool,
+    mut on_delta: impl FnMut(Delta),
+) -> Result<Completion> {
+    let started = Instant::now();
+    let max_ctx = effective_context(model, params, prompt_ids.len())?;
+    let mut sampler = Sampler::new(&params.sampling)?;
+    let mut caches = model.new_cache(max_ctx);
+    let chunk = params.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK).max(1);
+
+    // Prefill all but the last prompt token, evaluating the cache between chunks so no single
+    // graph grows with the prompt (the Metal watchdog kills command buffers past ~10 s).
+    let (body, last) = prompt_ids.split_at(prompt_ids.len() - 1);
+    for piece in body.chunks(chunk) {
+        if cancel.load(Ordering::Relaxed) {
+            return Ok(cancelled(prompt_ids, started));
+        }
+        model.forward(&as_input(piece), &mut caches, Logits::Last)?;
+        transforms::eval(caches.iter().flat_map(|cache| cache.state()))?;
+    }
+
+    let mut stop_ids: Vec<u32> = params.stop_token_ids.clone();
+    if !params.ignore_eos {
+        stop_ids.extend_from_slice(tokenizer.eos_token_ids());
+    }
+    let mut history: Vec<u32> = prompt_ids.to_vec();
+    // `pending` is the token fed in, still lazy: penalties see it without a host round trip.
+    let step = |input: &Array,
+                caches: &mut Vec<_>,
+                sampler: &mut Sampler,
+                history: &[u32],
+                pending: Option<&Array>| {
+        let logits = model.forward(input, caches, Logits::Last)?;
+        let logits = logits.index((.., -1, ..));
+        let (token, _logprobs) = sampler.sample_pending(&logits, history, pending)?;
+        Ok::<Array, EngineError>(token)
+    };
+
+    let mut decoder = StreamDecoder::new(tokenizer);
+    let mut stops = StopMatcher::new(params.stop.clone());
+    let mut text = String::new();
+    let mut token_ids = Vec::new();
+    let mut timings = Timings::default();
+    let mut last_token_at = started;
+    let mut finish_reason = FinishReason::Length;
+    let max_new = params.max_tokens.min(max_ctx - prompt_ids.len() + 1);
+
+    let mut next = step(&as_input(last), &mut caches, &mut sampler, &history, None)?;
+    transforms::async_eval([&next])?;
+    for index in 0..max_new {
+        let current = next;
+        // Queue step n+1 before reading token n, so the device never waits on the host.
+        let upcoming = if index + 1 < max_new {
+            let input = current.reshape(&[1, 1])?;
+            let upcoming = step(&input, &mut caches, &mut sampler, &history, Some(&current))?;
+            transforms::async_eval([&upcoming])?;
+            Some(upcoming)
+        } else {
+            None
+        };
+        let token = current.item_cast::<u32>();
+        let now = Instant::now();
+        if index == 0 {
+            timings.ttft_ms = ms(now - started);
+        } else {
+            timings.itl_ms.push(ms(now - last_token_at));
+        }
+        last_token_at = now;
+        token_ids.push(token);
+        history.push(token);
+
+        if stop_ids.contains(&token) {
+            finish_reason = FinishReason::Stop;
+            break;
+        }
+        let piece = decoder.push(token);
+        let matched = stops.push(&piece);
+        text.push_str(&matched.text);
+        on_delta(Delta {
+            token_id: token,
+            text: matched.text,
+        });
+        if matched.stopped {
+            finish_reason = FinishReason::Stop;
+            break;
+        }
+        if cancel.load(Ordering::Relaxed) {
+            finish_reason = FinishReason::Cancelled;
+            break;
+        }
+        next = match upcoming {
+            Some(upcoming) => upcoming,
+            None => break,
+        };
+    }
+    if finish_reason != FinishReason::Stop {
+        // Flush what the decoder and the stop matcher held back.
+        let tail = stops.push(&decoder.finish());
+        let mut rest = tail.text;
+        if !tail.stopped {
+            rest.push_str(&stops.finish());
+        }
+        if !rest.is_empty() {
+            text.push_str(&rest);
+            on_delta(Delta {
+                token_id: *token_ids.last().unwrap_or(&0),
+                text: rest,
+            });
+        }
+    }
+
+    let total = started.elapsed();
+    timings.total_ms = ms(total);
+    timings.prefill_tps = prompt_ids.len() as f64 / (timings.ttft_ms / 1000.0).max(1e-9);
+    let decode_ms: f64 = timings.itl_ms.iter().sum();
+    timings.decode_tps = if timings.itl_ms.is_empty() {
+        0.0
+    } else {
+        timings.itl_ms.len() as f64 / (decode_ms / 1000.0).max(1e-9)
+    };
+    Ok(Completion {
+        text,
+        prompt_ids: prompt_ids.to_vec(),
+        completion_tokens: token_ids.len(),
+        token_ids,
+        finish_reason,
+        prompt_tokens: prompt_ids.len(),
+        timings,
+    })
+}
+
+fn ms(duration: std::time::Duration) -> f64 {
+    duration.as_secs_f64() * 1000.0
+}
+
+fn cancelled(prompt_ids: &[u32], started: Instant) -> Completion {
+    Completion {
+        text: String::new(),
+        prompt_ids: prompt_ids.to_vec(),
+        token_ids: Vec::new(),
+        finish_reason: FinishReason::Cancelled,
+        prompt_tokens: prompt_ids.len(),
+        completion_tokens: 0,
+        timings: Timings {
+            total_ms: ms(started.elapsed()),
+            ..Timings::default()
+        },
+    }
+}

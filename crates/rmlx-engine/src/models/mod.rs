@@ -1,0 +1,96 @@
+//! Model families by config.json `model_type`, one file each, behind one trait.
+
+pub mod qwen3;
+
+use std::path::{Path, PathBuf};
+
+use mlx_rs::Array;
+
+use crate::{
+    cache::KvCache,
+    config::ConfigFile,
+    error::{EngineError, Result},
+    weights::WeightStore,
+};
+
+/// Which positions to project to logits: all (teacher forcing, tests) or the last (generation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    All,
+    Last,
+}
+
+pub trait LanguageModel {
+    /// Token ids `[B, L]` (int32/uint32) through the model, appending to `caches`; returns
+    /// logits `[B, L or 1, vocab]`.
+    fn forward(&self, inputs: &Array, caches: &mut [KvCache], logits: Logits) -> Result<Array>;
+    fn num_layers(&self) -> usize;
+    fn vocab_size(&self) -> usize;
+    fn max_position_embeddings(&self) -> usize;
+
+    /// Fresh per-layer caches sized for at most `max_ctx` positions.
+    fn new_cache(&self, max_ctx: usize) -> Vec<KvCache> {
+        (0..self.num_layers())
+            .map(|_| KvCache::new(max_ctx))
+            .collect()
+    }
+}
+
+/// What `rmlx info` and `/v1/models` report about a checkpoint.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ModelInfo {
+    pub path: PathBuf,
+    pub model_type: String,
+    pub parameters: u64,
+    pub quantization: Option<String>,
+    pub context_length: usize,
+    pub vocab_size: usize,
+    pub vision: bool,
+    pub weight_bytes: u64,
+}
+
+/// A model ready to run, with its facts.
+pub struct LoadedModel {
+    pub model: Box<dyn LanguageModel>,
+    pub info: ModelInfo,
+}
+
+/// Reads config.json, builds the family's model strictly from the weights (every parameter
+/// filled, nothing left over) and evaluates the weights once so the file reads happen here.
+pub fn load_model(dir: &Path) -> Result<LoadedModel> {
+    let config = ConfigFile::read(dir)?;
+    let model_type = config.base.model_type.clone();
+    // Refuse an unknown family before reading any weights.
+    if !matches!(model_type.as_str(), "qwen3") {
+        return Err(EngineError::UnknownModelType(model_type));
+    }
+    let mut store = WeightStore::open(dir)?;
+    let model: Box<dyn LanguageModel> = match model_type.as_str() {
+        "qwen3" => Box::new(qwen3::Model::load(dir, &config, &mut store)?),
+        _ => unreachable!("checked above"),
+    };
+    let summary = store.finish()?;
+    mlx_rs::transforms::eval(summary.arrays.iter())?;
+    let quantization = config.base.quantization.as_ref().map(|q| {
+        format!(
+            "{} {}-bit, group {}",
+            q.mode.as_deref().unwrap_or("affine"),
+            q.bits,
+            q.group_size
+        )
+    });
+    let info = ModelInfo {
+        path: dir.to_path_buf(),
+        model_type,
+        parameters: summary.parameters,
+        quantization,
+        context_length: config
+            .base
+            .max_position_embeddings
+            .unwrap_or(model.max_position_embeddings()),
+        vocab_size: model.vocab_size(),
+        vision: config.json.get("vision_config").is_some(),
+        weight_bytes: summary.bytes,
+    };
+    Ok(LoadedModel { model, info })
+}

@@ -1,0 +1,398 @@
+//! Qwen3 (`model_type: qwen3`): GQA attention with per-head q/k RMSNorm, SwiGLU MLP.
+//! Reference: mlx-lm `models/qwen3.py` (same order: config, attention, MLP, block, model).
+
+use std::path::Path;
+
+use mlx_rs::{fast, fast::ScaledDotProductAttentionMask, ops, ops::indexing::IndexOp, Array};
+use serde::Deserialize;
+
+use super::{LanguageModel, Logits};
+use crate::{
+    cache::KvCache,
+    config::{ConfigFile, QuantizationConfig},
+    error::{EngineError, Result},
+    nn::{swiglu, Embedding, Linear, RmsNorm},
+    weights::WeightStore,
+};
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Config {
+    pub hidden_size: i32,
+    pub num_hidden_layers: i32,
+    pub intermediate_size: i32,
+    pub num_attention_heads: i32,
+    pub rms_norm_eps: f32,
+    pub vocab_size: i32,
+    pub num_key_value_heads: i32,
+    pub max_position_embeddings: usize,
+    pub head_dim: i32,
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub rope_theta: Option<f32>,
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    /// transformers >= 5 nests rope_theta and rope_scaling here.
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+}
+
+impl Config {
+    /// RoPE base and position scale; scaling types other than linear are refused, not ignored.
+    fn rope(&self, path: &Path) -> Result<(f32, f32)> {
+        let nested = self.rope_parameters.as_ref();
+        let base = self
+            .rope_theta
+            .or_else(|| {
+                nested
+                    .and_then(|p| p["rope_theta"].as_f64())
+                    .map(|v| v as f32)
+            })
+            .ok_or_else(|| config_error(path, "rope_theta is missing"))?;
+        let scaling = self
+            .rope_scaling
+            .as_ref()
+            .or(nested)
+            .filter(|s| !s.is_null());
+        let kind = scaling
+            .and_then(|s| s.get("rope_type").or(s.get("type")))
+            .and_then(|t| t.as_str());
+        let scale = match kind {
+            None | Some("default") => 1.0,
+            Some("linear") => {
+                let factor = scaling.and_then(|s| s["factor"].as_f64()).unwrap_or(1.0);
+                1.0 / factor as f32
+            }
+            Some(other) => {
+                return Err(config_error(
+                    path,
+                    &format!("rope_scaling type `{other}` is not supported yet"),
+                ))
+            }
+        };
+        Ok((base, scale))
+    }
+}
+
+fn config_error(path: &Path, message: &str) -> EngineError {
+    EngineError::Config {
+        path: path.join("config.json"),
+        message: message.to_string(),
+    }
+}
+
+struct Attention {
+    n_heads: i32,
+    n_kv_heads: i32,
+    head_dim: i32,
+    scale: f32,
+    rope_base: f32,
+    rope_scale: f32,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+}
+
+impl Attention {
+    fn load(
+        store: &mut WeightStore,
+        quant: Option<&QuantizationConfig>,
+        prefix: &str,
+        args: &Config,
+        rope: (f32, f32),
+    ) -> Result<Self> {
+        let (dim, heads, kv_heads, head_dim) = (
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+        );
+        Ok(Self {
+            n_heads: heads,
+            n_kv_heads: kv_heads,
+            head_dim,
+            scale: (head_dim as f32).powf(-0.5),
+            rope_base: rope.0,
+            rope_scale: rope.1,
+            q_proj: Linear::load(
+                store,
+                quant,
+                &format!("{prefix}.q_proj"),
+                dim,
+                heads * head_dim,
+                false,
+            )?,
+            k_proj: Linear::load(
+                store,
+                quant,
+                &format!("{prefix}.k_proj"),
+                dim,
+                kv_heads * head_dim,
+                false,
+            )?,
+            v_proj: Linear::load(
+                store,
+                quant,
+                &format!("{prefix}.v_proj"),
+                dim,
+                kv_heads * head_dim,
+                false,
+            )?,
+            o_proj: Linear::load(
+                store,
+                quant,
+                &format!("{prefix}.o_proj"),
+                heads * head_dim,
+                dim,
+                false,
+            )?,
+            q_norm: RmsNorm::load(
+                store,
+                &format!("{prefix}.q_norm"),
+                head_dim,
+                args.rms_norm_eps,
+            )?,
+            k_norm: RmsNorm::load(
+                store,
+                &format!("{prefix}.k_norm"),
+                head_dim,
+                args.rms_norm_eps,
+            )?,
+        })
+    }
+
+    fn forward(&self, x: &Array, cache: &mut KvCache) -> Result<Array> {
+        let (batch, len) = (x.shape()[0], x.shape()[1]);
+        let heads =
+            |projected: Array, count: i32| projected.reshape(&[batch, len, count, self.head_dim]);
+        let queries = self
+            .q_norm
+            .forward(&heads(self.q_proj.forward(x)?, self.n_heads)?)?
+            .transpose_axes(&[0, 2, 1, 3])?;
+        let keys = self
+            .k_norm
+            .forward(&heads(self.k_proj.forward(x)?, self.n_kv_heads)?)?
+            .transpose_axes(&[0, 2, 1, 3])?;
+        let values =
+            heads(self.v_proj.forward(x)?, self.n_kv_heads)?.transpose_axes(&[0, 2, 1, 3])?;
+
+        let offset = cache.offset();
+        let queries = fast::rope(
+            &queries,
+            self.head_dim,
+            false,
+            self.rope_base,
+            self.rope_scale,
+            offset,
+            None,
+        )?;
+        let keys = fast::rope(
+            &keys,
+            self.head_dim,
+            false,
+            self.rope_base,
+            self.rope_scale,
+            offset,
+            None,
+        )?;
+        let (keys, values) = cache.update_and_fetch(&keys, &values)?;
+
+        // One query needs no mask; a chunk is causal against everything cached before it.
+        let mask = (len > 1).then_some(ScaledDotProductAttentionMask::Causal);
+        let output =
+            fast::scaled_dot_product_attention(&queries, &keys, &values, self.scale, mask, None)?;
+        let output = output
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[batch, len, -1])?;
+        self.o_proj.forward(&output)
+    }
+}
+
+struct Mlp {
+    gate_proj: Linear,
+    down_proj: Linear,
+    up_proj: Linear,
+}
+
+impl Mlp {
+    fn load(
+        store: &mut WeightStore,
+        quant: Option<&QuantizationConfig>,
+        prefix: &str,
+        dim: i32,
+        hidden: i32,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_proj: Linear::load(
+                store,
+                quant,
+                &format!("{prefix}.gate_proj"),
+                dim,
+                hidden,
+                false,
+            )?,
+            down_proj: Linear::load(
+                store,
+                quant,
+                &format!("{prefix}.down_proj"),
+                hidden,
+                dim,
+                false,
+            )?,
+            up_proj: Linear::load(
+                store,
+                quant,
+                &format!("{prefix}.up_proj"),
+                dim,
+                hidden,
+                false,
+            )?,
+        })
+    }
+
+    fn forward(&self, x: &Array) -> Result<Array> {
+        self.down_proj.forward(&swiglu(
+            &self.gate_proj.forward(x)?,
+            &self.up_proj.forward(x)?,
+        )?)
+    }
+}
+
+struct TransformerBlock {
+    self_attn: Attention,
+    mlp: Mlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+}
+
+impl TransformerBlock {
+    fn load(
+        store: &mut WeightStore,
+        quant: Option<&QuantizationConfig>,
+        prefix: &str,
+        args: &Config,
+        rope: (f32, f32),
+    ) -> Result<Self> {
+        Ok(Self {
+            self_attn: Attention::load(store, quant, &format!("{prefix}.self_attn"), args, rope)?,
+            mlp: Mlp::load(
+                store,
+                quant,
+                &format!("{prefix}.mlp"),
+                args.hidden_size,
+                args.intermediate_size,
+            )?,
+            input_layernorm: RmsNorm::load(
+                store,
+                &format!("{prefix}.input_layernorm"),
+                args.hidden_size,
+                args.rms_norm_eps,
+            )?,
+            post_attention_layernorm: RmsNorm::load(
+                store,
+                &format!("{prefix}.post_attention_layernorm"),
+                args.hidden_size,
+                args.rms_norm_eps,
+            )?,
+        })
+    }
+
+    fn forward(&self, x: &Array, cache: &mut KvCache) -> Result<Array> {
+        let h = ops::add(
+            x,
+            self.self_attn
+                .forward(&self.input_layernorm.forward(x)?, cache)?,
+        )?;
+        Ok(ops::add(
+            &h,
+            self.mlp
+                .forward(&self.post_attention_layernorm.forward(&h)?)?,
+        )?)
+    }
+}
+
+pub struct Model {
+    args: Config,
+    embed_tokens: Embedding,
+    layers: Vec<TransformerBlock>,
+    norm: RmsNorm,
+    lm_head: Option<Linear>,
+}
+
+impl Model {
+    pub fn load(dir: &Path, config: &ConfigFile, store: &mut WeightStore) -> Result<Self> {
+        let args: Config = config.family(dir)?;
+        let rope = args.rope(dir)?;
+        let quant = config.base.quantization.as_ref();
+        // sanitize: a tied model ignores a stray lm_head, as mlx-lm does.
+        if args.tie_word_embeddings {
+            for suffix in ["weight", "scales", "biases"] {
+                store.discard(&format!("lm_head.{suffix}"));
+            }
+        }
+        let embed_tokens = Embedding::load(
+            store,
+            quant,
+            "model.embed_tokens",
+            args.vocab_size,
+            args.hidden_size,
+        )?;
+        let layers = (0..args.num_hidden_layers)
+            .map(|index| {
+                TransformerBlock::load(store, quant, &format!("model.layers.{index}"), &args, rope)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(store, "model.norm", args.hidden_size, args.rms_norm_eps)?;
+        let lm_head = if args.tie_word_embeddings {
+            None
+        } else {
+            Some(Linear::load(
+                store,
+                quant,
+                "lm_head",
+                args.hidden_size,
+                args.vocab_size,
+                false,
+            )?)
+        };
+        Ok(Self {
+            args,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+}
+
+impl LanguageModel for Model {
+    fn forward(&self, inputs: &Array, caches: &mut [KvCache], logits: Logits) -> Result<Array> {
+        let mut h = self.embed_tokens.forward(inputs)?;
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            h = layer.forward(&h, cache)?;
+        }
+        if logits == Logits::Last && h.shape()[1] > 1 {
+            let last = h.shape()[1] - 1;
+            h = h.index((.., last..));
+        }
+        let h = self.norm.forward(&h)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed_tokens.as_linear(&h),
+        }
+    }
+
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.args.vocab_size as usize
+    }
+
+    fn max_position_embeddings(&self) -> usize {
+        self.args.max_position_embeddings
+    }
+}

@@ -1,0 +1,220 @@
+//! Layers shared by every family: Linear and Embedding (dense or quantized in any mode) and
+//! RMSNorm. Reference: mlx `nn/layers/{linear,embedding,quantized,normalization}.py`.
+
+use mlx_rs::{fast, ops, Array};
+
+use crate::{
+    config::QuantizationConfig,
+    error::Result,
+    quant::{self, QuantSpec},
+    weights::{DtypeKind, WeightStore},
+};
+
+/// Packed weights of a quantized layer with `rows` outputs over `cols` inputs.
+pub struct QuantWeights {
+    pub weight: Array,
+    pub scales: Array,
+    pub biases: Option<Array>,
+    pub spec: QuantSpec,
+}
+
+impl QuantWeights {
+    fn load(
+        store: &mut WeightStore,
+        prefix: &str,
+        rows: i32,
+        cols: i32,
+        spec: QuantSpec,
+    ) -> Result<Self> {
+        let packed = cols * spec.bits / 32;
+        let groups = cols / spec.group_size;
+        let fp_mode = !spec.mode.has_biases();
+        let weight = store.take(
+            &format!("{prefix}.weight"),
+            &[rows, packed],
+            DtypeKind::Uint32,
+        )?;
+        let scales = store.take(
+            &format!("{prefix}.scales"),
+            &[rows, groups],
+            DtypeKind::Scales { fp_mode },
+        )?;
+        let biases = if fp_mode {
+            None
+        } else {
+            // Same dtype rule as affine scales; not counted as parameters.
+            Some(store.take(
+                &format!("{prefix}.biases"),
+                &[rows, groups],
+                DtypeKind::Scales { fp_mode },
+            )?)
+        };
+        store.count_parameters(rows as u64 * cols as u64);
+        Ok(Self {
+            weight,
+            scales,
+            biases,
+            spec,
+        })
+    }
+}
+
+/// mlx-lm quantizes a layer exactly when the config has a quantization block and the
+/// checkpoint carries `{path}.scales` (and the per-layer entry is not `false`).
+fn quant_spec(
+    store: &WeightStore,
+    quantization: Option<&QuantizationConfig>,
+    prefix: &str,
+) -> Result<Option<QuantSpec>> {
+    match quantization {
+        Some(config) if store.contains(&format!("{prefix}.scales")) => config.spec_for(prefix),
+        _ => Ok(None),
+    }
+}
+
+pub enum Linear {
+    Dense {
+        weight: Array,
+        bias: Option<Array>,
+    },
+    Quantized {
+        packed: QuantWeights,
+        bias: Option<Array>,
+    },
+}
+
+impl Linear {
+    pub fn load(
+        store: &mut WeightStore,
+        quantization: Option<&QuantizationConfig>,
+        prefix: &str,
+        in_dim: i32,
+        out_dim: i32,
+        has_bias: bool,
+    ) -> Result<Self> {
+        let bias = if has_bias {
+            Some(store.take(&format!("{prefix}.bias"), &[out_dim], DtypeKind::Float)?)
+        } else {
+            None
+        };
+        Ok(match quant_spec(store, quantization, prefix)? {
+            Some(spec) => Linear::Quantized {
+                packed: QuantWeights::load(store, prefix, out_dim, in_dim, spec)?,
+                bias,
+            },
+            None => Linear::Dense {
+                weight: store.take(
+                    &format!("{prefix}.weight"),
+                    &[out_dim, in_dim],
+                    DtypeKind::Float,
+                )?,
+                bias,
+            },
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let (out, bias) = match self {
+            Linear::Dense { weight, bias } => (ops::matmul(x, ops::transpose(weight)?)?, bias),
+            Linear::Quantized { packed, bias } => (
+                quant::quantized_matmul(
+                    x,
+                    &packed.weight,
+                    &packed.scales,
+                    packed.biases.as_ref(),
+                    true,
+                    packed.spec,
+                )?,
+                bias,
+            ),
+        };
+        Ok(match bias {
+            Some(bias) => ops::add(&out, bias)?,
+            None => out,
+        })
+    }
+}
+
+pub enum Embedding {
+    Dense { weight: Array },
+    Quantized { packed: QuantWeights },
+}
+
+impl Embedding {
+    pub fn load(
+        store: &mut WeightStore,
+        quantization: Option<&QuantizationConfig>,
+        prefix: &str,
+        vocab: i32,
+        dim: i32,
+    ) -> Result<Self> {
+        Ok(match quant_spec(store, quantization, prefix)? {
+            Some(spec) => Embedding::Quantized {
+                packed: QuantWeights::load(store, prefix, vocab, dim, spec)?,
+            },
+            None => Embedding::Dense {
+                weight: store.take(&format!("{prefix}.weight"), &[vocab, dim], DtypeKind::Float)?,
+            },
+        })
+    }
+
+    /// Rows for `ids` ([B, L] → [B, L, dim]). Quantized tables take the packed rows first and
+    /// dequantize only those: O(seq) work and memory, never a vocab×seq product.
+    pub fn forward(&self, ids: &Array) -> Result<Array> {
+        match self {
+            Embedding::Dense { weight } => Ok(weight.take_axis(ids, 0)?),
+            Embedding::Quantized { packed } => {
+                let weight = packed.weight.take_axis(ids, 0)?;
+                let scales = packed.scales.take_axis(ids, 0)?;
+                let biases = packed
+                    .biases
+                    .as_ref()
+                    .map(|b| b.take_axis(ids, 0))
+                    .transpose()?;
+                Ok(quant::dequantize(
+                    &weight,
+                    &scales,
+                    biases.as_ref(),
+                    packed.spec,
+                )?)
+            }
+        }
+    }
+
+    /// The tied output projection `x @ table.T`, through quantized matmul when packed.
+    pub fn as_linear(&self, x: &Array) -> Result<Array> {
+        match self {
+            Embedding::Dense { weight } => Ok(ops::matmul(x, ops::transpose(weight)?)?),
+            Embedding::Quantized { packed } => Ok(quant::quantized_matmul(
+                x,
+                &packed.weight,
+                &packed.scales,
+                packed.biases.as_ref(),
+                true,
+                packed.spec,
+            )?),
+        }
+    }
+}
+
+pub struct RmsNorm {
+    weight: Array,
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn load(store: &mut WeightStore, prefix: &str, dim: i32, eps: f32) -> Result<Self> {
+        let weight = store.take(&format!("{prefix}.weight"), &[dim], DtypeKind::Float)?;
+        Ok(Self { weight, eps })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(fast::rms_norm(x, Some(&self.weight), self.eps)?)
+    }
+}
+
+/// SwiGLU's gate: silu(gate) * up.
+pub fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
+    let silu = ops::multiply(gate, ops::sigmoid(gate)?)?;
+    Ok(ops::multiply(&silu, up)?)
+}

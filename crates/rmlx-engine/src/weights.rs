@@ -1,0 +1,324 @@
+//! Strict safetensors loading: every file's header is checked against its size before MLX maps
+//! it, each tensor remembers its file, layers take what they need with shape and dtype checks,
+//! and anything left over is an error. Reference: mlx-swift-lm `Load.swift`, mlx-lm `utils.py`
+//! (`load_model`: `model*.safetensors`, the index's `weight_map`).
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    fs,
+    io::Read,
+    path::{Path, PathBuf},
+};
+
+use mlx_rs::{Array, Dtype};
+
+use crate::error::{EngineError, Result};
+
+/// Header entry of one tensor in a safetensors file.
+#[derive(serde::Deserialize)]
+struct HeaderEntry {
+    dtype: String,
+    shape: Vec<i64>,
+    data_offsets: [u64; 2],
+}
+
+/// The bytes a safetensors dtype takes per element (for the size check).
+fn dtype_size(dtype: &str) -> Option<u64> {
+    Some(match dtype {
+        "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" => 1,
+        "U16" | "I16" | "F16" | "BF16" => 2,
+        "U32" | "I32" | "F32" => 4,
+        "U64" | "I64" | "F64" | "C64" => 8,
+        _ => return None,
+    })
+}
+
+/// Reads and checks a safetensors header without touching tensor data: a truncated file, bad
+/// offsets or an unknown dtype name the file and the tensor.
+fn check_header(file: &Path) -> Result<Vec<String>> {
+    let io_error = |error: std::io::Error| EngineError::WeightsFile {
+        file: file.to_path_buf(),
+        message: error.to_string(),
+    };
+    let bad = |message: String| EngineError::WeightsFile {
+        file: file.to_path_buf(),
+        message,
+    };
+    let mut handle = fs::File::open(file).map_err(io_error)?;
+    let file_len = handle.metadata().map_err(io_error)?.len();
+    let mut len_bytes = [0u8; 8];
+    handle.read_exact(&mut len_bytes).map_err(|_| {
+        bad("not a safetensors file (shorter than its 8-byte header length)".into())
+    })?;
+    let header_len = u64::from_le_bytes(len_bytes);
+    if header_len > 100 << 20 || 8 + header_len > file_len {
+        return Err(bad(format!(
+            "truncated or not safetensors: header claims {header_len} bytes, file has {file_len}"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    handle.read_exact(&mut header).map_err(io_error)?;
+    let entries: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&header)
+        .map_err(|error| bad(format!("unreadable safetensors header: {error}")))?;
+    let data_len = file_len - 8 - header_len;
+    let mut names = Vec::new();
+    for (name, value) in entries {
+        if name == "__metadata__" {
+            continue;
+        }
+        let tensor_error = |message: String| EngineError::Tensor {
+            file: file.to_path_buf(),
+            tensor: name.clone(),
+            message,
+        };
+        let entry: HeaderEntry = serde_json::from_value(value)
+            .map_err(|error| tensor_error(format!("bad header entry: {error}")))?;
+        let size = dtype_size(&entry.dtype)
+            .ok_or_else(|| tensor_error(format!("unsupported dtype {}", entry.dtype)))?;
+        let elements = entry.shape.iter().try_fold(1u64, |acc, &dim| {
+            u64::try_from(dim).ok().and_then(|dim| acc.checked_mul(dim))
+        });
+        let [start, end] = entry.data_offsets;
+        if elements.and_then(|n| n.checked_mul(size)) != Some(end.wrapping_sub(start))
+            || end < start
+        {
+            return Err(tensor_error(format!(
+                "data offsets {start}..{end} do not fit shape {:?} of {}",
+                entry.shape, entry.dtype
+            )));
+        }
+        if end > data_len {
+            return Err(tensor_error(format!(
+                "file is truncated: tensor data ends at byte {end} but only {data_len} data bytes exist"
+            )));
+        }
+        names.push(name);
+    }
+    Ok(names)
+}
+
+/// What a layer accepts for a tensor's element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DtypeKind {
+    /// f32, f16 or bf16.
+    Float,
+    /// Packed quantized weights.
+    Uint32,
+    /// Quantization scales: float (affine) or uint8 (E8M0/E4M3 in the fp modes).
+    Scales { fp_mode: bool },
+}
+
+impl DtypeKind {
+    fn accepts(self, dtype: Dtype) -> bool {
+        let float = matches!(dtype, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16);
+        match self {
+            Self::Float => float,
+            Self::Uint32 => dtype == Dtype::Uint32,
+            Self::Scales { fp_mode: true } => dtype == Dtype::Uint8,
+            Self::Scales { fp_mode: false } => float,
+        }
+    }
+}
+
+/// All tensors of a checkpoint folder, each with the file it came from, consumed by the model.
+pub struct WeightStore {
+    tensors: HashMap<String, (Array, PathBuf)>,
+    files: Vec<PathBuf>,
+    taken: Vec<Array>,
+    parameters: u64,
+}
+
+/// What a finished load used: the arrays (to evaluate once) and their totals.
+pub struct LoadSummary {
+    pub arrays: Vec<Array>,
+    /// Logical parameters (packed quantized weights counted unpacked).
+    pub parameters: u64,
+    pub bytes: u64,
+}
+
+impl WeightStore {
+    /// Opens `model.safetensors.index.json`'s shards, or every `model*.safetensors` (as mlx-lm).
+    pub fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let mut expected: Option<BTreeMap<String, String>> = None;
+        let files: Vec<PathBuf> = if index_path.exists() {
+            let index = crate::config::read_json(&index_path)?;
+            let map: BTreeMap<String, String> = serde_json::from_value(index["weight_map"].clone())
+                .map_err(|error| EngineError::Config {
+                    path: index_path.clone(),
+                    message: format!("weight_map: {error}"),
+                })?;
+            let mut names: Vec<&String> = map.values().collect();
+            names.sort();
+            names.dedup();
+            let files = names
+                .into_iter()
+                .map(|name| safe_join(dir, name, &index_path))
+                .collect::<Result<Vec<_>>>()?;
+            expected = Some(map);
+            files
+        } else {
+            let mut files: Vec<PathBuf> = fs::read_dir(dir)
+                .map_err(|error| EngineError::Io {
+                    path: dir.to_path_buf(),
+                    message: error.to_string(),
+                })?
+                .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+                .filter(|path| {
+                    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                    name.starts_with("model") && name.ends_with(".safetensors")
+                })
+                .collect();
+            files.sort();
+            files
+        };
+        if files.is_empty() {
+            return Err(EngineError::Io {
+                path: dir.to_path_buf(),
+                message: "no model*.safetensors weights found".into(),
+            });
+        }
+
+        let mut tensors = HashMap::new();
+        for file in &files {
+            let names = check_header(file)?;
+            let arrays =
+                Array::load_safetensors(file).map_err(|error| EngineError::WeightsFile {
+                    file: file.clone(),
+                    message: error.to_string(),
+                })?;
+            for name in names {
+                let array = arrays
+                    .get(&name)
+                    .cloned()
+                    .ok_or_else(|| EngineError::Tensor {
+                        file: file.clone(),
+                        tensor: name.clone(),
+                        message: "listed in the header but not loaded by MLX".into(),
+                    })?;
+                if let Some(map) = &expected {
+                    let listed = map.get(&name).map(|listed| dir.join(listed));
+                    if listed.as_deref() != Some(file.as_path()) {
+                        return Err(EngineError::Tensor {
+                            file: file.clone(),
+                            tensor: name,
+                            message: format!(
+                                "the index places it in {}",
+                                listed.map_or("no file".into(), |p| p.display().to_string())
+                            ),
+                        });
+                    }
+                }
+                if let Some((_, first)) = tensors.insert(name.clone(), (array, file.clone())) {
+                    return Err(EngineError::Tensor {
+                        file: file.clone(),
+                        tensor: name,
+                        message: format!("also present in {}", first.display()),
+                    });
+                }
+            }
+        }
+        if let Some(map) = &expected {
+            if let Some((name, file)) = map.iter().find(|(name, _)| !tensors.contains_key(*name)) {
+                return Err(EngineError::Tensor {
+                    file: dir.join(file),
+                    tensor: name.clone(),
+                    message: "listed in model.safetensors.index.json but absent from the file"
+                        .into(),
+                });
+            }
+        }
+        Ok(Self {
+            tensors,
+            files,
+            taken: Vec::new(),
+            parameters: 0,
+        })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Drops a tensor the model does not use by design (e.g. `lm_head` of a tied model).
+    pub fn discard(&mut self, name: &str) {
+        self.tensors.remove(name);
+    }
+
+    /// Takes a tensor, checking its shape and element type.
+    pub fn take(&mut self, name: &str, shape: &[i32], kind: DtypeKind) -> Result<Array> {
+        let (array, file) =
+            self.tensors
+                .remove(name)
+                .ok_or_else(|| EngineError::MissingTensor {
+                    tensor: name.to_string(),
+                    files: self.file_list(),
+                })?;
+        if array.shape() != shape {
+            return Err(EngineError::Tensor {
+                file,
+                tensor: name.to_string(),
+                message: format!("shape {:?}, expected {shape:?}", array.shape()),
+            });
+        }
+        if !kind.accepts(array.dtype()) {
+            return Err(EngineError::Tensor {
+                file,
+                tensor: name.to_string(),
+                message: format!("dtype {:?}, expected {kind:?}", array.dtype()),
+            });
+        }
+        if kind == DtypeKind::Float {
+            self.parameters += array.size() as u64;
+        }
+        self.taken.push(array.clone());
+        Ok(array)
+    }
+
+    /// Counts parameters stored packed (quantized weights), which `take` cannot size.
+    pub fn count_parameters(&mut self, count: u64) {
+        self.parameters += count;
+    }
+
+    /// Succeeds only when every tensor was used.
+    pub fn finish(self) -> Result<LoadSummary> {
+        if self.tensors.is_empty() {
+            let bytes = self.taken.iter().map(|array| array.nbytes() as u64).sum();
+            return Ok(LoadSummary {
+                arrays: self.taken,
+                parameters: self.parameters,
+                bytes,
+            });
+        }
+        let mut tensors: Vec<(String, PathBuf)> = self
+            .tensors
+            .into_iter()
+            .map(|(name, (_, file))| (name, file))
+            .collect();
+        tensors.sort();
+        Err(EngineError::UnusedTensors { tensors })
+    }
+
+    fn file_list(&self) -> String {
+        self.files
+            .iter()
+            .map(|file| file.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// A shard name from the index must stay inside the model folder.
+fn safe_join(dir: &Path, name: &str, index: &Path) -> Result<PathBuf> {
+    let relative = Path::new(name);
+    let plain = relative
+        .components()
+        .all(|part| matches!(part, std::path::Component::Normal(_)));
+    if !plain {
+        return Err(EngineError::Config {
+            path: index.to_path_buf(),
+            message: format!("shard `{name}` escapes the model folder"),
+        });
+    }
+    Ok(dir.join(relative))
+}

@@ -1,0 +1,149 @@
+//! The engine thread: streamed deltas add up to the final text, cancellation between steps,
+//! a dropped handle stops its work, a full queue is refused, and requests run in order.
+
+use std::path::PathBuf;
+
+use rmlx_engine::{
+    engine::{Engine, Event, Prompt, Request},
+    generate::{FinishReason, GenerateParams},
+    EngineError,
+};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn request(text: &str, max_tokens: usize) -> Request {
+    Request {
+        model: fixture("qwen3-tiny"),
+        prompt: Prompt::Chat {
+            messages: vec![serde_json::json!({"role": "user", "content": text})],
+            options: rmlx_engine::chat::TemplateOptions {
+                add_generation_prompt: true,
+                ..Default::default()
+            },
+        },
+        params: GenerateParams {
+            max_tokens,
+            ignore_eos: true,
+            ..GenerateParams::default()
+        },
+    }
+}
+
+#[test]
+fn streamed_deltas_add_up_to_the_final_text() {
+    let engine = Engine::start(4).unwrap();
+    let handle = engine
+        .submit(request("Tell me about Zürich and 東京 🙂", 60))
+        .unwrap();
+    let mut streamed = String::new();
+    let mut started = None;
+    let completion = loop {
+        match handle.events.recv().unwrap() {
+            Event::Started {
+                prompt_tokens,
+                max_ctx,
+            } => started = Some((prompt_tokens, max_ctx)),
+            Event::Delta { text, .. } => streamed.push_str(&text),
+            Event::Done(completion) => break completion,
+            Event::Error(error) => panic!("{error}"),
+        }
+    };
+    assert_eq!(started, Some((completion.prompt_tokens, 2048)));
+    assert_eq!(streamed, completion.text);
+    assert_eq!(completion.completion_tokens, 60);
+    assert_eq!(completion.timings.itl_ms.len(), 59);
+}
+
+#[test]
+fn cancel_stops_between_steps() {
+    let engine = Engine::start(4).unwrap();
+    let handle = engine.submit(request("Go on forever", 1500)).unwrap();
+    loop {
+        if let Event::Delta { .. } = handle.events.recv().unwrap() {
+            break;
+        }
+    }
+    handle.cancel();
+    let completion = handle.wait().unwrap();
+    assert_eq!(completion.finish_reason, FinishReason::Cancelled);
+    assert!(
+        completion.completion_tokens < 1500,
+        "{}",
+        completion.completion_tokens
+    );
+}
+
+#[test]
+fn dropped_handle_frees_the_engine_for_the_next_request() {
+    let engine = Engine::start(4).unwrap();
+    let abandoned = engine
+        .submit(request("A long answer please", 1900))
+        .unwrap();
+    drop(abandoned);
+    let started = std::time::Instant::now();
+    let next = engine.submit(request("Short", 4)).unwrap().wait().unwrap();
+    assert_eq!(next.completion_tokens, 4);
+    // 1900 tokens would take far longer than this on any machine running the tests.
+    assert!(started.elapsed().as_secs() < 20);
+}
+
+#[test]
+fn full_queue_is_refused_and_accepted_requests_finish_in_order() {
+    let engine = Engine::start(2).unwrap();
+    let mut accepted = Vec::new();
+    let mut refused = 0;
+    for index in 0..12 {
+        match engine.submit(request(&format!("request {index}"), 120)) {
+            Ok(handle) => accepted.push(handle),
+            Err(EngineError::QueueFull(2)) => refused += 1,
+            Err(other) => panic!("{other}"),
+        }
+    }
+    assert!(
+        refused > 0,
+        "12 instant submissions never filled a queue of 2"
+    );
+    assert!(accepted.len() >= 2);
+    // Each waiter notes when its answer arrived; FIFO means arrival follows submission order.
+    let waiters: Vec<_> = accepted
+        .into_iter()
+        .map(|handle| {
+            std::thread::spawn(move || {
+                handle.wait().unwrap();
+                std::time::Instant::now()
+            })
+        })
+        .collect();
+    let finished_at: Vec<_> = waiters
+        .into_iter()
+        .map(|waiter| waiter.join().unwrap())
+        .collect();
+    assert!(
+        finished_at.windows(2).all(|pair| pair[0] < pair[1]),
+        "answers arrived out of order"
+    );
+    assert_eq!(engine.queue_depth(), 0);
+}
+
+#[test]
+fn unknown_model_folder_is_an_error_event() {
+    let engine = Engine::start(1).unwrap();
+    let mut bad = request("hi", 4);
+    bad.model = fixture("does-not-exist");
+    let error = engine.submit(bad).unwrap().wait().unwrap_err();
+    assert!(error.to_string().contains("does-not-exist"), "{error}");
+    // The engine survives and serves the next request.
+    assert_eq!(
+        engine
+            .submit(request("hi", 3))
+            .unwrap()
+            .wait()
+            .unwrap()
+            .completion_tokens,
+        3
+    );
+}

@@ -1,0 +1,115 @@
+//! Quantized embedding lookup takes the packed rows, then dequantizes only them: equal to
+//! dequantize-everything-then-take in every mode and scale dtype, with peak memory that grows
+//! with the sequence, not with its square (the rMLX 0.2.4 identity-matmul bug).
+
+use mlx_rs::{random, Array, Dtype};
+use rmlx_engine::{
+    nn::{Embedding, QuantWeights},
+    quant::{self, QuantMode, QuantSpec},
+};
+
+/// MLX's peak-memory counter is process-wide: tests in this file take turns.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn quantized_table(vocab: i32, dim: i32, dtype: Dtype, spec: QuantSpec) -> (Embedding, Array) {
+    let key = random::key(7).unwrap();
+    let table = random::normal::<f32>(&[vocab, dim], None, None, &key)
+        .unwrap()
+        .as_dtype(dtype)
+        .unwrap();
+    let q = quant::quantize(&table, spec).unwrap();
+    let dense = quant::dequantize(&q.weight, &q.scales, q.biases.as_ref(), spec).unwrap();
+    let embedding = Embedding::Quantized {
+        packed: QuantWeights {
+            weight: q.weight,
+            scales: q.scales,
+            biases: q.biases,
+            spec,
+        },
+    };
+    (embedding, dense)
+}
+
+fn ids(count: i32, vocab: i32) -> Array {
+    let values: Vec<i32> = (0..count).map(|i| (i * 7919 + 13) % vocab).collect();
+    Array::from_slice(&values, &[1, count])
+}
+
+#[test]
+fn take_then_dequantize_equals_dequantize_then_take() {
+    let _turn = SERIAL.lock().unwrap_or_else(|poison| poison.into_inner());
+    let cases = [
+        (
+            QuantSpec::new(QuantMode::Affine, 64, 4).unwrap(),
+            Dtype::Float32,
+        ),
+        (
+            QuantSpec::new(QuantMode::Affine, 64, 4).unwrap(),
+            Dtype::Bfloat16,
+        ),
+        (
+            QuantSpec::new(QuantMode::Affine, 32, 8).unwrap(),
+            Dtype::Float16,
+        ),
+        (QuantSpec::defaults(QuantMode::Mxfp4), Dtype::Bfloat16),
+        (QuantSpec::defaults(QuantMode::Mxfp8), Dtype::Bfloat16),
+        (QuantSpec::defaults(QuantMode::Nvfp4), Dtype::Float32),
+    ];
+    for (spec, dtype) in cases {
+        let (embedding, dense) = quantized_table(512, 128, dtype, spec);
+        let ids = ids(300, 512);
+        let looked_up = embedding.forward(&ids).unwrap();
+        let reference = dense.take_axis(&ids, 0).unwrap();
+        assert_eq!(looked_up.shape(), &[1, 300, 128]);
+        assert_eq!(looked_up.dtype(), reference.dtype(), "{spec:?} {dtype:?}");
+        let equal = mlx_rs::ops::array_eq(&looked_up, &reference, None).unwrap();
+        assert!(
+            equal.item_exact::<bool>(),
+            "{spec:?} with {dtype:?} scales differs"
+        );
+    }
+}
+
+fn peak_memory() -> usize {
+    let mut bytes = 0;
+    // SAFETY: plain memory counters of the loaded MLX.
+    unsafe { mlx_sys::mlx_get_peak_memory(&mut bytes) };
+    bytes
+}
+
+/// Peak bytes MLX allocates to look up `seq` ids.
+fn lookup_peak(embedding: &Embedding, seq: i32) -> usize {
+    let ids = ids(seq, 4096);
+    ids.eval().unwrap();
+    // SAFETY: resets MLX's process-wide peak counter; SERIAL keeps other tests out.
+    unsafe { mlx_sys::mlx_reset_peak_memory() };
+    let before = peak_memory();
+    let out = embedding.forward(&ids).unwrap();
+    out.eval().unwrap();
+    peak_memory().saturating_sub(before)
+}
+
+#[test]
+fn lookup_memory_is_linear_in_sequence_length() {
+    let _turn = SERIAL.lock().unwrap_or_else(|poison| poison.into_inner());
+    let (embedding, _) = quantized_table(
+        4096,
+        256,
+        Dtype::Bfloat16,
+        QuantSpec::defaults(QuantMode::Affine),
+    );
+    let small = lookup_peak(&embedding, 4096);
+    let large = lookup_peak(&embedding, 16384);
+    let identity_bytes = 16384usize.pow(2) * 4;
+    assert!(small > 0, "MLX reported no memory use");
+    // 4x the ids costs about 4x the memory (a quadratic lookup would cost 16x).
+    let growth = large as f64 / small as f64;
+    assert!(
+        growth < 5.0,
+        "peak grew {growth:.1}x for 4x the ids ({small} -> {large} bytes)"
+    );
+    assert!(
+        large < identity_bytes / 10,
+        "lookup peaked at {large} bytes; a seq x seq f32 identity alone is {identity_bytes}"
+    );
+}

@@ -1,0 +1,251 @@
+//! Qwen3 against mlx-lm 0.32.2 goldens (tests/fixtures, made by scripts/fixtures/make_qwen3.py):
+//! teacher-forced logits and log-probs within stated tolerances, free-running greedy ids while
+//! the reference's top-2 margin is clear of numeric noise, and cache/chunking invariance.
+
+use std::{path::PathBuf, sync::atomic::AtomicBool};
+
+use mlx_rs::{ops, Array, Dtype};
+use rmlx_engine::{
+    chat::ChatTokenizer,
+    generate::{generate, FinishReason, GenerateParams},
+    models::{load_model, LanguageModel, Logits},
+};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+#[derive(serde::Deserialize)]
+struct Golden {
+    cases: Vec<Case>,
+}
+
+#[derive(serde::Deserialize)]
+struct Case {
+    name: String,
+    input_ids: Vec<u32>,
+    step0_logits: Vec<f32>,
+    greedy_ids: Vec<u32>,
+    teacher_forced_logprobs: Vec<f32>,
+    top1_top2_margins: Vec<f32>,
+}
+
+fn golden(dir: &str) -> Golden {
+    let text = std::fs::read_to_string(fixture(dir).join("golden.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids_array(ids: &[u32]) -> Array {
+    let ids: Vec<i32> = ids.iter().map(|&id| id as i32).collect();
+    Array::from_slice(&ids, &[1, ids.len() as i32])
+}
+
+/// Rows of f32 values from a `[1, L, V]` array.
+fn rows(array: &Array) -> Vec<Vec<f32>> {
+    let array = array.as_dtype(Dtype::Float32).unwrap();
+    array.eval().unwrap();
+    let vocab = array.shape()[2] as usize;
+    array
+        .as_slice::<f32>()
+        .chunks(vocab)
+        .map(<[f32]>::to_vec)
+        .collect()
+}
+
+fn log_softmax(logits: &Array) -> Array {
+    let logits = logits.as_dtype(Dtype::Float32).unwrap();
+    ops::subtract(&logits, ops::logsumexp_axis(&logits, -1, true).unwrap()).unwrap()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Tolerances. Measured: every golden here matches bit for bit (max diff 0) on the CPU backend,
+/// since the ops are the reference's ops in the reference's order. The bounds leave room for
+/// backend-level reordering: fp32 1e-5; bf16 activations (quantized checkpoints) under two bf16
+/// ulps at |logit| ~ 4.
+struct Tolerance {
+    logits: f32,
+    logprobs: f32,
+    /// Greedy ids are compared only while the reference's top-2 margin exceeds this.
+    margin: f32,
+}
+
+const FP32: Tolerance = Tolerance {
+    logits: 1e-5,
+    logprobs: 1e-5,
+    margin: 1e-3,
+};
+const QUANTIZED: Tolerance = Tolerance {
+    logits: 0.05,
+    logprobs: 0.05,
+    margin: 0.1,
+};
+
+fn check_checkpoint(dir: &str, golden_dir: &str, tolerance: Tolerance) {
+    let loaded = load_model(&fixture(dir)).unwrap();
+    let model = loaded.model.as_ref();
+    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+    for case in golden(golden_dir).cases {
+        // Teacher forcing: prompt + the reference's greedy continuation in one forward pass.
+        let mut sequence = case.input_ids.clone();
+        sequence.extend_from_slice(&case.greedy_ids);
+        let mut cache = model.new_cache(4096);
+        let logits = model
+            .forward(&ids_array(&sequence), &mut cache, Logits::All)
+            .unwrap();
+        let prompt_len = case.input_ids.len();
+        let logit_rows = rows(&logits);
+        let step0 = &logit_rows[prompt_len - 1];
+        let diff = max_diff(step0, &case.step0_logits);
+        assert!(
+            diff <= tolerance.logits,
+            "{dir}/{}: step-0 logits differ by {diff}",
+            case.name
+        );
+
+        let logprob_rows = rows(&log_softmax(&logits));
+        let mut worst_logprob = 0.0f32;
+        for (step, (&token, &want)) in case
+            .greedy_ids
+            .iter()
+            .zip(&case.teacher_forced_logprobs)
+            .enumerate()
+        {
+            let got = logprob_rows[prompt_len - 1 + step][token as usize];
+            worst_logprob = worst_logprob.max((got - want).abs());
+            assert!(
+                (got - want).abs() <= tolerance.logprobs,
+                "{dir}/{} step {step}: log-prob {got} vs {want}",
+                case.name
+            );
+        }
+
+        // Free-running greedy through the real decode loop, compared while margins are clear.
+        let params = GenerateParams {
+            max_tokens: case.greedy_ids.len(),
+            ignore_eos: true,
+            ..GenerateParams::default()
+        };
+        let completion = generate(
+            model,
+            &tokenizer,
+            &case.input_ids,
+            &params,
+            &AtomicBool::new(false),
+            |_| {},
+        )
+        .unwrap();
+        assert_eq!(completion.finish_reason, FinishReason::Length);
+        let identical = completion
+            .token_ids
+            .iter()
+            .zip(&case.greedy_ids)
+            .take_while(|(a, b)| a == b)
+            .count();
+        eprintln!(
+            "{dir}/{}: step-0 logits max diff {diff:.2e}, teacher-forced log-prob max diff {worst_logprob:.2e}, \
+             greedy ids identical for {identical}/{} steps",
+            case.name,
+            case.greedy_ids.len()
+        );
+        let clear = case
+            .top1_top2_margins
+            .iter()
+            .take_while(|&&margin| margin > tolerance.margin)
+            .count();
+        assert_eq!(
+            completion.token_ids[..clear],
+            case.greedy_ids[..clear],
+            "{dir}/{}: greedy ids differ within the first {clear} clear-margin steps",
+            case.name
+        );
+    }
+}
+
+#[test]
+fn fp32_matches_mlx_lm() {
+    check_checkpoint("qwen3-tiny", "qwen3-tiny", FP32);
+}
+
+#[test]
+fn sharded_fp32_matches_the_same_golden() {
+    check_checkpoint("qwen3-tiny-sharded", "qwen3-tiny", FP32);
+}
+
+#[test]
+fn affine_4bit_tied_matches_mlx_lm() {
+    check_checkpoint("qwen3-tiny-4bit", "qwen3-tiny-4bit", QUANTIZED);
+}
+
+#[test]
+fn mxfp4_matches_mlx_lm() {
+    check_checkpoint("qwen3-tiny-mxfp4", "qwen3-tiny-mxfp4", QUANTIZED);
+}
+
+/// Logits for every position of `ids`, fed through the cache in chunks of `chunk`.
+fn chunked_logits(model: &dyn LanguageModel, ids: &[u32], chunk: usize) -> Vec<Vec<f32>> {
+    let mut cache = model.new_cache(4096);
+    let mut out = Vec::new();
+    for piece in ids.chunks(chunk) {
+        let logits = model
+            .forward(&ids_array(piece), &mut cache, Logits::All)
+            .unwrap();
+        out.extend(rows(&logits));
+    }
+    out
+}
+
+#[test]
+fn cache_and_chunk_sizes_do_not_change_logits() {
+    let loaded = load_model(&fixture("qwen3-tiny")).unwrap();
+    let model = loaded.model.as_ref();
+    let case = &golden("qwen3-tiny").cases[0];
+    let mut ids = case.input_ids.clone();
+    ids.extend_from_slice(&case.greedy_ids);
+    let whole = chunked_logits(model, &ids, ids.len());
+    for chunk in [1, 7] {
+        let chunked = chunked_logits(model, &ids, chunk);
+        for (position, (a, b)) in whole.iter().zip(&chunked).enumerate() {
+            let diff = max_diff(a, b);
+            assert!(diff < 1e-4, "chunk {chunk}, position {position}: {diff}");
+        }
+    }
+    // Last-position logits equal the last row of the full projection.
+    let mut cache = model.new_cache(4096);
+    let last = model
+        .forward(&ids_array(&ids), &mut cache, Logits::Last)
+        .unwrap();
+    assert_eq!(last.shape(), &[1, 1, 1024]);
+    assert!(max_diff(&rows(&last)[0], whole.last().unwrap()) < 1e-5);
+    // And the generate loop's prefill chunking gives the same greedy ids for chunk 1, 7, whole.
+    let tokenizer = ChatTokenizer::from_dir(&fixture("qwen3-tiny")).unwrap();
+    let mut outputs = Vec::new();
+    for chunk in [1, 7, 4096] {
+        let params = GenerateParams {
+            max_tokens: 8,
+            ignore_eos: true,
+            prefill_chunk: Some(chunk),
+            ..GenerateParams::default()
+        };
+        let completion = generate(
+            model,
+            &tokenizer,
+            &case.input_ids,
+            &params,
+            &AtomicBool::new(false),
+            |_| {},
+        )
+        .unwrap();
+        outputs.push(completion.token_ids);
+    }
+    assert_eq!(outputs[0], outputs[1]);
+    assert_eq!(outputs[0], outputs[2]);
+}

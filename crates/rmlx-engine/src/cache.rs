@@ -137,3 +137,35 @@ fn slice_update_seq(dst: &Array, update: &Array, start: i32, end: i32) -> Result
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv(len: i32, fill: f32) -> Array {
+        ops::full::<f32>(&[1, 2, len, 4], Array::from_f32(fill)).unwrap()
+    }
+
+    #[test]
+    fn grows_in_steps_and_never_past_max_ctx() {
+        let mut cache = KvCache::new(600);
+        assert_eq!(cache.capacity(), 0);
+        let (keys, _) = cache.update_and_fetch(&kv(10, 1.0), &kv(10, 1.0)).unwrap();
+        assert_eq!((cache.offset(), cache.capacity()), (10, 256));
+        assert_eq!(keys.shape(), &[1, 2, 10, 4]);
+        cache.update_and_fetch(&kv(300, 2.0), &kv(300, 2.0)).unwrap();
+        assert_eq!((cache.offset(), cache.capacity()), (310, 566));
+        // The next step would pass 600: capped there.
+        let (keys, values) = cache.update_and_fetch(&kv(290, 3.0), &kv(290, 3.0)).unwrap();
+        assert_eq!((cache.offset(), cache.capacity()), (600, 600));
+        assert_eq!(keys.shape(), &[1, 2, 600, 4]);
+        // Old entries survive every growth; new ones land after them.
+        let first = keys.index((.., .., 0, ..)).sum(None).unwrap().item::<f32>();
+        let middle = values.index((.., .., 309, ..)).sum(None).unwrap().item::<f32>();
+        let last = keys.index((.., .., 599, ..)).sum(None).unwrap().item::<f32>();
+        assert_eq!((first, middle, last), (8.0, 16.0, 24.0));
+        let overflow = cache.update_and_fetch(&kv(1, 0.0), &kv(1, 0.0)).unwrap_err();
+        assert!(matches!(overflow, EngineError::ContextOverflow { prompt_tokens: 601, max_ctx: 600 }));
+        assert_eq!(cache.nbytes(), 2 * 600 * 2 * 4 * 4);
+    }
+}

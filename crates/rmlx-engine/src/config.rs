@@ -110,3 +110,46 @@ impl ConfigFile {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(json: serde_json::Value) -> QuantizationConfig {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn per_layer_overrides_and_exclusions() {
+        let config = block(serde_json::json!({
+            "group_size": 64, "bits": 4,
+            "model.layers.0.mlp.gate": {"group_size": 64, "bits": 8},
+            "model.layers.1.self_attn.q_proj": {"bits": 4, "group_size": 32, "mode": "mxfp4"},
+            "lm_head": false
+        }));
+        let default = config.spec_for("model.layers.0.self_attn.q_proj").unwrap().unwrap();
+        assert_eq!((default.mode, default.group_size, default.bits), (QuantMode::Affine, 64, 4));
+        let eight = config.spec_for("model.layers.0.mlp.gate").unwrap().unwrap();
+        assert_eq!((eight.mode, eight.bits), (QuantMode::Affine, 8));
+        let fp = config.spec_for("model.layers.1.self_attn.q_proj").unwrap().unwrap();
+        assert_eq!((fp.mode, fp.group_size), (QuantMode::Mxfp4, 32));
+        assert_eq!(config.spec_for("lm_head").unwrap(), None);
+    }
+
+    #[test]
+    fn bad_modes_and_geometry_are_refused_up_front() {
+        let unknown = block(serde_json::json!({"group_size": 64, "bits": 4, "mode": "int3"}));
+        assert!(matches!(
+            unknown.validate(),
+            Err(EngineError::Quant(crate::quant::QuantError::UnknownMode(_)))
+        ));
+        let geometry = block(serde_json::json!({"group_size": 64, "bits": 4, "mode": "nvfp4"}));
+        assert!(matches!(
+            geometry.validate(),
+            Err(EngineError::Quant(crate::quant::QuantError::BadGeometry { .. }))
+        ));
+        // mlx-lm writes no mode for affine checkpoints.
+        let affine = block(serde_json::json!({"group_size": 32, "bits": 3}));
+        assert!(affine.validate().is_ok());
+    }
+}

@@ -35,11 +35,22 @@ pub enum Prompt {
     Ids(Vec<u32>),
 }
 
+/// One generation. Build it with `..Request::default()`: fields get added over time.
 #[derive(Debug, Clone)]
 pub struct Request {
     pub model: PathBuf,
     pub prompt: Prompt,
     pub params: GenerateParams,
+}
+
+impl Default for Request {
+    fn default() -> Self {
+        Self {
+            model: PathBuf::new(),
+            prompt: Prompt::Ids(Vec::new()),
+            params: GenerateParams::default(),
+        }
+    }
 }
 
 #[derive(Debug)]

@@ -173,6 +173,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             prefill_chunk: args.prefill_chunk,
             ..GenerateParams::default()
         },
+        ..Request::default()
     };
     let engine = Engine::start(1)?;
     let handle = engine.submit(request)?;
@@ -262,6 +263,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 prefill_chunk: args.prefill_chunk,
                 ..GenerateParams::default()
             },
+            ..Request::default()
         };
         engine.submit(request)?.wait()
     };

@@ -223,7 +223,17 @@ fn stop_string_split_across_tokens_is_never_emitted() {
     let golden = golden_case("qwen3-tiny", "plain_user");
     let full = golden["greedy_text"].as_str().unwrap();
     let cut = full.find("y re").unwrap();
-    let base = ["generate", "--model", model.to_str().unwrap(), "--prompt", "What is the capital of France?", "--max-tokens", "24", "--stop", "y re"];
+    let base = [
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "24",
+        "--stop",
+        "y re",
+    ];
     let mut args = base.to_vec();
     args.push("--json");
     let out = generate_json(&args);
@@ -232,5 +242,10 @@ fn stop_string_split_across_tokens_is_never_emitted() {
     assert!(out["completion_tokens"].as_u64().unwrap() < 24);
     // Streaming prints the same text, the stop string held back until it could be ruled out.
     let streamed = rmlx(&base);
-    assert_eq!(String::from_utf8(streamed.stdout).unwrap().trim_end_matches('\n'), &full[..cut]);
+    assert_eq!(
+        String::from_utf8(streamed.stdout)
+            .unwrap()
+            .trim_end_matches('\n'),
+        &full[..cut]
+    );
 }

@@ -9,6 +9,9 @@ use crate::error::{EngineError, Result};
 /// Positions added per growth step (mlx-lm uses the same).
 pub const GROWTH_STEP: i32 = 256;
 
+/// Clones share the arrays; MLX copies on the next write to a shared buffer, so a clone taken
+/// from the prefix cache never changes the stored entry.
+#[derive(Clone)]
 pub struct KvCache {
     keys: Option<Array>,
     values: Option<Array>,
@@ -29,6 +32,16 @@ impl KvCache {
     /// Positions already stored (the next token's position).
     pub fn offset(&self) -> i32 {
         self.offset
+    }
+
+    /// Forgets every position from `len` on (the arrays stay; later writes overwrite them).
+    pub fn truncate(&mut self, len: i32) {
+        self.offset = self.offset.min(len.max(0));
+    }
+
+    /// Re-targets a reused cache to another request's context.
+    pub fn set_max_ctx(&mut self, max_ctx: usize) {
+        self.max_ctx = max_ctx.min(i32::MAX as usize) as i32;
     }
 
     /// Positions allocated (what the cache holds in memory).
@@ -153,19 +166,43 @@ mod tests {
         let (keys, _) = cache.update_and_fetch(&kv(10, 1.0), &kv(10, 1.0)).unwrap();
         assert_eq!((cache.offset(), cache.capacity()), (10, 256));
         assert_eq!(keys.shape(), &[1, 2, 10, 4]);
-        cache.update_and_fetch(&kv(300, 2.0), &kv(300, 2.0)).unwrap();
-        assert_eq!((cache.offset(), cache.capacity()), (310, 566));
+        cache
+            .update_and_fetch(&kv(300, 2.0), &kv(300, 2.0))
+            .unwrap();
+        assert_eq!((cache.offset(), cache.capacity()), (310, 522));
         // The next step would pass 600: capped there.
-        let (keys, values) = cache.update_and_fetch(&kv(290, 3.0), &kv(290, 3.0)).unwrap();
+        let (keys, values) = cache
+            .update_and_fetch(&kv(290, 3.0), &kv(290, 3.0))
+            .unwrap();
         assert_eq!((cache.offset(), cache.capacity()), (600, 600));
         assert_eq!(keys.shape(), &[1, 2, 600, 4]);
         // Old entries survive every growth; new ones land after them.
-        let first = keys.index((.., .., 0, ..)).sum(None).unwrap().item::<f32>();
-        let middle = values.index((.., .., 309, ..)).sum(None).unwrap().item::<f32>();
-        let last = keys.index((.., .., 599, ..)).sum(None).unwrap().item::<f32>();
+        let first = keys
+            .index((.., .., 0, ..))
+            .sum(None)
+            .unwrap()
+            .item_exact::<f32>();
+        let middle = values
+            .index((.., .., 309, ..))
+            .sum(None)
+            .unwrap()
+            .item_exact::<f32>();
+        let last = keys
+            .index((.., .., 599, ..))
+            .sum(None)
+            .unwrap()
+            .item_exact::<f32>();
         assert_eq!((first, middle, last), (8.0, 16.0, 24.0));
-        let overflow = cache.update_and_fetch(&kv(1, 0.0), &kv(1, 0.0)).unwrap_err();
-        assert!(matches!(overflow, EngineError::ContextOverflow { prompt_tokens: 601, max_ctx: 600 }));
+        let overflow = cache
+            .update_and_fetch(&kv(1, 0.0), &kv(1, 0.0))
+            .unwrap_err();
+        assert!(matches!(
+            overflow,
+            EngineError::ContextOverflow {
+                prompt_tokens: 601,
+                max_ctx: 600
+            }
+        ));
         assert_eq!(cache.nbytes(), 2 * 600 * 2 * 4 * 4);
     }
 }

@@ -127,11 +127,20 @@ mod tests {
             "model.layers.1.self_attn.q_proj": {"bits": 4, "group_size": 32, "mode": "mxfp4"},
             "lm_head": false
         }));
-        let default = config.spec_for("model.layers.0.self_attn.q_proj").unwrap().unwrap();
-        assert_eq!((default.mode, default.group_size, default.bits), (QuantMode::Affine, 64, 4));
+        let default = config
+            .spec_for("model.layers.0.self_attn.q_proj")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (default.mode, default.group_size, default.bits),
+            (QuantMode::Affine, 64, 4)
+        );
         let eight = config.spec_for("model.layers.0.mlp.gate").unwrap().unwrap();
         assert_eq!((eight.mode, eight.bits), (QuantMode::Affine, 8));
-        let fp = config.spec_for("model.layers.1.self_attn.q_proj").unwrap().unwrap();
+        let fp = config
+            .spec_for("model.layers.1.self_attn.q_proj")
+            .unwrap()
+            .unwrap();
         assert_eq!((fp.mode, fp.group_size), (QuantMode::Mxfp4, 32));
         assert_eq!(config.spec_for("lm_head").unwrap(), None);
     }
@@ -146,7 +155,9 @@ mod tests {
         let geometry = block(serde_json::json!({"group_size": 64, "bits": 4, "mode": "nvfp4"}));
         assert!(matches!(
             geometry.validate(),
-            Err(EngineError::Quant(crate::quant::QuantError::BadGeometry { .. }))
+            Err(EngineError::Quant(
+                crate::quant::QuantError::BadGeometry { .. }
+            ))
         ));
         // mlx-lm writes no mode for affine checkpoints.
         let affine = block(serde_json::json!({"group_size": 32, "bits": 3}));

@@ -17,8 +17,10 @@ use std::{
 use crate::{
     chat::{ChatTokenizer, TemplateOptions},
     error::{EngineError, Result},
-    generate::{self, Completion, GenerateParams},
+    generate::{self, Completion, FinishReason, GenerateParams},
+    metrics::{Metrics, MetricsSnapshot},
     models::{self, LoadedModel, ModelInfo},
+    prefix_cache::PrefixCache,
 };
 
 /// What to feed the model.
@@ -39,6 +41,8 @@ pub enum Prompt {
 #[derive(Debug, Clone)]
 pub struct Request {
     pub model: PathBuf,
+    /// The name metrics file this request under; default the model folder's name.
+    pub model_id: Option<String>,
     pub prompt: Prompt,
     pub params: GenerateParams,
 }
@@ -47,10 +51,25 @@ impl Default for Request {
     fn default() -> Self {
         Self {
             model: PathBuf::new(),
+            model_id: None,
             prompt: Prompt::Ids(Vec::new()),
             params: GenerateParams::default(),
         }
     }
+}
+
+impl Request {
+    fn metrics_id(&self) -> String {
+        self.model_id
+            .clone()
+            .unwrap_or_else(|| folder_name(&self.model))
+    }
+}
+
+fn folder_name(path: &Path) -> String {
+    path.file_name()
+        .map(|name| name.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string())
 }
 
 #[derive(Debug)]
@@ -109,6 +128,34 @@ enum Job {
         model: PathBuf,
         reply: mpsc::Sender<Result<ModelInfo>>,
     },
+    Unload {
+        model: PathBuf,
+        reply: mpsc::Sender<bool>,
+    },
+    Loaded {
+        reply: mpsc::Sender<Vec<ModelInfo>>,
+    },
+}
+
+/// How the engine thread is sized.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Requests that may wait; more are refused with `QueueFull`.
+    pub max_queue: usize,
+    /// Models kept resident; the least recently used is unloaded past this.
+    pub max_loaded: usize,
+    /// Bytes of KV the prefix cache keeps for reuse (0 turns it off).
+    pub prefix_cache_bytes: u64,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            max_queue: 64,
+            max_loaded: 1,
+            prefix_cache_bytes: 1 << 30,
+        }
+    }
 }
 
 /// A handle to the engine thread; cheap to clone, `Send + Sync`. When the last clone drops,
@@ -123,6 +170,7 @@ struct Inner {
     jobs: Option<mpsc::SyncSender<Job>>,
     thread: Option<thread::JoinHandle<()>>,
     queued: Arc<AtomicUsize>,
+    metrics: Arc<Metrics>,
     max_queue: usize,
 }
 
@@ -138,13 +186,33 @@ impl Drop for Inner {
 impl Engine {
     /// Starts the engine thread with room for `max_queue` waiting requests.
     pub fn start(max_queue: usize) -> Result<Self> {
+        Self::start_with(EngineOptions {
+            max_queue,
+            ..EngineOptions::default()
+        })
+    }
+
+    pub fn start_with(options: EngineOptions) -> Result<Self> {
         mlx_sys::load().map_err(|error| EngineError::Mlx(error.to_string()))?;
-        let (jobs, inbox) = mpsc::sync_channel(max_queue.max(1));
+        let max_queue = options.max_queue.max(1);
+        let (jobs, inbox) = mpsc::sync_channel(max_queue);
         let queued = Arc::new(AtomicUsize::new(0));
-        let worker_queued = queued.clone();
+        let metrics = Arc::new(Metrics::default());
+        let (worker_metrics, worker_queued) = (metrics.clone(), queued.clone());
+        // Models are not Send: the thread builds its state itself and never hands it out.
         let thread = thread::Builder::new()
             .name("rmlx-engine".into())
-            .spawn(move || EngineThread::default().run(inbox, worker_queued))
+            .spawn(move || {
+                EngineThread {
+                    models: HashMap::new(),
+                    lru: Vec::new(),
+                    max_loaded: options.max_loaded.max(1),
+                    prefix: PrefixCache::new(options.prefix_cache_bytes),
+                    metrics: worker_metrics,
+                    queued: worker_queued,
+                }
+                .run(inbox)
+            })
             .map_err(|error| {
                 EngineError::Mlx(format!("cannot start the engine thread: {error}"))
             })?;
@@ -153,7 +221,8 @@ impl Engine {
                 jobs: Some(jobs),
                 thread: Some(thread),
                 queued,
-                max_queue: max_queue.max(1),
+                metrics,
+                max_queue,
             }),
         })
     }
@@ -179,29 +248,52 @@ impl Engine {
             }),
             Err(error) => {
                 self.inner.queued.fetch_sub(1, Ordering::SeqCst);
-                Err(match error {
+                let error = match error {
                     mpsc::TrySendError::Full(_) => EngineError::QueueFull(self.inner.max_queue),
                     mpsc::TrySendError::Disconnected(_) => EngineError::EngineStopped,
-                })
+                };
+                self.inner.metrics.record_error(error.kind());
+                Err(error)
             }
         }
     }
 
-    /// Loads the model (if needed) and describes it.
-    pub fn model_info(&self, model: &Path) -> Result<ModelInfo> {
+    /// Runs `make_job` on the engine thread and waits for its reply.
+    fn ask<T>(&self, make_job: impl FnOnce(mpsc::Sender<T>) -> Job) -> Result<T> {
         let (reply, receiver) = mpsc::channel();
         self.jobs()
-            .send(Job::Info {
-                model: model.to_path_buf(),
-                reply,
-            })
+            .send(make_job(reply))
             .map_err(|_| EngineError::EngineStopped)?;
-        receiver.recv().map_err(|_| EngineError::EngineStopped)?
+        receiver.recv().map_err(|_| EngineError::EngineStopped)
+    }
+
+    /// Loads the model (if needed) and describes it.
+    pub fn model_info(&self, model: &Path) -> Result<ModelInfo> {
+        let model = model.to_path_buf();
+        self.ask(|reply| Job::Info { model, reply })?
+    }
+
+    /// Unloads a resident model (and its prefix-cache entries); false if it was not loaded.
+    pub fn unload(&self, model: &Path) -> Result<bool> {
+        let model = model.to_path_buf();
+        self.ask(|reply| Job::Unload { model, reply })
+    }
+
+    /// The resident models, most recently used last.
+    pub fn loaded(&self) -> Result<Vec<ModelInfo>> {
+        self.ask(|reply| Job::Loaded { reply })
     }
 
     /// Requests waiting or running.
     pub fn queue_depth(&self) -> usize {
         self.inner.queued.load(Ordering::SeqCst)
+    }
+
+    /// The engine's metrics now (queue depth counts waiting requests only).
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let mut snapshot = self.inner.metrics.snapshot();
+        snapshot.queue_depth = self.queue_depth().saturating_sub(snapshot.in_flight);
+        snapshot
     }
 }
 
@@ -210,13 +302,18 @@ struct Resident {
     tokenizer: ChatTokenizer,
 }
 
-#[derive(Default)]
 struct EngineThread {
     models: HashMap<PathBuf, Resident>,
+    /// Resident model keys, least recently used first.
+    lru: Vec<PathBuf>,
+    max_loaded: usize,
+    prefix: PrefixCache,
+    metrics: Arc<Metrics>,
+    queued: Arc<AtomicUsize>,
 }
 
 impl EngineThread {
-    fn run(mut self, inbox: mpsc::Receiver<Job>, queued: Arc<AtomicUsize>) {
+    fn run(mut self, inbox: mpsc::Receiver<Job>) {
         for job in inbox {
             match job {
                 Job::Generate {
@@ -225,19 +322,45 @@ impl EngineThread {
                     cancel,
                 } => {
                     if !cancel.load(Ordering::Relaxed) {
+                        self.metrics.set_in_flight(1, 0);
                         let result = self.generate(&request, &events, &cancel);
+                        if let Err(error) = &result {
+                            self.metrics.record_error(error.kind());
+                        }
+                        self.metrics.set_in_flight(0, 0);
                         let _ = events.send(match result {
                             Ok(completion) => Event::Done(completion),
                             Err(error) => Event::Error(error),
                         });
                     }
-                    queued.fetch_sub(1, Ordering::SeqCst);
+                    self.queued.fetch_sub(1, Ordering::SeqCst);
                 }
                 Job::Info { model, reply } => {
                     let _ = reply.send(self.resident(&model).map(|r| r.loaded.info.clone()));
                 }
+                Job::Unload { model, reply } => {
+                    let _ = reply.send(self.unload(&model));
+                }
+                Job::Loaded { reply } => {
+                    let infos = self
+                        .lru
+                        .iter()
+                        .map(|key| self.models[key].loaded.info.clone())
+                        .collect();
+                    let _ = reply.send(infos);
+                }
             }
         }
+    }
+
+    fn unload(&mut self, dir: &Path) -> bool {
+        let Ok(key) = dir.canonicalize() else {
+            return false;
+        };
+        self.lru.retain(|resident| *resident != key);
+        self.prefix.forget_model(&key);
+        self.metrics.set_prefix_cache_bytes(self.prefix.bytes());
+        self.models.remove(&key).is_some()
     }
 
     fn resident(&mut self, dir: &Path) -> Result<&Resident> {
@@ -246,13 +369,18 @@ impl EngineThread {
             message: error.to_string(),
         })?;
         if !self.models.contains_key(&key) {
+            // Make room first: two large models side by side may not fit in memory.
+            while self.lru.len() >= self.max_loaded {
+                let oldest = self.lru[0].clone();
+                self.unload(&oldest);
+            }
             let tokenizer = ChatTokenizer::from_dir(&key)?;
             let loaded = models::load_model(&key)?;
-            // One resident model for now; the server adds an LRU of several.
-            self.models.clear();
             self.models
                 .insert(key.clone(), Resident { loaded, tokenizer });
         }
+        self.lru.retain(|resident| *resident != key);
+        self.lru.push(key.clone());
         Ok(&self.models[&key])
     }
 
@@ -262,7 +390,10 @@ impl EngineThread {
         events: &mpsc::Sender<Event>,
         cancel: &AtomicBool,
     ) -> Result<Completion> {
-        let resident = self.resident(&request.model)?;
+        let model_id = request.metrics_id();
+        self.resident(&request.model)?;
+        let key = self.lru.last().expect("just made resident").clone();
+        let resident = &self.models[&key];
         let tokenizer = &resident.tokenizer;
         let prompt_ids = match &request.prompt {
             Prompt::Chat { messages, options } => tokenizer.encode_chat(messages, options)?.1,
@@ -277,15 +408,19 @@ impl EngineThread {
             )));
         }
         let max_ctx = generate::effective_context(model, &request.params, prompt_ids.len())?;
+        let reuse = self.prefix.lookup(&key, &prompt_ids);
+        self.metrics
+            .record_prefix_lookup(&model_id, reuse.is_some());
         let _ = events.send(Event::Started {
             prompt_tokens: prompt_ids.len(),
             max_ctx,
         });
-        generate::generate(
+        let (completion, sequence) = generate::generate_reusing(
             model,
             tokenizer,
             &prompt_ids,
             &request.params,
+            reuse,
             cancel,
             |delta| {
                 let _ = events.send(Event::Delta {
@@ -293,6 +428,13 @@ impl EngineThread {
                     text: delta.text,
                 });
             },
-        )
+        )?;
+        self.metrics.record_completion(&model_id, &completion);
+        if completion.finish_reason != FinishReason::Cancelled {
+            let evicted = self.prefix.insert(&key, sequence.tokens, sequence.caches);
+            self.metrics.record_prefix_evictions(&model_id, evicted);
+        }
+        self.metrics.set_prefix_cache_bytes(self.prefix.bytes());
+        Ok(completion)
     }
 }

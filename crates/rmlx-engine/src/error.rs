@@ -52,4 +52,26 @@ impl From<mlx_rs::error::Exception> for EngineError {
     }
 }
 
+impl EngineError {
+    /// A stable name for metrics and API error codes.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Io { .. } => "io",
+            Self::Config { .. } | Self::UnknownModelType(_) => "model_config",
+            Self::Tensor { .. }
+            | Self::WeightsFile { .. }
+            | Self::MissingTensor { .. }
+            | Self::UnusedTensors { .. } => "model_weights",
+            Self::ContextOverflow { .. } => "context_length_exceeded",
+            Self::Quant(_) => "quantization",
+            Self::Chat(_) => "chat_template",
+            Self::Sample(_) => "invalid_sampling",
+            Self::Mlx(_) => "mlx",
+            Self::InvalidRequest(_) => "invalid_request",
+            Self::QueueFull(_) => "queue_full",
+            Self::EngineStopped => "engine_stopped",
+        }
+    }
+}
+
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -10,9 +10,11 @@ use std::{
 use mlx_rs::{ops::indexing::IndexOp, transforms, Array};
 
 use crate::{
+    cache::KvCache,
     chat::{ChatTokenizer, StopMatcher, StreamDecoder},
     error::{EngineError, Result},
     models::{LanguageModel, Logits},
+    prefix_cache::Reuse,
     sample::{Sampler, SamplingParams},
 };
 
@@ -82,6 +84,9 @@ pub struct Completion {
     pub finish_reason: FinishReason,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache instead of being computed.
+    #[serde(default)]
+    pub cached_tokens: usize,
     pub timings: Timings,
 }
 
@@ -127,20 +132,45 @@ pub fn generate(
     prompt_ids: &[u32],
     params: &GenerateParams,
     cancel: &AtomicBool,
-    mut on_delta: impl FnMut(Delta),
+    on_delta: impl FnMut(Delta),
 ) -> Result<Completion> {
+    generate_reusing(model, tokenizer, prompt_ids, params, None, cancel, on_delta)
+        .map(|(completion, _)| completion)
+}
+
+/// `generate`, starting from a reused prefix's KV when given, and handing back the request's
+/// caches with the tokens they hold (for the prefix cache).
+pub fn generate_reusing(
+    model: &dyn LanguageModel,
+    tokenizer: &ChatTokenizer,
+    prompt_ids: &[u32],
+    params: &GenerateParams,
+    reuse: Option<Reuse>,
+    cancel: &AtomicBool,
+    mut on_delta: impl FnMut(Delta),
+) -> Result<(Completion, CachedSequence)> {
     let started = Instant::now();
     let max_ctx = effective_context(model, params, prompt_ids.len())?;
     let mut sampler = Sampler::new(&params.sampling)?;
-    let mut caches = model.new_cache(max_ctx);
+    let (mut caches, cached_tokens) = match reuse {
+        Some(reuse) if reuse.cached_tokens < prompt_ids.len() => {
+            let mut caches = reuse.caches;
+            caches
+                .iter_mut()
+                .for_each(|cache| cache.set_max_ctx(max_ctx));
+            (caches, reuse.cached_tokens)
+        }
+        _ => (model.new_cache(max_ctx), 0),
+    };
     let chunk = params.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK).max(1);
 
     // Prefill all but the last prompt token, evaluating the cache between chunks so no single
     // graph grows with the prompt (the Metal watchdog kills command buffers past ~10 s).
     let (body, last) = prompt_ids.split_at(prompt_ids.len() - 1);
-    for piece in body.chunks(chunk) {
+    for piece in body[cached_tokens..].chunks(chunk) {
         if cancel.load(Ordering::Relaxed) {
-            return Ok(cancelled(prompt_ids, started));
+            let sequence = CachedSequence::new(prompt_ids, &[], caches);
+            return Ok((cancelled(prompt_ids, cached_tokens, started), sequence));
         }
         model.forward(&as_input(piece), &mut caches, Logits::Last)?;
         transforms::eval(caches.iter().flat_map(|cache| cache.state()))?;
@@ -245,22 +275,51 @@ pub fn generate(
     } else {
         timings.itl_ms.len() as f64 / (decode_ms / 1000.0).max(1e-9)
     };
-    Ok(Completion {
+    let sequence = CachedSequence::new(prompt_ids, &token_ids, caches);
+    let completion = Completion {
         text,
         prompt_ids: prompt_ids.to_vec(),
         completion_tokens: token_ids.len(),
         token_ids,
         finish_reason,
         prompt_tokens: prompt_ids.len(),
+        cached_tokens,
         timings,
-    })
+    };
+    Ok((completion, sequence))
+}
+
+/// A request's caches and exactly the tokens they hold: the prompt and the generated tokens
+/// that were fed back (the decode loop may have fed one more than it read out).
+pub struct CachedSequence {
+    pub tokens: Vec<u32>,
+    pub caches: Vec<KvCache>,
+}
+
+impl CachedSequence {
+    fn new(prompt: &[u32], generated: &[u32], caches: Vec<KvCache>) -> Self {
+        let held = caches
+            .first()
+            .map_or(0, |cache| cache.offset().max(0) as usize);
+        let tokens: Vec<u32> = prompt.iter().chain(generated).copied().take(held).collect();
+        let mut caches = caches;
+        // A fed token that was never read back has no id here: drop its position.
+        caches
+            .iter_mut()
+            .for_each(|cache| cache.truncate(tokens.len() as i32));
+        Self { tokens, caches }
+    }
+
+    pub fn nbytes(&self) -> u64 {
+        self.caches.iter().map(|cache| cache.nbytes() as u64).sum()
+    }
 }
 
 fn ms(duration: std::time::Duration) -> f64 {
     duration.as_secs_f64() * 1000.0
 }
 
-fn cancelled(prompt_ids: &[u32], started: Instant) -> Completion {
+fn cancelled(prompt_ids: &[u32], cached_tokens: usize, started: Instant) -> Completion {
     Completion {
         text: String::new(),
         prompt_ids: prompt_ids.to_vec(),
@@ -268,6 +327,7 @@ fn cancelled(prompt_ids: &[u32], started: Instant) -> Completion {
         finish_reason: FinishReason::Cancelled,
         prompt_tokens: prompt_ids.len(),
         completion_tokens: 0,
+        cached_tokens,
         timings: Timings {
             total_ms: ms(started.elapsed()),
             ..Timings::default()

@@ -30,6 +30,7 @@ fn request(text: &str, max_tokens: usize) -> Request {
             ignore_eos: true,
             ..GenerateParams::default()
         },
+        ..Request::default()
     }
 }
 
@@ -146,4 +147,63 @@ fn unknown_model_folder_is_an_error_event() {
             .completion_tokens,
         3
     );
+}
+
+#[test]
+fn repeated_conversation_hits_the_prefix_cache_with_identical_answers() {
+    let conversation = |turns: usize| {
+        let mut messages = vec![serde_json::json!({"role": "system", "content": "You are terse."})];
+        for turn in 0..turns {
+            messages
+                .push(serde_json::json!({"role": "user", "content": format!("Question {turn}?")}));
+            messages.push(
+                serde_json::json!({"role": "assistant", "content": format!("Answer {turn}.")}),
+            );
+        }
+        messages.push(serde_json::json!({"role": "user", "content": "And now?"}));
+        Request {
+            prompt: Prompt::Chat {
+                messages,
+                options: rmlx_engine::chat::TemplateOptions {
+                    add_generation_prompt: true,
+                    ..Default::default()
+                },
+            },
+            ..request("", 12)
+        }
+    };
+    let cached = Engine::start(4).unwrap();
+    let uncached = Engine::start_with(rmlx_engine::engine::EngineOptions {
+        prefix_cache_bytes: 0,
+        ..Default::default()
+    })
+    .unwrap();
+    let first = cached.submit(conversation(1)).unwrap().wait().unwrap();
+    assert_eq!(first.cached_tokens, 0);
+    let second = cached.submit(conversation(2)).unwrap().wait().unwrap();
+    assert!(second.cached_tokens > 10, "cached {}", second.cached_tokens);
+    let reference = uncached.submit(conversation(2)).unwrap().wait().unwrap();
+    assert_eq!(reference.cached_tokens, 0);
+    assert_eq!(second.token_ids, reference.token_ids);
+
+    let metrics = cached.metrics();
+    let model = &metrics.models[0];
+    assert_eq!((model.prefix_cache_hits, model.prefix_cache_misses), (1, 1));
+    assert_eq!(model.ttft_ms.count, 2);
+    assert_eq!(model.itl_ms.count, 22);
+    assert_eq!(model.tokens_out, 24);
+    assert_eq!(
+        model.tokens_in as usize,
+        first.prompt_tokens + second.prompt_tokens
+    );
+    assert_eq!(
+        (
+            metrics.in_flight,
+            metrics.queue_depth,
+            metrics.kv_cache_bytes
+        ),
+        (0, 0, 0)
+    );
+    assert!(metrics.prefix_cache_bytes > 0);
+    assert!(metrics.mlx_active_bytes > 0);
 }

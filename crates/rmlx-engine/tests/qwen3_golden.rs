@@ -249,3 +249,53 @@ fn cache_and_chunk_sizes_do_not_change_logits() {
     assert_eq!(outputs[0], outputs[1]);
     assert_eq!(outputs[0], outputs[2]);
 }
+
+#[test]
+fn prefix_cache_reuse_gives_the_logits_of_a_fresh_run() {
+    use rmlx_engine::prefix_cache::PrefixCache;
+    let dir = fixture("qwen3-tiny");
+    let loaded = load_model(&dir).unwrap();
+    let model = loaded.model.as_ref();
+    let case = &golden("qwen3-tiny").cases[3]; // the long multi-turn prompt
+    let ids = &case.input_ids;
+    let fresh = chunked_logits(model, ids, ids.len());
+
+    // A finished request that shared the first 40 tokens, then went elsewhere for 15 more.
+    let mut earlier: Vec<u32> = ids[..40].to_vec();
+    earlier.extend((0..15).map(|i| 100 + i));
+    let mut caches = model.new_cache(4096);
+    model
+        .forward(&ids_array(&earlier), &mut caches, Logits::All)
+        .unwrap();
+    let mut prefix = PrefixCache::new(1 << 30);
+    assert_eq!(prefix.insert(&dir, earlier, caches), 0);
+
+    for attempt in 0..2 {
+        let reuse = prefix.lookup(&dir, ids).expect("shares 40 tokens");
+        assert_eq!(reuse.cached_tokens, 40);
+        let mut caches = reuse.caches;
+        let logits = model
+            .forward(&ids_array(&ids[40..]), &mut caches, Logits::All)
+            .unwrap();
+        for (offset, row) in rows(&logits).iter().enumerate() {
+            let diff = max_diff(row, &fresh[40 + offset]);
+            assert!(
+                diff < 1e-5,
+                "attempt {attempt}, position {}: {diff}",
+                40 + offset
+            );
+        }
+    }
+    // A prompt equal to a stored sequence still computes its last token.
+    let mut caches = model.new_cache(4096);
+    model
+        .forward(&ids_array(ids), &mut caches, Logits::All)
+        .unwrap();
+    prefix.insert(&dir, ids.clone(), caches);
+    assert_eq!(
+        prefix.lookup(&dir, ids).unwrap().cached_tokens,
+        ids.len() - 1
+    );
+    // Other models never share entries.
+    assert!(prefix.lookup(&fixture("qwen3-tiny-4bit"), ids).is_none());
+}

@@ -1,0 +1,355 @@
+//! What the engine measured, written once per request on the one completion path every front
+//! door shares (rMLX 0.2.4 recorded TTFT only when streaming), read by the server, the app
+//! and the CLI. Bounded: rings of recent samples per model, plus monotonic counters.
+
+use std::{
+    collections::{BTreeMap, VecDeque},
+    sync::{
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+        Mutex,
+    },
+    time::{SystemTime, UNIX_EPOCH},
+};
+
+use serde::Serialize;
+
+use crate::generate::{Completion, FinishReason};
+
+/// Samples kept per model for TTFT, and for ITL (tokens are many, so more).
+const TTFT_RING: usize = 1024;
+const ITL_RING: usize = 16384;
+/// Requests listed in `recent`.
+const RECENT: usize = 64;
+
+/// A fixed-capacity ring of the newest samples.
+#[derive(Debug, Default, Clone)]
+struct Ring {
+    samples: VecDeque<f64>,
+    capacity: usize,
+    /// Every sample ever added, including those rotated out.
+    total: u64,
+}
+
+impl Ring {
+    fn with_capacity(capacity: usize) -> Self {
+        Self {
+            samples: VecDeque::with_capacity(capacity.min(1024)),
+            capacity,
+            total: 0,
+        }
+    }
+
+    fn push(&mut self, value: f64) {
+        if self.samples.len() == self.capacity {
+            self.samples.pop_front();
+        }
+        self.samples.push_back(value);
+        self.total += 1;
+    }
+
+    fn summary(&self) -> Summary {
+        let mut sorted: Vec<f64> = self.samples.iter().copied().collect();
+        sorted.sort_by(f64::total_cmp);
+        let quantile = |q: f64| {
+            if sorted.is_empty() {
+                0.0
+            } else {
+                sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+            }
+        };
+        Summary {
+            count: self.total,
+            p50: quantile(0.5),
+            p95: quantile(0.95),
+            mean: if sorted.is_empty() {
+                0.0
+            } else {
+                sorted.iter().sum::<f64>() / sorted.len() as f64
+            },
+            last: self.samples.back().copied(),
+        }
+    }
+}
+
+/// Distribution of a latency in milliseconds over the kept samples; `count` is all-time.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Summary {
+    pub count: u64,
+    pub p50: f64,
+    pub p95: f64,
+    pub mean: f64,
+    pub last: Option<f64>,
+}
+
+/// One finished request, as listed in `recent`.
+#[derive(Debug, Clone, Serialize)]
+pub struct RequestRecord {
+    pub model: String,
+    pub ttft_ms: f64,
+    pub itl_p50_ms: f64,
+    pub tokens_in: usize,
+    pub tokens_out: usize,
+    pub cached_tokens: usize,
+    pub finish_reason: FinishReason,
+    /// Unix time in milliseconds.
+    pub ended: u64,
+}
+
+#[derive(Debug, Default)]
+struct ModelState {
+    ttft: Ring,
+    itl: Ring,
+    requests: u64,
+    tokens_in: u64,
+    tokens_out: u64,
+    prefix_hits: u64,
+    prefix_misses: u64,
+    prefix_evictions: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    models: BTreeMap<String, ModelState>,
+    recent: VecDeque<RequestRecord>,
+    errors: BTreeMap<String, u64>,
+}
+
+/// The engine's counters; shared behind an `Arc`.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    state: Mutex<State>,
+    in_flight: AtomicUsize,
+    kv_bytes: AtomicU64,
+    prefix_cache_bytes: AtomicU64,
+}
+
+/// Per-model figures in a snapshot.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelSnapshot {
+    pub model_id: String,
+    pub requests: u64,
+    pub tokens_in: u64,
+    pub tokens_out: u64,
+    pub prefix_cache_hits: u64,
+    pub prefix_cache_misses: u64,
+    pub prefix_cache_evictions: u64,
+    pub ttft_ms: Summary,
+    pub itl_ms: Summary,
+}
+
+/// Everything at one instant; the JSON shape `/metrics/cache` serves (docs/SERVER.md).
+#[derive(Debug, Clone, Serialize)]
+pub struct MetricsSnapshot {
+    pub models: Vec<ModelSnapshot>,
+    pub recent: Vec<RequestRecord>,
+    pub tokens_in: u64,
+    pub tokens_out: u64,
+    pub queue_depth: usize,
+    pub in_flight: usize,
+    /// KV bytes of requests running now.
+    pub kv_cache_bytes: u64,
+    /// KV bytes kept for reuse by the prefix cache.
+    pub prefix_cache_bytes: u64,
+    pub mlx_active_bytes: u64,
+    pub mlx_peak_bytes: u64,
+    pub mlx_cache_bytes: u64,
+    pub error_counts: BTreeMap<String, u64>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|elapsed| elapsed.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Metrics {
+    fn with_model<T>(&self, model: &str, update: impl FnOnce(&mut ModelState) -> T) -> T {
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        let entry = state
+            .models
+            .entry(model.to_string())
+            .or_insert_with(|| ModelState {
+                ttft: Ring::with_capacity(TTFT_RING),
+                itl: Ring::with_capacity(ITL_RING),
+                ..ModelState::default()
+            });
+        update(entry)
+    }
+
+    /// The one place a finished request is counted: one TTFT sample when a token came out,
+    /// one ITL sample per later token, tokens as in the usage the client sees.
+    pub fn record_completion(&self, model: &str, completion: &Completion) {
+        let record = RequestRecord {
+            model: model.to_string(),
+            ttft_ms: completion.timings.ttft_ms,
+            itl_p50_ms: {
+                let mut itl = completion.timings.itl_ms.clone();
+                itl.sort_by(f64::total_cmp);
+                itl.get(itl.len() / 2).copied().unwrap_or(0.0)
+            },
+            tokens_in: completion.prompt_tokens,
+            tokens_out: completion.completion_tokens,
+            cached_tokens: completion.cached_tokens,
+            finish_reason: completion.finish_reason,
+            ended: now_ms(),
+        };
+        self.with_model(model, |entry| {
+            entry.requests += 1;
+            entry.tokens_in += completion.prompt_tokens as u64;
+            entry.tokens_out += completion.completion_tokens as u64;
+            if completion.completion_tokens > 0 {
+                entry.ttft.push(completion.timings.ttft_ms);
+            }
+            for &gap in &completion.timings.itl_ms {
+                entry.itl.push(gap);
+            }
+        });
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        if state.recent.len() == RECENT {
+            state.recent.pop_front();
+        }
+        state.recent.push_back(record);
+    }
+
+    /// Counts a failed request by the error's kind (e.g. `context_overflow`).
+    pub fn record_error(&self, kind: &str) {
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        *state.errors.entry(kind.to_string()).or_default() += 1;
+    }
+
+    pub fn record_prefix_lookup(&self, model: &str, hit: bool) {
+        self.with_model(model, |entry| {
+            if hit {
+                entry.prefix_hits += 1;
+            } else {
+                entry.prefix_misses += 1;
+            }
+        });
+    }
+
+    pub fn record_prefix_evictions(&self, model: &str, evicted: u64) {
+        self.with_model(model, |entry| entry.prefix_evictions += evicted);
+    }
+
+    pub(crate) fn set_in_flight(&self, running: usize, kv_bytes: u64) {
+        self.in_flight.store(running, Ordering::Relaxed);
+        self.kv_bytes.store(kv_bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_prefix_cache_bytes(&self, bytes: u64) {
+        self.prefix_cache_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        let state = self
+            .state
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        let models: Vec<ModelSnapshot> = state
+            .models
+            .iter()
+            .map(|(id, entry)| ModelSnapshot {
+                model_id: id.clone(),
+                requests: entry.requests,
+                tokens_in: entry.tokens_in,
+                tokens_out: entry.tokens_out,
+                prefix_cache_hits: entry.prefix_hits,
+                prefix_cache_misses: entry.prefix_misses,
+                prefix_cache_evictions: entry.prefix_evictions,
+                ttft_ms: entry.ttft.summary(),
+                itl_ms: entry.itl.summary(),
+            })
+            .collect();
+        let memory = mlx_memory();
+        MetricsSnapshot {
+            tokens_in: models.iter().map(|m| m.tokens_in).sum(),
+            tokens_out: models.iter().map(|m| m.tokens_out).sum(),
+            models,
+            recent: state.recent.iter().cloned().collect(),
+            // Filled in by `Engine::metrics`, which owns the queue.
+            queue_depth: 0,
+            in_flight: self.in_flight.load(Ordering::Relaxed),
+            kv_cache_bytes: self.kv_bytes.load(Ordering::Relaxed),
+            prefix_cache_bytes: self.prefix_cache_bytes.load(Ordering::Relaxed),
+            mlx_active_bytes: memory.0,
+            mlx_peak_bytes: memory.1,
+            mlx_cache_bytes: memory.2,
+            error_counts: state.errors.clone(),
+        }
+    }
+}
+
+/// MLX's allocator counters (active, peak, buffer cache); thread-safe reads in MLX.
+fn mlx_memory() -> (u64, u64, u64) {
+    if mlx_sys::load().is_err() {
+        return (0, 0, 0);
+    }
+    let (mut active, mut peak, mut cache) = (0usize, 0usize, 0usize);
+    // SAFETY: MLX is loaded; the getters only read atomic counters.
+    unsafe {
+        mlx_sys::mlx_get_active_memory(&mut active);
+        mlx_sys::mlx_get_peak_memory(&mut peak);
+        mlx_sys::mlx_get_cache_memory(&mut cache);
+    }
+    (active as u64, peak as u64, cache as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::Timings;
+
+    fn completion(tokens: usize, ttft: f64) -> Completion {
+        Completion {
+            text: String::new(),
+            prompt_ids: vec![1, 2, 3],
+            token_ids: vec![7; tokens],
+            finish_reason: FinishReason::Length,
+            prompt_tokens: 3,
+            completion_tokens: tokens,
+            cached_tokens: 0,
+            timings: Timings {
+                ttft_ms: ttft,
+                itl_ms: vec![2.0; tokens.saturating_sub(1)],
+                ..Timings::default()
+            },
+        }
+    }
+
+    #[test]
+    fn one_ttft_and_n_minus_one_itl_per_request() {
+        let metrics = Metrics::default();
+        metrics.record_completion("m", &completion(5, 10.0));
+        metrics.record_completion("m", &completion(1, 30.0));
+        metrics.record_completion("m", &completion(0, 0.0));
+        let snapshot = metrics.snapshot();
+        let model = &snapshot.models[0];
+        assert_eq!(model.requests, 3);
+        assert_eq!(model.ttft_ms.count, 2);
+        assert_eq!(model.ttft_ms.last, Some(30.0));
+        assert_eq!(model.itl_ms.count, 4);
+        assert_eq!((model.tokens_in, model.tokens_out), (9, 6));
+        assert_eq!(snapshot.recent.len(), 3);
+    }
+
+    #[test]
+    fn rings_stay_bounded_and_quantiles_are_of_the_kept_samples() {
+        let mut ring = Ring::with_capacity(4);
+        for value in [100.0, 1.0, 2.0, 3.0, 4.0] {
+            ring.push(value);
+        }
+        let summary = ring.summary();
+        assert_eq!(summary.count, 5);
+        assert_eq!((summary.p50, summary.p95, summary.mean), (3.0, 4.0, 2.5));
+    }
+}

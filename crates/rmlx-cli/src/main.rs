@@ -108,6 +108,12 @@ struct BenchArgs {
 }
 
 fn main() -> ExitCode {
+    // A bug must still read as a message, not a backtrace (RUST_BACKTRACE=1 shows one).
+    if std::env::var_os("RUST_BACKTRACE").is_none() {
+        std::panic::set_hook(Box::new(|info| {
+            eprintln!("rmlx: internal error: {info} (please report it; RUST_BACKTRACE=1 shows where)");
+        }));
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate(args),

@@ -111,7 +111,9 @@ fn main() -> ExitCode {
     // A bug must still read as a message, not a backtrace (RUST_BACKTRACE=1 shows one).
     if std::env::var_os("RUST_BACKTRACE").is_none() {
         std::panic::set_hook(Box::new(|info| {
-            eprintln!("rmlx: internal error: {info} (please report it; RUST_BACKTRACE=1 shows where)");
+            eprintln!(
+                "rmlx: internal error: {info} (please report it; RUST_BACKTRACE=1 shows where)"
+            );
         }));
     }
     let cli = Cli::parse();

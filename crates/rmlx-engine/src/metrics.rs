@@ -71,6 +71,43 @@ impl Ring {
     }
 }
 
+/// Upper bounds (ms) of the cumulative histograms Prometheus scrapes; +Inf is implied.
+pub const TTFT_BUCKETS_MS: [f64; 12] = [
+    5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 30000.0,
+];
+pub const ITL_BUCKETS_MS: [f64; 11] = [
+    1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0,
+];
+
+/// An all-time cumulative histogram (unlike the rings, it never forgets).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Histogram {
+    /// `(upper bound ms, samples <= bound)`, cumulative.
+    pub buckets: Vec<(f64, u64)>,
+    pub count: u64,
+    pub sum: f64,
+}
+
+impl Histogram {
+    fn new(bounds: &[f64]) -> Self {
+        Self {
+            buckets: bounds.iter().map(|&bound| (bound, 0)).collect(),
+            count: 0,
+            sum: 0.0,
+        }
+    }
+
+    fn observe(&mut self, value: f64) {
+        for (bound, count) in &mut self.buckets {
+            if value <= *bound {
+                *count += 1;
+            }
+        }
+        self.count += 1;
+        self.sum += value;
+    }
+}
+
 /// Distribution of a latency in milliseconds over the kept samples; `count` is all-time.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Summary {
@@ -95,10 +132,12 @@ pub struct RequestRecord {
     pub ended: u64,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct ModelState {
     ttft: Ring,
     itl: Ring,
+    ttft_histogram: Histogram,
+    itl_histogram: Histogram,
     requests: u64,
     tokens_in: u64,
     tokens_out: u64,
@@ -135,6 +174,10 @@ pub struct ModelSnapshot {
     pub prefix_cache_evictions: u64,
     pub ttft_ms: Summary,
     pub itl_ms: Summary,
+    #[serde(skip)]
+    pub ttft_histogram: Histogram,
+    #[serde(skip)]
+    pub itl_histogram: Histogram,
 }
 
 /// Everything at one instant; the JSON shape `/metrics/cache` serves (docs/SERVER.md).
@@ -175,7 +218,14 @@ impl Metrics {
             .or_insert_with(|| ModelState {
                 ttft: Ring::with_capacity(TTFT_RING),
                 itl: Ring::with_capacity(ITL_RING),
-                ..ModelState::default()
+                ttft_histogram: Histogram::new(&TTFT_BUCKETS_MS),
+                itl_histogram: Histogram::new(&ITL_BUCKETS_MS),
+                requests: 0,
+                tokens_in: 0,
+                tokens_out: 0,
+                prefix_hits: 0,
+                prefix_misses: 0,
+                prefix_evictions: 0,
             });
         update(entry)
     }
@@ -203,9 +253,11 @@ impl Metrics {
             entry.tokens_out += completion.completion_tokens as u64;
             if completion.completion_tokens > 0 {
                 entry.ttft.push(completion.timings.ttft_ms);
+                entry.ttft_histogram.observe(completion.timings.ttft_ms);
             }
             for &gap in &completion.timings.itl_ms {
                 entry.itl.push(gap);
+                entry.itl_histogram.observe(gap);
             }
         });
         let mut state = self
@@ -268,6 +320,8 @@ impl Metrics {
                 prefix_cache_evictions: entry.prefix_evictions,
                 ttft_ms: entry.ttft.summary(),
                 itl_ms: entry.itl.summary(),
+                ttft_histogram: entry.ttft_histogram.clone(),
+                itl_histogram: entry.itl_histogram.clone(),
             })
             .collect();
         let memory = mlx_memory();
@@ -287,6 +341,128 @@ impl Metrics {
             error_counts: state.errors.clone(),
         }
     }
+}
+
+impl MetricsSnapshot {
+    /// The Prometheus text exposition format (version 0.0.4) of this snapshot.
+    pub fn to_prometheus(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let mut family = |name: &str, kind: &str, help: &str| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        };
+        family("rmlx_requests_total", "counter", "Finished requests.");
+        family(
+            "rmlx_tokens_in_total",
+            "counter",
+            "Prompt tokens of finished requests.",
+        );
+        family(
+            "rmlx_tokens_out_total",
+            "counter",
+            "Generated tokens of finished requests.",
+        );
+        family(
+            "rmlx_prefix_cache_hits_total",
+            "counter",
+            "Requests that reused cached prompt KV.",
+        );
+        family(
+            "rmlx_prefix_cache_misses_total",
+            "counter",
+            "Requests that found no cached prefix.",
+        );
+        family(
+            "rmlx_prefix_cache_evictions_total",
+            "counter",
+            "Prefix-cache entries evicted.",
+        );
+        family(
+            "rmlx_ttft_ms",
+            "histogram",
+            "Time to first token, milliseconds.",
+        );
+        family(
+            "rmlx_itl_ms",
+            "histogram",
+            "Inter-token latency, milliseconds.",
+        );
+        family("rmlx_errors_total", "counter", "Failed requests by kind.");
+        family(
+            "rmlx_queue_depth",
+            "gauge",
+            "Requests waiting for the engine.",
+        );
+        family("rmlx_in_flight", "gauge", "Requests generating now.");
+        family(
+            "rmlx_kv_cache_bytes",
+            "gauge",
+            "KV bytes of running requests.",
+        );
+        family(
+            "rmlx_prefix_cache_bytes",
+            "gauge",
+            "KV bytes kept for prefix reuse.",
+        );
+        family("rmlx_mlx_active_bytes", "gauge", "MLX active memory.");
+        family("rmlx_mlx_peak_bytes", "gauge", "MLX peak memory.");
+        for model in &self.models {
+            let label = format!("model=\"{}\"", escape_label(&model.model_id));
+            for (name, value) in [
+                ("rmlx_requests_total", model.requests),
+                ("rmlx_tokens_in_total", model.tokens_in),
+                ("rmlx_tokens_out_total", model.tokens_out),
+                ("rmlx_prefix_cache_hits_total", model.prefix_cache_hits),
+                ("rmlx_prefix_cache_misses_total", model.prefix_cache_misses),
+                (
+                    "rmlx_prefix_cache_evictions_total",
+                    model.prefix_cache_evictions,
+                ),
+            ] {
+                let _ = writeln!(out, "{name}{{{label}}} {value}");
+            }
+            for (name, histogram) in [
+                ("rmlx_ttft_ms", &model.ttft_histogram),
+                ("rmlx_itl_ms", &model.itl_histogram),
+            ] {
+                for (bound, count) in &histogram.buckets {
+                    let _ = writeln!(out, "{name}_bucket{{{label},le=\"{bound}\"}} {count}");
+                }
+                let _ = writeln!(
+                    out,
+                    "{name}_bucket{{{label},le=\"+Inf\"}} {}",
+                    histogram.count
+                );
+                let _ = writeln!(out, "{name}_sum{{{label}}} {}", histogram.sum);
+                let _ = writeln!(out, "{name}_count{{{label}}} {}", histogram.count);
+            }
+        }
+        for (kind, count) in &self.error_counts {
+            let _ = writeln!(
+                out,
+                "rmlx_errors_total{{kind=\"{}\"}} {count}",
+                escape_label(kind)
+            );
+        }
+        for (name, value) in [
+            ("rmlx_queue_depth", self.queue_depth as u64),
+            ("rmlx_in_flight", self.in_flight as u64),
+            ("rmlx_kv_cache_bytes", self.kv_cache_bytes),
+            ("rmlx_prefix_cache_bytes", self.prefix_cache_bytes),
+            ("rmlx_mlx_active_bytes", self.mlx_active_bytes),
+            ("rmlx_mlx_peak_bytes", self.mlx_peak_bytes),
+        ] {
+            let _ = writeln!(out, "{name} {value}");
+        }
+        out
+    }
+}
+
+fn escape_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// MLX's allocator counters (active, peak, buffer cache); thread-safe reads in MLX.
@@ -340,6 +516,40 @@ mod tests {
         assert_eq!(model.itl_ms.count, 4);
         assert_eq!((model.tokens_in, model.tokens_out), (9, 6));
         assert_eq!(snapshot.recent.len(), 3);
+    }
+
+    #[test]
+    fn prometheus_text_has_histograms_and_counters() {
+        let metrics = Metrics::default();
+        metrics.record_completion("org/m\"x", &completion(3, 12.0));
+        metrics.record_error("queue_full");
+        let text = metrics.snapshot().to_prometheus();
+        let label = "model=\"org/m\\\"x\"";
+        assert!(
+            text.contains(&format!("rmlx_requests_total{{{label}}} 1")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("rmlx_ttft_ms_bucket{{{label},le=\"10\"}} 0")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("rmlx_ttft_ms_bucket{{{label},le=\"25\"}} 1")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("rmlx_itl_ms_count{{{label}}} 2")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("rmlx_itl_ms_sum{{{label}}} 4")),
+            "{text}"
+        );
+        assert!(
+            text.contains("rmlx_errors_total{kind=\"queue_full\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("# TYPE rmlx_ttft_ms histogram"));
     }
 
     #[test]

@@ -79,10 +79,11 @@ pub enum Event {
         prompt_tokens: usize,
         max_ctx: usize,
     },
-    /// Newly completed text for one token.
+    /// Newly completed text for one token (with its log-probs when asked for).
     Delta {
         token_id: u32,
         text: String,
+        logprob: Option<crate::generate::TokenLogprob>,
     },
     Done(Completion),
     Error(EngineError),
@@ -426,6 +427,7 @@ impl EngineThread {
                 let _ = events.send(Event::Delta {
                     token_id: delta.token_id,
                     text: delta.text,
+                    logprob: delta.logprob,
                 });
             },
         )?;

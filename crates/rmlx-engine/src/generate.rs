@@ -39,6 +39,9 @@ pub struct GenerateParams {
     pub max_ctx: Option<usize>,
     #[serde(default)]
     pub prefill_chunk: Option<usize>,
+    /// `Some(n)`: report each token's log-prob and its `n` most likely alternatives (n <= 20).
+    #[serde(default)]
+    pub logprobs: Option<usize>,
 }
 
 impl Default for GenerateParams {
@@ -51,6 +54,7 @@ impl Default for GenerateParams {
             stop: Vec::new(),
             max_ctx: None,
             prefill_chunk: None,
+            logprobs: None,
         }
     }
 }
@@ -84,6 +88,9 @@ pub struct Completion {
     pub finish_reason: FinishReason,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Per generated token, when the request asked for log-probs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<TokenLogprob>>,
     /// Prompt tokens whose KV came from the prefix cache instead of being computed.
     #[serde(default)]
     pub cached_tokens: usize,
@@ -96,6 +103,85 @@ pub struct Completion {
 pub struct Delta {
     pub token_id: u32,
     pub text: String,
+    pub logprob: Option<TokenLogprob>,
+}
+
+/// A token's log-prob under the (penalised) model distribution, with the likeliest
+/// alternatives, most likely first.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TokenLogprob {
+    pub token_id: u32,
+    /// The token alone, decoded (lossy where it is part of a multi-byte character).
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TopLogprob {
+    pub token_id: u32,
+    pub token: String,
+    pub logprob: f32,
+}
+
+/// Most alternatives a request may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// One decode step's lazy outputs: the token and, when asked, its log-prob arrays.
+struct Step {
+    token: Array,
+    logprobs: Option<[Array; 3]>,
+}
+
+impl Step {
+    fn arrays(&self) -> impl Iterator<Item = &Array> {
+        std::iter::once(&self.token).chain(self.logprobs.iter().flatten())
+    }
+}
+
+/// The chosen token's log-prob and the top-`n` (ids, values), all still on device.
+fn logprob_arrays(row: &Array, token: &Array, top: usize) -> Result<[Array; 3]> {
+    let row = row.reshape(&[-1])?;
+    let chosen = row.take_axis(token.reshape(&[1])?, 0)?;
+    let top = top.clamp(1, MAX_TOP_LOGPROBS).min(row.shape()[0] as usize) as i32;
+    let ids =
+        mlx_rs::ops::argpartition_axis(mlx_rs::ops::negative(&row)?, top - 1, 0)?.index(..top);
+    let values = row.take_axis(&ids, 0)?;
+    Ok([chosen, ids, values])
+}
+
+fn read_logprob(
+    tokenizer: &ChatTokenizer,
+    token_id: u32,
+    arrays: &[Array; 3],
+    top: usize,
+) -> TokenLogprob {
+    let piece = |id: u32| tokenizer.decode(&[id], false).unwrap_or_default();
+    let ids: Vec<u32> = arrays[1].as_slice::<u32>().to_vec();
+    let values: Vec<f32> = arrays[2]
+        .as_dtype(mlx_rs::Dtype::Float32)
+        .map(|a| a.as_slice::<f32>().to_vec())
+        .unwrap_or_default();
+    let mut alternatives: Vec<TopLogprob> = ids
+        .into_iter()
+        .zip(values)
+        .map(|(id, logprob)| TopLogprob {
+            token_id: id,
+            token: piece(id),
+            logprob,
+        })
+        .collect();
+    alternatives.sort_by(|a, b| b.logprob.total_cmp(&a.logprob));
+    alternatives.truncate(top);
+    TokenLogprob {
+        token_id,
+        token: piece(token_id),
+        logprob: arrays[0]
+            .as_dtype(mlx_rs::Dtype::Float32)
+            .map(|a| a.item_cast::<f32>())
+            .unwrap_or(f32::NAN),
+        top: alternatives,
+    }
 }
 
 /// The context a request gets, and the typed refusal of a prompt that cannot fit (checked
@@ -182,6 +268,11 @@ pub fn generate_reusing(
     }
     let mut history: Vec<u32> = prompt_ids.to_vec();
     // `pending` is the token fed in, still lazy: penalties see it without a host round trip.
+    if params.logprobs.is_some_and(|top| top > MAX_TOP_LOGPROBS) {
+        return Err(EngineError::InvalidRequest(format!(
+            "at most {MAX_TOP_LOGPROBS} top log-probs per token"
+        )));
+    }
     let step = |input: &Array,
                 caches: &mut Vec<_>,
                 sampler: &mut Sampler,
@@ -189,8 +280,12 @@ pub fn generate_reusing(
                 pending: Option<&Array>| {
         let logits = model.forward(input, caches, Logits::Last)?;
         let logits = logits.index((.., -1, ..));
-        let (token, _logprobs) = sampler.sample_pending(&logits, history, pending)?;
-        Ok::<Array, EngineError>(token)
+        let (token, row) = sampler.sample_pending(&logits, history, pending)?;
+        let logprobs = params
+            .logprobs
+            .map(|top| logprob_arrays(&row, &token, top))
+            .transpose()?;
+        Ok::<Step, EngineError>(Step { token, logprobs })
     };
 
     let mut decoder = StreamDecoder::new(tokenizer);
@@ -202,20 +297,27 @@ pub fn generate_reusing(
     let mut finish_reason = FinishReason::Length;
     let max_new = params.max_tokens.min(max_ctx - prompt_ids.len() + 1);
 
+    let mut logprobs = params.logprobs.map(|_| Vec::new());
     let mut next = step(&as_input(last), &mut caches, &mut sampler, &history, None)?;
-    transforms::async_eval([&next])?;
+    transforms::async_eval(next.arrays())?;
     for index in 0..max_new {
         let current = next;
         // Queue step n+1 before reading token n, so the device never waits on the host.
         let upcoming = if index + 1 < max_new {
-            let input = current.reshape(&[1, 1])?;
-            let upcoming = step(&input, &mut caches, &mut sampler, &history, Some(&current))?;
-            transforms::async_eval([&upcoming])?;
+            let input = current.token.reshape(&[1, 1])?;
+            let upcoming = step(
+                &input,
+                &mut caches,
+                &mut sampler,
+                &history,
+                Some(&current.token),
+            )?;
+            transforms::async_eval(upcoming.arrays())?;
             Some(upcoming)
         } else {
             None
         };
-        let token = current.item_cast::<u32>();
+        let token = current.token.item_cast::<u32>();
         let now = Instant::now();
         if index == 0 {
             timings.ttft_ms = ms(now - started);
@@ -225,6 +327,16 @@ pub fn generate_reusing(
         last_token_at = now;
         token_ids.push(token);
         history.push(token);
+        let logprob = match (&current.logprobs, params.logprobs) {
+            (Some(arrays), Some(top)) => {
+                transforms::eval(arrays.iter())?;
+                Some(read_logprob(tokenizer, token, arrays, top))
+            }
+            _ => None,
+        };
+        if let (Some(all), Some(one)) = (logprobs.as_mut(), &logprob) {
+            all.push(one.clone());
+        }
 
         if stop_ids.contains(&token) {
             finish_reason = FinishReason::Stop;
@@ -236,6 +348,7 @@ pub fn generate_reusing(
         on_delta(Delta {
             token_id: token,
             text: matched.text,
+            logprob,
         });
         if matched.stopped {
             finish_reason = FinishReason::Stop;
@@ -262,6 +375,7 @@ pub fn generate_reusing(
             on_delta(Delta {
                 token_id: *token_ids.last().unwrap_or(&0),
                 text: rest,
+                logprob: None,
             });
         }
     }
@@ -283,6 +397,7 @@ pub fn generate_reusing(
         token_ids,
         finish_reason,
         prompt_tokens: prompt_ids.len(),
+        logprobs,
         cached_tokens,
         timings,
     };
@@ -327,6 +442,7 @@ fn cancelled(prompt_ids: &[u32], cached_tokens: usize, started: Instant) -> Comp
         finish_reason: FinishReason::Cancelled,
         prompt_tokens: prompt_ids.len(),
         completion_tokens: 0,
+        logprobs: None,
         cached_tokens,
         timings: Timings {
             total_ms: ms(started.elapsed()),

@@ -493,6 +493,7 @@ mod tests {
             finish_reason: FinishReason::Length,
             prompt_tokens: 3,
             completion_tokens: tokens,
+            logprobs: None,
             cached_tokens: 0,
             timings: Timings {
                 ttft_ms: ttft,

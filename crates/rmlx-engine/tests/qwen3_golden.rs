@@ -29,6 +29,7 @@ struct Case {
     step0_logits: Vec<f32>,
     greedy_ids: Vec<u32>,
     teacher_forced_logprobs: Vec<f32>,
+    greedy_step_logprobs: Vec<f32>,
     top1_top2_margins: Vec<f32>,
 }
 
@@ -298,4 +299,65 @@ fn prefix_cache_reuse_gives_the_logits_of_a_fresh_run() {
     );
     // Other models never share entries.
     assert!(prefix.lookup(&fixture("qwen3-tiny-4bit"), ids).is_none());
+}
+
+#[test]
+fn reported_logprobs_match_the_reference_and_rank_alternatives() {
+    let dir = fixture("qwen3-tiny");
+    let loaded = load_model(&dir).unwrap();
+    let tokenizer = ChatTokenizer::from_dir(&dir).unwrap();
+    let case = &golden("qwen3-tiny").cases[0];
+    let params = GenerateParams {
+        max_tokens: case.greedy_ids.len(),
+        ignore_eos: true,
+        logprobs: Some(5),
+        ..GenerateParams::default()
+    };
+    let mut streamed = Vec::new();
+    let completion = generate(
+        loaded.model.as_ref(),
+        &tokenizer,
+        &case.input_ids,
+        &params,
+        &AtomicBool::new(false),
+        |delta| streamed.extend(delta.logprob),
+    )
+    .unwrap();
+    let logprobs = completion.logprobs.unwrap();
+    assert_eq!(logprobs, streamed);
+    assert_eq!(logprobs.len(), case.greedy_ids.len());
+    for (step, entry) in logprobs.iter().enumerate() {
+        assert_eq!(entry.token_id, case.greedy_ids[step]);
+        let diff = (entry.logprob - case.greedy_step_logprobs[step]).abs();
+        assert!(
+            diff < 1e-5,
+            "step {step}: {} vs {}",
+            entry.logprob,
+            case.greedy_step_logprobs[step]
+        );
+        assert_eq!(entry.top.len(), 5);
+        // Greedy picks the most likely token: it heads its own list.
+        assert_eq!(entry.top[0].token_id, entry.token_id);
+        assert!(entry
+            .top
+            .windows(2)
+            .all(|pair| pair[0].logprob >= pair[1].logprob));
+        assert_eq!(
+            entry.token,
+            tokenizer.decode(&[entry.token_id], false).unwrap()
+        );
+    }
+    let too_many = GenerateParams {
+        logprobs: Some(21),
+        ..params
+    };
+    let error = generate(
+        loaded.model.as_ref(),
+        &tokenizer,
+        &case.input_ids,
+        &too_many,
+        &AtomicBool::new(false),
+        |_| {},
+    );
+    assert!(error.is_err());
 }

@@ -416,6 +416,7 @@ impl EngineThread {
             prompt_tokens: prompt_ids.len(),
             max_ctx,
         });
+        let metrics = &self.metrics;
         let (completion, sequence) = generate::generate_reusing(
             model,
             tokenizer,
@@ -424,6 +425,7 @@ impl EngineThread {
             reuse,
             cancel,
             |delta| {
+                metrics.set_in_flight(1, delta.kv_bytes);
                 let _ = events.send(Event::Delta {
                     token_id: delta.token_id,
                     text: delta.text,

@@ -104,6 +104,8 @@ pub struct Delta {
     pub token_id: u32,
     pub text: String,
     pub logprob: Option<TokenLogprob>,
+    /// KV bytes this request holds now (for the live-memory gauges).
+    pub kv_bytes: u64,
 }
 
 /// A token's log-prob under the (penalised) model distribution, with the likeliest
@@ -349,6 +351,7 @@ pub fn generate_reusing(
             token_id: token,
             text: matched.text,
             logprob,
+            kv_bytes: caches.iter().map(|cache| cache.nbytes() as u64).sum(),
         });
         if matched.stopped {
             finish_reason = FinishReason::Stop;
@@ -376,6 +379,7 @@ pub fn generate_reusing(
                 token_id: *token_ids.last().unwrap_or(&0),
                 text: rest,
                 logprob: None,
+                kv_bytes: caches.iter().map(|cache| cache.nbytes() as u64).sum(),
             });
         }
     }

@@ -42,18 +42,28 @@ fn streamed_deltas_add_up_to_the_final_text() {
         .unwrap();
     let mut streamed = String::new();
     let mut started = None;
+    let mut live = None;
     let completion = loop {
         match handle.events.recv().unwrap() {
             Event::Started {
                 prompt_tokens,
                 max_ctx,
             } => started = Some((prompt_tokens, max_ctx)),
-            Event::Delta { text, .. } => streamed.push_str(&text),
+            Event::Delta { text, .. } => {
+                streamed.push_str(&text);
+                live.get_or_insert_with(|| engine.metrics());
+            }
             Event::Done(completion) => break completion,
             Event::Error(error) => panic!("{error}"),
         }
     };
     assert_eq!(started, Some((completion.prompt_tokens, 2048)));
+    // While it ran, the gauges showed it; once done they are back to idle.
+    let live = live.unwrap();
+    assert_eq!(live.in_flight, 1);
+    assert!(live.kv_cache_bytes > 0);
+    let idle = engine.metrics();
+    assert_eq!((idle.in_flight, idle.kv_cache_bytes), (0, 0));
     assert_eq!(streamed, completion.text);
     assert_eq!(completion.completion_tokens, 60);
     assert_eq!(completion.timings.itl_ms.len(), 59);

@@ -13,6 +13,7 @@ pub mod prefix_cache;
 pub mod quant;
 pub mod runtime;
 pub mod sample;
+pub mod vision;
 pub mod weights;
 
 pub use error::{EngineError, Result};

@@ -1,0 +1,5 @@
+//! Images in: decoding with limits (this module), then per-family preprocessing.
+
+pub mod image;
+
+pub use image::{decode_image, decode_image_source, ImageError, ImageLimits, SourcePolicy};

@@ -373,3 +373,112 @@ impl EventSource for MessageStream {
         Some(events)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rmlx_engine::{engine::Event, EngineError};
+
+    use super::*;
+    use crate::sse::testing::{delta, done, events, generation};
+
+    fn stream(events: Vec<Event>, tools: bool) -> MessageStream {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/qwen3-tiny");
+        MessageStream {
+            generation: generation(events),
+            parser: OutputParser::new(false, tools),
+            message: json!({"id": "msg_test", "type": "message", "role": "assistant", "model": "m"}),
+            finish: Finish {
+                stops: Vec::new(),
+                tokenizer: Arc::new(ChatTokenizer::from_dir(&dir).unwrap()),
+            },
+            started: false,
+            open: None,
+            next_index: 0,
+            tool_calls: 0,
+        }
+    }
+
+    fn names(events: &[(Option<String>, Value)]) -> Vec<String> {
+        events
+            .iter()
+            .map(|(name, _)| name.clone().unwrap())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn failure_after_start_ends_with_an_error_event() {
+        let failing = stream(
+            vec![
+                delta("Hi"),
+                Event::Error(EngineError::Mlx("device lost".into())),
+            ],
+            false,
+        );
+        let events = events(sse::respond(failing)).await;
+        assert_eq!(
+            names(&events),
+            [
+                "message_start",
+                "content_block_start",
+                "ping",
+                "content_block_delta",
+                "error"
+            ]
+        );
+        let error = &events[4].1;
+        assert_eq!(error["type"], "error");
+        assert_eq!(error["error"]["type"], "api_error");
+    }
+
+    #[tokio::test]
+    async fn thinking_text_and_tool_use_blocks() {
+        let text = "<think>\nplan\n</think>\n\nLet me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        let pieces = vec![
+            delta(&text[..20]),
+            delta(&text[20..60]),
+            delta(&text[60..]),
+            done(text, 9, FinishReason::Stop),
+        ];
+        let events = events(sse::respond(stream(pieces, true))).await;
+        assert_eq!(
+            names(&events),
+            [
+                "message_start",
+                "content_block_start",
+                "ping",
+                "content_block_delta",
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop"
+            ]
+        );
+        assert_eq!(events[1].1["content_block"]["type"], "thinking");
+        assert_eq!(
+            events[3].1["delta"],
+            json!({"type": "thinking_delta", "thinking": "plan\n"})
+        );
+        assert_eq!(
+            events[6].1["delta"],
+            json!({"type": "text_delta", "text": "Let me check.\n"})
+        );
+        let tool = &events[8].1;
+        assert_eq!(
+            (tool["index"].clone(), tool["content_block"]["type"].clone()),
+            (json!(2), json!("tool_use"))
+        );
+        assert_eq!(tool["content_block"]["name"], "get_weather");
+        assert_eq!(
+            events[9].1["delta"],
+            json!({"type": "input_json_delta", "partial_json": "{\"city\":\"Paris\"}"})
+        );
+        assert_eq!(events[11].1["delta"]["stop_reason"], "tool_use");
+        assert_eq!(events[11].1["usage"]["output_tokens"], 9);
+    }
+}

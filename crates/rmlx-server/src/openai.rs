@@ -440,3 +440,73 @@ impl EventSource for TextStream {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rmlx_engine::{engine::Event, generate::FinishReason, EngineError};
+
+    use super::*;
+    use crate::sse::testing::{delta, done, events, generation};
+
+    fn stream(events: Vec<Event>, tools: bool) -> ChatStream {
+        ChatStream {
+            generation: generation(events),
+            parser: OutputParser::new(false, tools),
+            head: json!({"id": "chatcmpl-test", "object": "chat.completion.chunk"}),
+            include_usage: true,
+            started: false,
+            tool_calls: 0,
+        }
+    }
+
+    #[tokio::test]
+    async fn failure_after_start_ends_with_an_error_chunk() {
+        let failing = stream(
+            vec![
+                delta("Hel"),
+                Event::Error(EngineError::Mlx("device lost".into())),
+            ],
+            false,
+        );
+        let events = events(sse::respond(failing)).await;
+        assert_eq!(events[1].1["choices"][0]["delta"]["content"], "Hel");
+        let last = &events.last().unwrap().1;
+        assert_eq!(last["error"]["type"], "server_error");
+        assert!(last["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("device lost"));
+        assert!(events.iter().all(|(_, data)| data != "[DONE]"));
+    }
+
+    #[tokio::test]
+    async fn tool_calls_and_reasoning_stream_as_deltas() {
+        let text = "<think>\nplan\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        // Split mid-tag, as tokens would.
+        let pieces = vec![
+            delta(&text[..5]),
+            delta(&text[5..40]),
+            delta(&text[40..]),
+            done(text, 9, FinishReason::Stop),
+        ];
+        let events = events(sse::respond(stream(pieces, true))).await;
+        let reasoning: String = events
+            .iter()
+            .filter_map(|(_, d)| d["choices"][0]["delta"]["reasoning_content"].as_str())
+            .collect();
+        assert_eq!(reasoning, "plan\n");
+        let call = events
+            .iter()
+            .find_map(|(_, d)| d["choices"][0]["delta"]["tool_calls"].get(0).cloned())
+            .unwrap();
+        assert_eq!(call["index"], 0);
+        assert_eq!(call["type"], "function");
+        assert!(call["id"].as_str().unwrap().starts_with("call_"));
+        assert_eq!(call["function"]["name"], "get_weather");
+        assert_eq!(call["function"]["arguments"], r#"{"city":"Paris"}"#);
+        let n = events.len();
+        assert_eq!(events[n - 3].1["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(events[n - 2].1["usage"]["completion_tokens"], 9);
+        assert_eq!(events[n - 1].1, "[DONE]");
+    }
+}

@@ -32,3 +32,68 @@ pub fn data(value: &serde_json::Value) -> Event {
 pub fn named(name: &str, value: &serde_json::Value) -> Event {
     Event::default().event(name).data(value.to_string())
 }
+
+/// Test helpers: synthetic engine events through a stream machine, read back as SSE text.
+#[cfg(test)]
+pub(crate) mod testing {
+    use http_body_util::BodyExt;
+    use rmlx_engine::{
+        engine::Event,
+        generate::{Completion, FinishReason, Timings},
+    };
+
+    use crate::generation::Generation;
+
+    pub fn generation(events: Vec<Event>) -> Generation {
+        let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+        for event in events {
+            sender.send(event).unwrap();
+        }
+        Generation::from_events(receiver, 3)
+    }
+
+    pub fn done(text: &str, tokens: usize, finish_reason: FinishReason) -> Event {
+        Event::Done(Completion {
+            text: text.into(),
+            prompt_ids: vec![1, 2, 3],
+            token_ids: vec![5; tokens],
+            finish_reason,
+            prompt_tokens: 3,
+            completion_tokens: tokens,
+            timings: Timings::default(),
+        })
+    }
+
+    pub fn delta(text: &str) -> Event {
+        Event::Delta {
+            token_id: 5,
+            text: text.into(),
+        }
+    }
+
+    /// `(event name, data)` of each SSE event.
+    pub async fn events(
+        response: axum::response::Response,
+    ) -> Vec<(Option<String>, serde_json::Value)> {
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8(bytes.to_vec())
+            .unwrap()
+            .split("\n\n")
+            .filter(|block| !block.trim().is_empty())
+            .map(|block| {
+                let name = block
+                    .lines()
+                    .find_map(|l| l.strip_prefix("event: "))
+                    .map(str::to_string);
+                let data: String = block
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data: "))
+                    .collect();
+                (
+                    name,
+                    serde_json::from_str(&data).unwrap_or(serde_json::Value::String(data)),
+                )
+            })
+            .collect()
+    }
+}

@@ -6,6 +6,8 @@ use std::{
     process::ExitCode,
 };
 
+mod serve;
+
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use rmlx_engine::{
@@ -36,6 +38,8 @@ enum Command {
     },
     /// Time prefill and decode on random prompt ids (scripts/bench/run compares with mlx-lm).
     Bench(BenchArgs),
+    /// Serve OpenAI- and Anthropic-compatible HTTP APIs on 127.0.0.1.
+    Serve(serve::ServeArgs),
     /// Check the MLX runtime: library, version, device, and a few real operations.
     Doctor {
         /// Print one JSON object instead of text.
@@ -122,6 +126,7 @@ fn main() -> ExitCode {
         Command::Info { model, json } => info(&model, json),
         Command::Bench(args) => bench(args),
         Command::Doctor { json } => doctor(json),
+        Command::Serve(args) => serve::serve(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,63 @@
+//! `rmlx serve`: the OpenAI- and Anthropic-compatible server on the local engine. The server
+//! lives in `rmlx-server`; this file only turns flags into its `ServerConfig`.
+
+use std::path::PathBuf;
+
+use rmlx_server::ServerConfig;
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// Model folder to serve under its folder name (repeatable).
+    #[arg(long = "model")]
+    models: Vec<PathBuf>,
+    /// Folder whose subfolders (with config.json) are served as `name` or `org/name`.
+    #[arg(long)]
+    models_dir: Option<PathBuf>,
+    /// Hugging Face hub cache to serve as `org/name` (default $HF_HOME/hub or ~/.cache/huggingface/hub).
+    #[arg(long)]
+    hf_cache: Option<PathBuf>,
+    /// Address to bind; the default keeps the server on this machine.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port; 0 picks a free one (printed on the first stdout line).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Cap on every model's context, in tokens.
+    #[arg(long)]
+    max_ctx: Option<usize>,
+    /// Models kept resident at once.
+    #[arg(long, default_value_t = 1)]
+    max_loaded: usize,
+    /// Require this key (`Authorization: Bearer`, or `x-api-key` on /v1/messages).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Browser origin allowed by CORS (repeatable; `*` for any). Off when not given.
+    #[arg(long = "cors-origin")]
+    cors_origins: Vec<String>,
+    /// Requests waiting for the engine before new ones get 429.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Largest request body, in MB (images arrive inline as base64).
+    #[arg(long, default_value_t = 64)]
+    max_body_mb: usize,
+}
+
+pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let config = ServerConfig {
+        host: args.host,
+        port: args.port,
+        models: args.models,
+        models_dir: args.models_dir,
+        hf_cache: args.hf_cache,
+        max_ctx: args.max_ctx,
+        max_loaded: args.max_loaded,
+        api_key: args.api_key,
+        cors_origins: args.cors_origins,
+        max_queue: args.max_queue,
+        max_body_mb: args.max_body_mb,
+    };
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(rmlx_server::serve(config))
+}

@@ -1,0 +1,484 @@
+//! `POST /v1/messages` and `POST /v1/messages/count_tokens` in Anthropic's shapes, with the
+//! native stream (`message_start`, `content_block_start`, `ping`, `content_block_delta`,
+//! `content_block_stop`, `message_delta`, `message_stop`). Reference: Anthropic Messages API and
+//! "Streaming Messages" docs.
+
+use std::sync::Arc;
+
+use axum::{
+    extract::State,
+    response::{sse::Event, IntoResponse, Response},
+    Json,
+};
+use rmlx_engine::{
+    chat::{ChatTokenizer, TemplateOptions},
+    engine::{Prompt, Request},
+    generate::{Completion, FinishReason, GenerateParams},
+    sample::SamplingParams,
+    EngineError,
+};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::{
+    convert,
+    error::{Api, ApiError, ApiJson},
+    generation::{new_id, prompt_opens_think, Generation, Step},
+    parse::{parse_all, OutputParser, Piece, ToolCall},
+    registry::ModelEntry,
+    sse::{self, EventSource},
+    AppState,
+};
+
+/// What shapes the prompt: shared by messages and count_tokens so the counts agree.
+#[derive(Debug, Deserialize)]
+pub struct PromptFields {
+    model: String,
+    messages: Vec<Value>,
+    system: Option<Value>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    thinking: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct MessagesRequest {
+    #[serde(flatten)]
+    prompt: PromptFields,
+    max_tokens: usize,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<i64>,
+    stop_sequences: Option<Vec<String>>,
+    stream: Option<bool>,
+}
+
+struct Prepared {
+    entry: ModelEntry,
+    messages: Vec<Value>,
+    options: TemplateOptions,
+    tools: bool,
+}
+
+fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError> {
+    let entry = state.registry.resolve(&fields.model)?;
+    let system = convert::anthropic_system(fields.system.as_ref())?;
+    let messages = convert::anthropic_messages(system, &fields.messages, &entry.id)?;
+    let tools = convert::anthropic_tools(fields.tools.as_deref(), fields.tool_choice.as_ref())?;
+    let enable_thinking = match fields
+        .thinking
+        .as_ref()
+        .and_then(|t| t.get("type"))
+        .and_then(Value::as_str)
+    {
+        Some("enabled") => Some(true),
+        Some("disabled") => Some(false),
+        _ => None,
+    };
+    Ok(Prepared {
+        entry,
+        messages,
+        tools: tools.is_some(),
+        options: TemplateOptions {
+            add_generation_prompt: true,
+            enable_thinking,
+            tools,
+            ..TemplateOptions::default()
+        },
+    })
+}
+
+pub async fn count_tokens(
+    State(state): State<AppState>,
+    ApiJson(fields): ApiJson<PromptFields>,
+) -> Result<Response, ApiError> {
+    let prepared = prepare(&state, &fields)?;
+    let registry = state.registry.clone();
+    let count = tokio::task::spawn_blocking(move || {
+        let tokenizer = registry.tokenizer(&prepared.entry.path)?;
+        tokenizer
+            .encode_chat(&prepared.messages, &prepared.options)
+            .map(|(_, ids)| ids.len())
+            .map_err(|error| ApiError::from(EngineError::Chat(error)))
+    })
+    .await
+    .map_err(|error| ApiError::Internal(error.to_string()))??;
+    Ok(Json(json!({"input_tokens": count})).into_response())
+}
+
+fn usage(completion: &Completion) -> Value {
+    json!({"input_tokens": completion.prompt_tokens, "output_tokens": completion.completion_tokens,
+           "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0})
+}
+
+/// Anthropic's stop reason, and which stop sequence ended the answer (the engine reports only
+/// "stop", so a last token that is not EOS means a stop string matched).
+fn stop_reason(
+    completion: &Completion,
+    tool_calls: bool,
+    stops: &[String],
+    tokenizer: &ChatTokenizer,
+) -> (&'static str, Option<String>) {
+    match completion.finish_reason {
+        _ if tool_calls => ("tool_use", None),
+        FinishReason::Length => ("max_tokens", None),
+        FinishReason::Cancelled => ("end_turn", None),
+        FinishReason::Stop => {
+            let last = completion.token_ids.last().copied();
+            let by_eos = last.is_none_or(|id| tokenizer.eos_token_ids().contains(&id));
+            if by_eos || stops.is_empty() {
+                return ("end_turn", None);
+            }
+            let full = tokenizer
+                .decode(&completion.token_ids, false)
+                .unwrap_or_default();
+            let matched = stops
+                .iter()
+                .filter_map(|stop| full.find(stop.as_str()).map(|at| (at, stop)))
+                .min_by_key(|(at, _)| *at)
+                .map(|(_, stop)| stop.clone());
+            ("stop_sequence", matched.or_else(|| stops.first().cloned()))
+        }
+    }
+}
+
+fn tool_use_block(call: &ToolCall) -> Value {
+    json!({"type": "tool_use", "id": new_id("toolu_"), "name": call.name, "input": call.arguments})
+}
+
+pub async fn messages(
+    State(state): State<AppState>,
+    ApiJson(request): ApiJson<MessagesRequest>,
+) -> Result<Response, ApiError> {
+    let prepared = prepare(&state, &request.prompt)?;
+    if request.max_tokens == 0 {
+        return Err(ApiError::BadRequest("max_tokens must be at least 1".into()));
+    }
+    let stops = request.stop_sequences.clone().unwrap_or_default();
+    let params = GenerateParams {
+        max_tokens: request.max_tokens,
+        sampling: SamplingParams {
+            // Anthropic's defaults: temperature 1, no top_p/top_k filtering.
+            temperature: request.temperature.unwrap_or(1.0),
+            top_p: request.top_p.unwrap_or(1.0),
+            top_k: request.top_k.unwrap_or(0).max(0) as usize,
+            ..SamplingParams::default()
+        },
+        stop: stops.clone(),
+        max_ctx: state.config.max_ctx,
+        ..GenerateParams::default()
+    };
+    let in_reasoning = prompt_opens_think(
+        &state,
+        &prepared.entry,
+        &prepared.messages,
+        &prepared.options,
+    )
+    .await?;
+    let tokenizer = state.registry.tokenizer(&prepared.entry.path)?;
+    let Prepared {
+        entry,
+        messages,
+        options,
+        tools,
+    } = prepared;
+    let engine_request = Request {
+        model: entry.path.clone(),
+        prompt: Prompt::Chat { messages, options },
+        params,
+        ..Request::default()
+    };
+    let generation = Generation::start(&state, &entry, engine_request).await?;
+    let message =
+        json!({"id": new_id("msg_"), "type": "message", "role": "assistant", "model": entry.id});
+    let finish = Finish { stops, tokenizer };
+    if request.stream.unwrap_or(false) {
+        return Ok(sse::respond(MessageStream {
+            generation,
+            parser: OutputParser::new(in_reasoning, tools),
+            message,
+            finish,
+            started: false,
+            open: None,
+            next_index: 0,
+            tool_calls: 0,
+        }));
+    }
+    let completion = generation.complete().await?;
+    let parsed = parse_all(&completion.text, in_reasoning, tools);
+    let mut content = Vec::new();
+    if let Some(reasoning) = &parsed.reasoning {
+        content.push(json!({"type": "thinking", "thinking": reasoning, "signature": ""}));
+    }
+    if !parsed.content.is_empty() || (parsed.tool_calls.is_empty() && content.is_empty()) {
+        content.push(json!({"type": "text", "text": parsed.content}));
+    }
+    content.extend(parsed.tool_calls.iter().map(tool_use_block));
+    let (reason, sequence) = finish.reason(&completion, !parsed.tool_calls.is_empty());
+    let mut body = message;
+    body["content"] = json!(content);
+    body["stop_reason"] = json!(reason);
+    body["stop_sequence"] = json!(sequence);
+    body["usage"] = usage(&completion);
+    body["timings"] = crate::openai::timings(&completion);
+    Ok(Json(body).into_response())
+}
+
+struct Finish {
+    stops: Vec<String>,
+    tokenizer: Arc<ChatTokenizer>,
+}
+
+impl Finish {
+    fn reason(&self, completion: &Completion, tool_calls: bool) -> (&'static str, Option<String>) {
+        stop_reason(completion, tool_calls, &self.stops, &self.tokenizer)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Block {
+    Text,
+    Thinking,
+}
+
+struct MessageStream {
+    generation: Generation,
+    parser: OutputParser,
+    message: Value,
+    finish: Finish,
+    started: bool,
+    /// The open text/thinking block and its index.
+    open: Option<(Block, usize)>,
+    next_index: usize,
+    tool_calls: usize,
+}
+
+impl MessageStream {
+    /// Opens a block (closing the previous one); `ping` follows the first block's start, as
+    /// Anthropic's own stream does.
+    fn start_block(&mut self, block: Value, events: &mut Vec<Event>) -> usize {
+        self.close_block(events);
+        let index = self.next_index;
+        self.next_index += 1;
+        events.push(sse::named(
+            "content_block_start",
+            &json!({"type": "content_block_start", "index": index, "content_block": block}),
+        ));
+        if index == 0 {
+            events.push(sse::named("ping", &json!({"type": "ping"})));
+        }
+        index
+    }
+
+    fn close_block(&mut self, events: &mut Vec<Event>) {
+        if let Some((_, index)) = self.open.take() {
+            events.push(sse::named(
+                "content_block_stop",
+                &json!({"type": "content_block_stop", "index": index}),
+            ));
+        }
+    }
+
+    fn ensure(&mut self, kind: Block, events: &mut Vec<Event>) -> usize {
+        match self.open {
+            Some((open, index)) if open == kind => index,
+            _ => {
+                let block = match kind {
+                    Block::Text => json!({"type": "text", "text": ""}),
+                    Block::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
+                };
+                let index = self.start_block(block, events);
+                self.open = Some((kind, index));
+                index
+            }
+        }
+    }
+
+    fn pieces(&mut self, pieces: Vec<Piece>, events: &mut Vec<Event>) {
+        for piece in pieces {
+            let (index, delta) = match piece {
+                Piece::Content(text) => (
+                    self.ensure(Block::Text, events),
+                    json!({"type": "text_delta", "text": text}),
+                ),
+                Piece::Reasoning(text) => (
+                    self.ensure(Block::Thinking, events),
+                    json!({"type": "thinking_delta", "thinking": text}),
+                ),
+                Piece::ToolCall(call) => {
+                    self.tool_calls += 1;
+                    let mut block = tool_use_block(&call);
+                    block["input"] = json!({});
+                    let index = self.start_block(block, events);
+                    let delta =
+                        json!({"type": "input_json_delta", "partial_json": call.arguments_json()});
+                    events.push(sse::named(
+                        "content_block_delta",
+                        &json!({"type": "content_block_delta", "index": index, "delta": delta}),
+                    ));
+                    events.push(sse::named(
+                        "content_block_stop",
+                        &json!({"type": "content_block_stop", "index": index}),
+                    ));
+                    continue;
+                }
+            };
+            events.push(sse::named(
+                "content_block_delta",
+                &json!({"type": "content_block_delta", "index": index, "delta": delta}),
+            ));
+        }
+    }
+}
+
+impl EventSource for MessageStream {
+    async fn step(&mut self) -> Option<Vec<Event>> {
+        if !self.started {
+            self.started = true;
+            let mut message = self.message.clone();
+            message["content"] = json!([]);
+            message["stop_reason"] = Value::Null;
+            message["stop_sequence"] = Value::Null;
+            message["usage"] =
+                json!({"input_tokens": self.generation.prompt_tokens, "output_tokens": 0});
+            return Some(vec![sse::named(
+                "message_start",
+                &json!({"type": "message_start", "message": message}),
+            )]);
+        }
+        let mut events = Vec::new();
+        match self.generation.next().await? {
+            Step::Delta(text) => {
+                let pieces = self.parser.push(&text);
+                self.pieces(pieces, &mut events);
+            }
+            Step::Done(completion) => {
+                let pieces = self.parser.finish();
+                self.pieces(pieces, &mut events);
+                if self.next_index == 0 {
+                    self.ensure(Block::Text, &mut events);
+                }
+                self.close_block(&mut events);
+                let (reason, sequence) = self.finish.reason(&completion, self.tool_calls > 0);
+                events.push(sse::named(
+                    "message_delta",
+                    &json!({"type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": {"output_tokens": completion.completion_tokens}}),
+                ));
+                events.push(sse::named("message_stop", &json!({"type": "message_stop"})));
+            }
+            Step::Failed(error) => events.push(sse::named("error", &error.body(Api::Anthropic))),
+        }
+        Some(events)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rmlx_engine::{engine::Event, EngineError};
+
+    use super::*;
+    use crate::sse::testing::{delta, done, events, generation};
+
+    fn stream(events: Vec<Event>, tools: bool) -> MessageStream {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/qwen3-tiny");
+        MessageStream {
+            generation: generation(events),
+            parser: OutputParser::new(false, tools),
+            message: json!({"id": "msg_test", "type": "message", "role": "assistant", "model": "m"}),
+            finish: Finish {
+                stops: Vec::new(),
+                tokenizer: Arc::new(ChatTokenizer::from_dir(&dir).unwrap()),
+            },
+            started: false,
+            open: None,
+            next_index: 0,
+            tool_calls: 0,
+        }
+    }
+
+    fn names(events: &[(Option<String>, Value)]) -> Vec<String> {
+        events
+            .iter()
+            .map(|(name, _)| name.clone().unwrap())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn failure_after_start_ends_with_an_error_event() {
+        let failing = stream(
+            vec![
+                delta("Hi"),
+                Event::Error(EngineError::Mlx("device lost".into())),
+            ],
+            false,
+        );
+        let events = events(sse::respond(failing)).await;
+        assert_eq!(
+            names(&events),
+            [
+                "message_start",
+                "content_block_start",
+                "ping",
+                "content_block_delta",
+                "error"
+            ]
+        );
+        let error = &events[4].1;
+        assert_eq!(error["type"], "error");
+        assert_eq!(error["error"]["type"], "api_error");
+    }
+
+    #[tokio::test]
+    async fn thinking_text_and_tool_use_blocks() {
+        let text = "<think>\nplan\n</think>\n\nLet me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        let pieces = vec![
+            delta(&text[..20]),
+            delta(&text[20..60]),
+            delta(&text[60..]),
+            done(text, 9, FinishReason::Stop),
+        ];
+        let events = events(sse::respond(stream(pieces, true))).await;
+        assert_eq!(
+            names(&events),
+            [
+                "message_start",
+                "content_block_start",
+                "ping",
+                "content_block_delta",
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop"
+            ]
+        );
+        assert_eq!(events[1].1["content_block"]["type"], "thinking");
+        assert_eq!(
+            events[3].1["delta"],
+            json!({"type": "thinking_delta", "thinking": "plan\n"})
+        );
+        assert_eq!(
+            events[6].1["delta"],
+            json!({"type": "text_delta", "text": "Let me check.\n"})
+        );
+        let tool = &events[8].1;
+        assert_eq!(
+            (tool["index"].clone(), tool["content_block"]["type"].clone()),
+            (json!(2), json!("tool_use"))
+        );
+        assert_eq!(tool["content_block"]["name"], "get_weather");
+        assert_eq!(
+            events[9].1["delta"],
+            json!({"type": "input_json_delta", "partial_json": "{\"city\":\"Paris\"}"})
+        );
+        assert_eq!(events[11].1["delta"]["stop_reason"], "tool_use");
+        assert_eq!(events[11].1["usage"]["output_tokens"], 9);
+    }
+}

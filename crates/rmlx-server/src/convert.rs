@@ -1,0 +1,460 @@
+//! Request messages and tools from either API into the shapes HF chat templates take
+//! (`{"role","content": str, "tool_calls": [{"type":"function","function":{"name","arguments":
+//! {...}}}]}`, `{"role":"tool","content","tool_call_id"}`, tools as OpenAI function schemas).
+//! Reference: HF transformers chat-templating docs ("tool use"), mlx-lm `server.py`
+//! (`process_message_content`).
+
+use base64::Engine as _;
+use serde_json::{json, Map, Value};
+
+use crate::error::ApiError;
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::BadRequest(message.into())
+}
+
+/// Refuses an image: remote and file references clearly, undecodable data as a bad image, and
+/// valid inline images because no served model has vision yet.
+pub fn refuse_image(reference: &str, model: &str) -> ApiError {
+    let reference = reference.trim();
+    let lower = reference.to_ascii_lowercase();
+    if lower.starts_with("http://") || lower.starts_with("https://") {
+        return bad("remote image URLs are not supported: send the image inline as a data URI (data:image/png;base64,...)");
+    }
+    let payload = if lower.starts_with("data:") {
+        match reference.split_once(";base64,") {
+            Some((_, payload)) => payload,
+            None => {
+                return bad(
+                    "bad image: the data URI is not base64 (expected data:image/...;base64,...)",
+                )
+            }
+        }
+    } else if lower.starts_with("file:") || reference.starts_with('/') || reference.starts_with('.')
+    {
+        return bad("image file paths are not supported: send the image inline as a data URI (data:image/png;base64,...)");
+    } else {
+        reference
+    };
+    if base64::engine::general_purpose::STANDARD
+        .decode(payload.trim())
+        .is_err()
+    {
+        return bad("bad image: the image data is not valid base64");
+    }
+    no_vision(model)
+}
+
+pub fn no_vision(model: &str) -> ApiError {
+    bad(format!(
+        "model `{model}` has no vision: it cannot read images; send text only or use a vision model"
+    ))
+}
+
+/// OpenAI content: a string, null, or parts (`text` joined; `image_url` refused).
+fn openai_text(content: Option<&Value>, model: &str) -> Result<String, ApiError> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(text)) => Ok(text.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for part in parts {
+                match part.get("type").and_then(Value::as_str) {
+                    Some("text") => text.push_str(
+                        part.get("text")
+                            .and_then(Value::as_str)
+                            .ok_or_else(|| bad("a `text` content part needs a string `text`"))?,
+                    ),
+                    Some("image_url") => {
+                        let url = part
+                            .get("image_url")
+                            .and_then(|image| image.get("url").or(Some(image)))
+                            .and_then(Value::as_str)
+                            .ok_or_else(|| bad("an `image_url` part needs `image_url.url`"))?;
+                        return Err(refuse_image(url, model));
+                    }
+                    Some(other) => {
+                        return Err(bad(format!("unsupported content part type `{other}`")))
+                    }
+                    None => return Err(bad("each content part needs a `type`")),
+                }
+            }
+            Ok(text)
+        }
+        Some(_) => Err(bad(
+            "`content` must be a string, an array of parts, or null",
+        )),
+    }
+}
+
+/// OpenAI tool calls: `arguments` is a JSON string on the wire; templates want the object.
+fn template_tool_calls(calls: &Value) -> Result<Value, ApiError> {
+    let calls = calls
+        .as_array()
+        .ok_or_else(|| bad("`tool_calls` must be an array"))?;
+    let converted = calls
+        .iter()
+        .map(|call| {
+            let function = call
+                .get("function")
+                .ok_or_else(|| bad("each tool call needs a `function`"))?;
+            let name = function
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("each tool call needs `function.name`"))?;
+            let arguments = match function.get("arguments") {
+                Some(Value::String(text)) => {
+                    serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.clone()))
+                }
+                Some(other) => other.clone(),
+                None => json!({}),
+            };
+            let mut out =
+                json!({"type": "function", "function": {"name": name, "arguments": arguments}});
+            if let Some(id) = call.get("id") {
+                out["id"] = id.clone();
+            }
+            Ok(out)
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    Ok(Value::Array(converted))
+}
+
+/// OpenAI chat messages into template messages.
+pub fn openai_messages(messages: &[Value], model: &str) -> Result<Vec<Value>, ApiError> {
+    if messages.is_empty() {
+        return Err(bad("`messages` must not be empty"));
+    }
+    messages
+        .iter()
+        .map(|message| {
+            let role = message
+                .get("role")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("each message needs a string `role`"))?;
+            let content = openai_text(message.get("content"), model)?;
+            Ok(match role {
+                "system" | "developer" => json!({"role": "system", "content": content}),
+                "user" => json!({"role": "user", "content": content}),
+                "assistant" => {
+                    let mut out = json!({"role": "assistant", "content": content});
+                    if let Some(calls) = message.get("tool_calls").filter(|c| !c.is_null()) {
+                        out["tool_calls"] = template_tool_calls(calls)?;
+                    }
+                    if let Some(reasoning) =
+                        message.get("reasoning_content").filter(|r| r.is_string())
+                    {
+                        out["reasoning_content"] = reasoning.clone();
+                    }
+                    out
+                }
+                "tool" | "function" => {
+                    let mut out = json!({"role": "tool", "content": content});
+                    if let Some(id) = message.get("tool_call_id") {
+                        out["tool_call_id"] = id.clone();
+                    }
+                    out
+                }
+                other => return Err(bad(format!("unknown message role `{other}`"))),
+            })
+        })
+        .collect()
+}
+
+/// OpenAI `tools` after `tool_choice`: `none` hides them, a named function keeps only it.
+pub fn openai_tools(
+    tools: Option<&[Value]>,
+    choice: Option<&Value>,
+) -> Result<Option<Value>, ApiError> {
+    let Some(tools) = tools.filter(|tools| !tools.is_empty()) else {
+        return Ok(None);
+    };
+    for tool in tools {
+        if tool
+            .pointer("/function/name")
+            .and_then(Value::as_str)
+            .is_none()
+        {
+            return Err(bad("each tool needs `function.name` (type `function`)"));
+        }
+    }
+    let chosen = match choice {
+        Some(Value::String(mode)) if mode == "none" => return Ok(None),
+        Some(choice) => choice.pointer("/function/name").and_then(Value::as_str),
+        None => None,
+    };
+    let kept: Vec<Value> = match chosen {
+        Some(name) => tools
+            .iter()
+            .filter(|tool| tool.pointer("/function/name").and_then(Value::as_str) == Some(name))
+            .cloned()
+            .collect(),
+        None => tools.to_vec(),
+    };
+    if kept.is_empty() {
+        return Err(bad("`tool_choice` names a function that is not in `tools`"));
+    }
+    Ok(Some(Value::Array(kept)))
+}
+
+/// Anthropic `system`: a string or text blocks.
+pub fn anthropic_system(system: Option<&Value>) -> Result<Option<String>, ApiError> {
+    match system {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(text)) => Ok(Some(text.clone())),
+        Some(Value::Array(blocks)) => {
+            let texts: Result<Vec<&str>, ApiError> = blocks
+                .iter()
+                .map(|block| {
+                    block
+                        .get("text")
+                        .and_then(Value::as_str)
+                        .ok_or_else(|| bad("`system` blocks must be text blocks"))
+                })
+                .collect();
+            Ok(Some(texts?.join("\n")))
+        }
+        Some(_) => Err(bad("`system` must be a string or an array of text blocks")),
+    }
+}
+
+/// A `tool_result`'s content: a string or text blocks.
+fn tool_result_text(content: Option<&Value>, model: &str) -> Result<String, ApiError> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(text)) => Ok(text.clone()),
+        Some(Value::Array(blocks)) => {
+            let mut text = String::new();
+            for block in blocks {
+                match block.get("type").and_then(Value::as_str) {
+                    Some("text") => {
+                        text.push_str(block.get("text").and_then(Value::as_str).unwrap_or(""))
+                    }
+                    Some("image") => return Err(anthropic_image(block, model)),
+                    _ => return Err(bad("`tool_result` content must be text blocks")),
+                }
+            }
+            Ok(text)
+        }
+        Some(_) => Err(bad("`tool_result` content must be a string or blocks")),
+    }
+}
+
+fn anthropic_image(block: &Value, model: &str) -> ApiError {
+    let source = block.get("source");
+    match source.and_then(|s| s.get("type")).and_then(Value::as_str) {
+        Some("base64") => refuse_image(
+            source
+                .and_then(|s| s.get("data"))
+                .and_then(Value::as_str)
+                .unwrap_or(""),
+            model,
+        ),
+        Some("url") => refuse_image(
+            source
+                .and_then(|s| s.get("url"))
+                .and_then(Value::as_str)
+                .unwrap_or("http://"),
+            model,
+        ),
+        _ => bad("an `image` block needs `source` of type `base64`"),
+    }
+}
+
+/// Anthropic messages (+ system) into template messages: `tool_result` blocks become `tool`
+/// messages, `tool_use` blocks the assistant's `tool_calls`, `thinking` its reasoning.
+pub fn anthropic_messages(
+    system: Option<String>,
+    messages: &[Value],
+    model: &str,
+) -> Result<Vec<Value>, ApiError> {
+    if messages.is_empty() {
+        return Err(bad("`messages` must not be empty"));
+    }
+    let mut out = Vec::new();
+    if let Some(system) = system {
+        out.push(json!({"role": "system", "content": system}));
+    }
+    for message in messages {
+        let role = message
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("each message needs a string `role`"))?;
+        if role != "user" && role != "assistant" {
+            return Err(bad(format!(
+                "unknown message role `{role}` (user or assistant)"
+            )));
+        }
+        let blocks = match message.get("content") {
+            Some(Value::String(text)) => vec![json!({"type": "text", "text": text})],
+            Some(Value::Array(blocks)) => blocks.clone(),
+            _ => return Err(bad("`content` must be a string or an array of blocks")),
+        };
+        let (mut text, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
+        for block in &blocks {
+            match block.get("type").and_then(Value::as_str) {
+                Some("text") => text.push_str(
+                    block
+                        .get("text")
+                        .and_then(Value::as_str)
+                        .ok_or_else(|| bad("a text block needs `text`"))?,
+                ),
+                Some("image") => return Err(anthropic_image(block, model)),
+                Some("thinking") => {
+                    reasoning.push_str(block.get("thinking").and_then(Value::as_str).unwrap_or(""))
+                }
+                Some("redacted_thinking") => {}
+                Some("tool_use") if role == "assistant" => {
+                    let name = block
+                        .get("name")
+                        .and_then(Value::as_str)
+                        .ok_or_else(|| bad("a tool_use block needs `name`"))?;
+                    let mut call = json!({"type": "function", "function": {"name": name, "arguments": block.get("input").cloned().unwrap_or(json!({}))}});
+                    if let Some(id) = block.get("id") {
+                        call["id"] = id.clone();
+                    }
+                    calls.push(call);
+                }
+                Some("tool_result") if role == "user" => {
+                    let mut tool = json!({"role": "tool", "content": tool_result_text(block.get("content"), model)?});
+                    if let Some(id) = block.get("tool_use_id") {
+                        tool["tool_call_id"] = id.clone();
+                    }
+                    out.push(tool);
+                }
+                Some(other) => {
+                    return Err(bad(format!(
+                        "unsupported `{other}` block in a {role} message"
+                    )))
+                }
+                None => return Err(bad("each content block needs a `type`")),
+            }
+        }
+        if role == "assistant" {
+            let mut turn = json!({"role": "assistant", "content": text});
+            if !reasoning.is_empty() {
+                turn["reasoning_content"] = json!(reasoning);
+            }
+            if !calls.is_empty() {
+                turn["tool_calls"] = Value::Array(calls);
+            }
+            out.push(turn);
+        } else if !text.is_empty()
+            || !blocks
+                .iter()
+                .any(|b| b.get("type").and_then(Value::as_str) == Some("tool_result"))
+        {
+            out.push(json!({"role": "user", "content": text}));
+        }
+    }
+    Ok(out)
+}
+
+/// Anthropic tools (`name`, `description`, `input_schema`) as the template's function tools,
+/// after `tool_choice` (`none` hides them, `tool` keeps the named one).
+pub fn anthropic_tools(
+    tools: Option<&[Value]>,
+    choice: Option<&Value>,
+) -> Result<Option<Value>, ApiError> {
+    let Some(tools) = tools.filter(|tools| !tools.is_empty()) else {
+        return Ok(None);
+    };
+    let choice_type = choice.and_then(|c| c.get("type")).and_then(Value::as_str);
+    if choice_type == Some("none") {
+        return Ok(None);
+    }
+    let chosen = match choice_type {
+        Some("tool") => choice.and_then(|c| c.get("name")).and_then(Value::as_str),
+        _ => None,
+    };
+    let mut converted = Vec::new();
+    for tool in tools {
+        let name = tool
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("each tool needs a `name`"))?;
+        if chosen.is_some_and(|chosen| chosen != name) {
+            continue;
+        }
+        let mut function = Map::new();
+        function.insert("name".into(), json!(name));
+        if let Some(description) = tool.get("description") {
+            function.insert("description".into(), description.clone());
+        }
+        function.insert(
+            "parameters".into(),
+            tool.get("input_schema")
+                .cloned()
+                .unwrap_or(json!({"type": "object", "properties": {}})),
+        );
+        converted.push(json!({"type": "function", "function": function}));
+    }
+    if converted.is_empty() {
+        return Err(bad("`tool_choice` names a tool that is not in `tools`"));
+    }
+    Ok(Some(Value::Array(converted)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn openai_parts_and_tool_history() {
+        let messages = vec![
+            json!({"role": "developer", "content": "be brief"}),
+            json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}),
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\":1}"}}]}),
+            json!({"role": "tool", "tool_call_id": "c1", "content": "42"}),
+        ];
+        let out = openai_messages(&messages, "m").unwrap();
+        assert_eq!(out[0], json!({"role": "system", "content": "be brief"}));
+        assert_eq!(out[1]["content"], "ab");
+        assert_eq!(
+            out[2]["tool_calls"][0]["function"]["arguments"],
+            json!({"x": 1})
+        );
+        assert_eq!(
+            out[3],
+            json!({"role": "tool", "content": "42", "tool_call_id": "c1"})
+        );
+    }
+
+    #[test]
+    fn images_are_refused_clearly() {
+        let msg = |url: &str| refuse_image(url, "tiny").to_string();
+        assert!(msg("https://x.org/cat.png").contains("remote image URLs"));
+        assert!(msg("/tmp/cat.png").contains("file paths"));
+        assert!(msg("data:image/png;base64,@@@").contains("not valid base64"));
+        assert!(msg("data:image/png;base64,iVBORw0KGgo=").contains("has no vision"));
+    }
+
+    #[test]
+    fn anthropic_tool_round_trip_shapes() {
+        let messages = vec![
+            json!({"role": "user", "content": "weather?"}),
+            json!({"role": "assistant", "content": [{"type": "text", "text": "checking"}, {"type": "tool_use", "id": "t1", "name": "w", "input": {"city": "Paris"}}]}),
+            json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "sunny"}]}]}),
+        ];
+        let out = anthropic_messages(Some("sys".into()), &messages, "m").unwrap();
+        assert_eq!(out.len(), 4);
+        assert_eq!(
+            out[2]["tool_calls"][0]["function"],
+            json!({"name": "w", "arguments": {"city": "Paris"}})
+        );
+        assert_eq!(
+            out[3],
+            json!({"role": "tool", "content": "sunny", "tool_call_id": "t1"})
+        );
+        let tools = anthropic_tools(
+            Some(&[json!({"name": "w", "description": "d", "input_schema": {"type": "object"}})]),
+            None,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            tools[0],
+            json!({"type": "function", "function": {"name": "w", "description": "d", "parameters": {"type": "object"}}})
+        );
+    }
+}

@@ -1,0 +1,191 @@
+//! One error type for every route, mapped to a status and each API's JSON shape. Reference: axum
+//! `examples/error-handling` (one enum, one `IntoResponse`), with the bodies the official SDKs
+//! parse: OpenAI `{"error":{"message","type","code"}}`, Anthropic
+//! `{"type":"error","error":{"type","message"}}`.
+
+use axum::{
+    body::Bytes,
+    extract::{FromRequest, Request},
+    http::StatusCode,
+    response::{IntoResponse, Response},
+    Json,
+};
+use rmlx_engine::EngineError;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ApiError {
+    /// Malformed JSON, wrong types, unsupported values, bad images.
+    #[error("{0}")]
+    BadRequest(String),
+    /// Decided by the engine from the tokenized prompt, before any compute.
+    #[error("this request has {prompt_tokens} prompt tokens but the model's context holds {max_ctx}; shorten the messages or raise --max-ctx")]
+    ContextLength {
+        prompt_tokens: usize,
+        max_ctx: usize,
+    },
+    #[error("{0}")]
+    Unauthorized(String),
+    /// The Host header is not one of ours (DNS-rebinding guard).
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("model `{0}` not found; GET /v1/models lists the available ids")]
+    ModelNotFound(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("request body is larger than the limit of {0} MB (raise it with --max-body-mb)")]
+    PayloadTooLarge(usize),
+    #[error("{0}")]
+    QueueFull(String),
+    #[error("{0}")]
+    NotImplemented(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// Which API's error shape a response takes; chosen from the request path in `app`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    OpenAi,
+    Anthropic,
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::BadRequest(_) | Self::ContextLength { .. } => StatusCode::BAD_REQUEST,
+            Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Self::Forbidden(_) => StatusCode::FORBIDDEN,
+            Self::ModelNotFound(_) | Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
+            Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
+            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// OpenAI's (`type`, `code`) pair.
+    fn openai_kind(&self) -> (&'static str, Option<&'static str>) {
+        match self {
+            Self::BadRequest(_) => ("invalid_request_error", None),
+            Self::ContextLength { .. } => {
+                ("invalid_request_error", Some("context_length_exceeded"))
+            }
+            Self::Unauthorized(_) => ("invalid_request_error", Some("invalid_api_key")),
+            Self::Forbidden(_) => ("invalid_request_error", Some("forbidden_host")),
+            Self::ModelNotFound(_) => ("invalid_request_error", Some("model_not_found")),
+            Self::NotFound(_) => ("invalid_request_error", Some("not_found")),
+            Self::PayloadTooLarge(_) => ("invalid_request_error", Some("request_too_large")),
+            Self::QueueFull(_) => ("rate_limit_error", Some("queue_full")),
+            Self::NotImplemented(_) => ("invalid_request_error", Some("not_implemented")),
+            Self::Internal(_) => ("server_error", None),
+        }
+    }
+
+    fn anthropic_kind(&self) -> &'static str {
+        match self {
+            Self::BadRequest(_) | Self::ContextLength { .. } | Self::NotImplemented(_) => {
+                "invalid_request_error"
+            }
+            Self::Unauthorized(_) => "authentication_error",
+            Self::Forbidden(_) => "permission_error",
+            Self::ModelNotFound(_) | Self::NotFound(_) => "not_found_error",
+            Self::PayloadTooLarge(_) => "request_too_large",
+            Self::QueueFull(_) => "rate_limit_error",
+            Self::Internal(_) => "api_error",
+        }
+    }
+
+    /// The JSON body in one API's shape (also the payload of a mid-stream SSE error).
+    pub fn body(&self, api: Api) -> serde_json::Value {
+        match api {
+            Api::OpenAi => {
+                let (kind, code) = self.openai_kind();
+                let mut error =
+                    json!({"message": self.to_string(), "type": kind, "param": null, "code": code});
+                if let Self::ContextLength {
+                    prompt_tokens,
+                    max_ctx,
+                } = self
+                {
+                    error["prompt_tokens"] = json!(prompt_tokens);
+                    error["context_length"] = json!(max_ctx);
+                }
+                json!({ "error": error })
+            }
+            Api::Anthropic => json!({
+                "type": "error",
+                "error": {"type": self.anthropic_kind(), "message": self.to_string()},
+            }),
+        }
+    }
+
+    pub fn response(&self, api: Api) -> Response {
+        let mut response = (self.status(), Json(self.body(api))).into_response();
+        // Kept so the outer shape layer can re-render it for the Anthropic routes.
+        response.extensions_mut().insert(self.clone());
+        response
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        self.response(Api::OpenAi)
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(error: EngineError) -> Self {
+        match error {
+            EngineError::ContextOverflow {
+                prompt_tokens,
+                max_ctx,
+            } => Self::ContextLength {
+                prompt_tokens,
+                max_ctx,
+            },
+            EngineError::QueueFull(queued) => Self::QueueFull(format!(
+                "the server is busy ({queued} requests queued); retry later or raise --max-queue"
+            )),
+            EngineError::InvalidRequest(message) => Self::BadRequest(message),
+            EngineError::Sample(error) => Self::BadRequest(error.to_string()),
+            // Rendering failures come from the messages (roles, shapes) the client sent.
+            EngineError::Chat(error @ rmlx_engine::chat::ChatError::TemplateRender { .. }) => {
+                Self::BadRequest(error.to_string())
+            }
+            other => Self::Internal(other.to_string()),
+        }
+    }
+}
+
+/// A JSON body parsed into our error shape: axum's own `Json` answers rejections in plain text
+/// and 415/422, the SDKs expect a JSON 400 (or 413 past the body limit).
+pub struct ApiJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
+        let limit_mb = request
+            .extensions()
+            .get::<BodyLimitMb>()
+            .map_or(0, |limit| limit.0);
+        let bytes = Bytes::from_request(request, state)
+            .await
+            .map_err(|rejection| {
+                if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                    ApiError::PayloadTooLarge(limit_mb)
+                } else {
+                    ApiError::BadRequest(format!("cannot read the request body: {rejection}"))
+                }
+            })?;
+        serde_json::from_slice(&bytes)
+            .map(ApiJson)
+            .map_err(|error| ApiError::BadRequest(format!("invalid JSON body: {error}")))
+    }
+}
+
+/// The configured body limit, for the 413 message.
+#[derive(Clone, Copy)]
+pub struct BodyLimitMb(pub usize);

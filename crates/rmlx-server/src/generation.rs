@@ -1,0 +1,179 @@
+//! Bridges the engine thread's blocking event channel into async handlers. The engine decides
+//! context overflow before any compute, so a request waits for `Started` (or the refusal) before
+//! its HTTP status is chosen; after that, failures become in-stream errors. Dropping a
+//! `Generation` (a client gone mid-stream) drops the `RequestHandle`, which cancels the work.
+//! Reference: text-generation-inference router (validate, then stream events).
+
+use std::{sync::mpsc::RecvTimeoutError, time::Duration};
+
+use rmlx_engine::{
+    engine::{Event, Request, RequestHandle},
+    generate::Completion,
+    EngineError,
+};
+use tokio::sync::mpsc;
+
+use crate::{error::ApiError, registry::ModelEntry, AppState};
+
+/// How often an idle forwarder checks whether its client is still there (prefill sends no
+/// events, so a disconnect during a long prompt is noticed at this pace).
+const DISCONNECT_POLL: Duration = Duration::from_millis(50);
+
+pub enum Step {
+    Delta(String),
+    Done(Completion),
+    Failed(ApiError),
+}
+
+pub struct Generation {
+    events: mpsc::UnboundedReceiver<Event>,
+    pub prompt_tokens: usize,
+    pub max_ctx: usize,
+    finished: bool,
+}
+
+impl Generation {
+    /// Validates, queues and waits until the engine accepts the prompt (or refuses it).
+    pub async fn start(
+        state: &AppState,
+        entry: &ModelEntry,
+        request: Request,
+    ) -> Result<Self, ApiError> {
+        request
+            .params
+            .sampling
+            .validate()
+            .map_err(|error| ApiError::BadRequest(error.to_string()))?;
+        let handle = state.engine.submit(request)?;
+        let (sender, events) = mpsc::unbounded_channel();
+        tokio::task::spawn_blocking(move || forward(handle, sender));
+        let mut generation = Self {
+            events,
+            prompt_tokens: 0,
+            max_ctx: 0,
+            finished: false,
+        };
+        match generation.events.recv().await {
+            Some(Event::Started {
+                prompt_tokens,
+                max_ctx,
+            }) => {
+                state.registry.mark_loaded(&entry.id, None);
+                generation.prompt_tokens = prompt_tokens;
+                generation.max_ctx = max_ctx;
+                Ok(generation)
+            }
+            Some(Event::Error(error)) => Err(error.into()),
+            Some(_) => Err(ApiError::Internal(
+                "the engine skipped its start event".into(),
+            )),
+            None => Err(EngineError::EngineStopped.into()),
+        }
+    }
+
+    /// A generation fed from a channel, for tests of the stream formats.
+    #[cfg(test)]
+    pub fn from_events(events: mpsc::UnboundedReceiver<Event>, prompt_tokens: usize) -> Self {
+        Self {
+            events,
+            prompt_tokens,
+            max_ctx: 2048,
+            finished: false,
+        }
+    }
+
+    /// The next piece of the answer; after `Done` or `Failed`, always `None`.
+    pub async fn next(&mut self) -> Option<Step> {
+        if self.finished {
+            return None;
+        }
+        loop {
+            let step = match self.events.recv().await {
+                Some(Event::Delta { text, .. }) => Step::Delta(text),
+                Some(Event::Done(completion)) => Step::Done(completion),
+                Some(Event::Error(error)) => Step::Failed(error.into()),
+                Some(Event::Started { .. }) => continue,
+                None => Step::Failed(EngineError::EngineStopped.into()),
+            };
+            self.finished = !matches!(step, Step::Delta(_));
+            return Some(step);
+        }
+    }
+
+    /// Runs to the end (non-streaming responses).
+    pub async fn complete(mut self) -> Result<Completion, ApiError> {
+        while let Some(step) = self.next().await {
+            match step {
+                Step::Delta(_) => {}
+                Step::Done(completion) => return Ok(completion),
+                Step::Failed(error) => return Err(error),
+            }
+        }
+        Err(EngineError::EngineStopped.into())
+    }
+}
+
+/// Moves events across until the end, or until the async side is gone (then the handle drops
+/// here, cancelling the generation).
+fn forward(handle: RequestHandle, sender: mpsc::UnboundedSender<Event>) {
+    loop {
+        match handle.events.recv_timeout(DISCONNECT_POLL) {
+            Ok(event) => {
+                let last = matches!(event, Event::Done(_) | Event::Error(_));
+                if sender.send(event).is_err() || last {
+                    return;
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                if sender.is_closed() {
+                    return;
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                let _ = sender.send(Event::Error(EngineError::EngineStopped));
+                return;
+            }
+        }
+    }
+}
+
+/// A fresh id with a prefix (`chatcmpl-`, `msg_`, `call_`): time plus a process-wide counter
+/// is unique enough for a local server and needs no RNG.
+pub fn new_id(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let count = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}{nanos:x}{count:04x}")
+}
+
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Whether the rendered prompt ends inside an open `<think>` (templates that force thinking), so
+/// the output parser starts in reasoning mode. Rendering here also surfaces template errors as
+/// a 400 before the request is queued.
+pub async fn prompt_opens_think(
+    state: &AppState,
+    entry: &ModelEntry,
+    messages: &[serde_json::Value],
+    options: &rmlx_engine::chat::TemplateOptions,
+) -> Result<bool, ApiError> {
+    let (registry, path) = (state.registry.clone(), entry.path.clone());
+    let (messages, options) = (messages.to_vec(), options.clone());
+    tokio::task::spawn_blocking(move || {
+        let tokenizer = registry.tokenizer(&path)?;
+        let prompt = tokenizer
+            .render(&messages, &options)
+            .map_err(|error| ApiError::from(EngineError::Chat(error)))?;
+        let tail = prompt.trim_end();
+        Ok(tail.ends_with("<think>"))
+    })
+    .await
+    .map_err(|error| ApiError::Internal(error.to_string()))?
+}

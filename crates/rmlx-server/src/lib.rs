@@ -1,0 +1,194 @@
+//! rMLX's local HTTP server: OpenAI- and Anthropic-compatible routes onto the one engine.
+//! `app(state)` builds the whole router so tests drive it in-process (axum
+//! `examples/testing`); `serve` binds it to a socket with graceful shutdown.
+
+// Engine structs are always built with `..Default::default()`: they gain fields over time.
+#![allow(clippy::needless_update)]
+
+pub mod anthropic;
+pub mod convert;
+pub mod error;
+pub mod generation;
+pub mod guard;
+pub mod models;
+pub mod openai;
+pub mod parse;
+pub mod registry;
+mod sse;
+
+use std::{path::PathBuf, sync::Arc};
+
+use anyhow::Context;
+use axum::{
+    extract::DefaultBodyLimit,
+    middleware,
+    routing::{get, post},
+    Extension, Router,
+};
+use rmlx_engine::engine::Engine;
+
+use crate::{error::BodyLimitMb, registry::Registry};
+
+/// Everything `rmlx serve` takes on its command line.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub host: String,
+    pub port: u16,
+    /// `--model` folders; each is served under its folder name.
+    pub models: Vec<PathBuf>,
+    pub models_dir: Option<PathBuf>,
+    /// The Hugging Face hub cache; None = `$HF_HUB_CACHE`, `$HF_HOME/hub` or
+    /// `~/.cache/huggingface/hub`.
+    pub hf_cache: Option<PathBuf>,
+    pub max_ctx: Option<usize>,
+    pub max_loaded: usize,
+    pub api_key: Option<String>,
+    pub cors_origins: Vec<String>,
+    pub max_queue: usize,
+    pub max_body_mb: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8080,
+            models: Vec::new(),
+            models_dir: None,
+            hf_cache: None,
+            max_ctx: None,
+            max_loaded: 1,
+            api_key: None,
+            cors_origins: Vec::new(),
+            max_queue: 64,
+            // A 2560x2560 RGBA PNG is at most ~26 MB, ~35 MB as base64 in a data URI.
+            max_body_mb: 64,
+        }
+    }
+}
+
+/// Shared by every handler; cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    pub engine: Engine,
+    pub registry: Arc<Registry>,
+    pub config: Arc<ServerConfig>,
+}
+
+impl AppState {
+    /// Starts the engine thread and indexes the model folders.
+    pub fn new(config: ServerConfig) -> anyhow::Result<Self> {
+        for model in &config.models {
+            anyhow::ensure!(
+                model.join("config.json").is_file(),
+                "{} is not a model folder (no config.json)",
+                model.display()
+            );
+        }
+        let engine = Engine::start(config.max_queue).context("cannot start the engine")?;
+        let registry = Registry::new(
+            &config.models,
+            config.models_dir.clone(),
+            config.hf_cache.clone(),
+            config.max_ctx,
+            config.max_loaded,
+        );
+        Ok(Self {
+            engine,
+            registry: Arc::new(registry),
+            config: Arc::new(config),
+        })
+    }
+}
+
+/// The whole API. Layers, outermost first: error shape per API, Host allow-list, CORS (only
+/// with `--cors-origin`), API key, body limit.
+pub fn app(state: AppState) -> Router {
+    let body_limit = state.config.max_body_mb;
+    let routes = Router::new()
+        .route("/health", get(models::health))
+        .route("/v1/models", get(models::list))
+        .route(
+            "/v1/models/{*id}",
+            get(models::retrieve).post(models::admin),
+        )
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .fallback(models::not_found)
+        .layer(DefaultBodyLimit::max(
+            body_limit.saturating_mul(1024 * 1024),
+        ))
+        .layer(Extension(BodyLimitMb(body_limit)))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            guard::require_key,
+        ));
+    let routes = match guard::cors(&state.config.cors_origins) {
+        Some(cors) => routes.layer(cors),
+        None => routes,
+    };
+    routes
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            guard::check_host,
+        ))
+        .layer(middleware::from_fn(guard::shape_errors))
+        .with_state(state)
+}
+
+/// Binds, serves until Ctrl-C or SIGTERM, then lets in-flight requests finish.
+pub async fn serve(config: ServerConfig) -> anyhow::Result<()> {
+    let (host, port) = (config.host.clone(), config.port);
+    let listener = tokio::net::TcpListener::bind((host.as_str(), port))
+        .await
+        .map_err(|error| {
+            if error.kind() == std::io::ErrorKind::AddrInUse {
+                anyhow::anyhow!(
+                    "port {port} on {host} is already in use (another rmlx serve?); pick another with --port"
+                )
+            } else {
+                anyhow::anyhow!("cannot listen on {host}:{port}: {error}")
+            }
+        })?;
+    let address = listener.local_addr()?;
+    let state = AppState::new(config)?;
+    let models: Vec<String> = state.registry.list().into_iter().map(|m| m.id).collect();
+    // The first stdout line is the address: scripts using --port 0 read the port from it.
+    println!("rmlx serve: listening on http://{address}");
+    eprintln!(
+        "rmlx serve: {} model(s): {}",
+        models.len(),
+        models.join(", ")
+    );
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    axum::serve(listener, app(state))
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("the server failed")?;
+    eprintln!("rmlx serve: stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+}

@@ -1,0 +1,376 @@
+//! Model ids and where they live: `--model` folders (id = folder name), `--models-dir` children
+//! (id = relative path), and the Hugging Face hub cache (`models--org--name/snapshots/<rev>` as
+//! `org/name`). Folders are rescanned on each lookup so fresh downloads appear without a restart.
+//! Reference: huggingface_hub `file_download.py` (cache layout, `refs/main`).
+
+use std::{
+    collections::{HashMap, VecDeque},
+    path::{Component, Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::UNIX_EPOCH,
+};
+
+use rmlx_engine::{chat::ChatTokenizer, models::ModelInfo};
+
+use crate::error::ApiError;
+
+/// How many models the engine keeps resident today (it evicts on switch); becomes
+/// `--max-loaded` when the engine's LRU lands.
+const ENGINE_RESIDENT: usize = 1;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelEntry {
+    pub id: String,
+    pub path: PathBuf,
+    pub owned_by: String,
+    /// Unix seconds of the folder's mtime (OpenAI's `created`).
+    pub created: u64,
+}
+
+pub struct Registry {
+    explicit: Vec<ModelEntry>,
+    models_dir: Option<PathBuf>,
+    hf_hub: Option<PathBuf>,
+    max_ctx: Option<usize>,
+    max_loaded: usize,
+    tokenizers: Mutex<HashMap<PathBuf, Arc<ChatTokenizer>>>,
+    infos: Mutex<HashMap<String, ModelInfo>>,
+    /// Most recently used first: what we believe is resident in the engine.
+    resident: Mutex<VecDeque<String>>,
+}
+
+impl Registry {
+    pub fn new(
+        models: &[PathBuf],
+        models_dir: Option<PathBuf>,
+        hf_cache: Option<PathBuf>,
+        max_ctx: Option<usize>,
+        max_loaded: usize,
+    ) -> Self {
+        let explicit = models
+            .iter()
+            .map(|path| {
+                let id = path
+                    .canonicalize()
+                    .unwrap_or_else(|_| path.clone())
+                    .file_name()
+                    .map_or_else(
+                        || path.display().to_string(),
+                        |n| n.to_string_lossy().into(),
+                    );
+                entry(id, path.clone(), "local")
+            })
+            .collect();
+        Self {
+            explicit,
+            models_dir,
+            hf_hub: hf_cache.or_else(default_hf_hub),
+            max_ctx,
+            max_loaded: max_loaded.max(1),
+            tokenizers: Mutex::default(),
+            infos: Mutex::default(),
+            resident: Mutex::default(),
+        }
+    }
+
+    /// Every model we can serve, `--model` folders first; the first id wins on duplicates.
+    pub fn list(&self) -> Vec<ModelEntry> {
+        let mut all = self.explicit.clone();
+        if let Some(dir) = &self.models_dir {
+            all.extend(scan_models_dir(dir));
+        }
+        if let Some(hub) = &self.hf_hub {
+            all.extend(scan_hf_hub(hub));
+        }
+        let mut seen = std::collections::HashSet::new();
+        all.retain(|entry| seen.insert(entry.id.clone()));
+        all
+    }
+
+    /// The model an id names, refusing ids that could reach outside the model folders.
+    pub fn resolve(&self, id: &str) -> Result<ModelEntry, ApiError> {
+        if let Some(found) = self.explicit.iter().find(|entry| entry.id == id) {
+            return Ok(found.clone());
+        }
+        check_id(id)?;
+        if let Some(dir) = &self.models_dir {
+            let path = dir.join(id);
+            if is_model_dir(&path) && stays_inside(dir, &path) {
+                return Ok(entry(id.to_string(), path, "local"));
+            }
+        }
+        if let (Some(hub), Some((org, name))) = (&self.hf_hub, id.split_once('/')) {
+            if !name.contains('/') {
+                let repo = hub.join(format!("models--{org}--{name}"));
+                if let Some(path) = hf_snapshot(&repo) {
+                    if stays_inside(hub, &path) {
+                        return Ok(entry(id.to_string(), path, org));
+                    }
+                }
+            }
+        }
+        Err(ApiError::ModelNotFound(id.to_string()))
+    }
+
+    /// The model's tokenizer + template, loaded once (count_tokens, prompt inspection).
+    pub fn tokenizer(&self, path: &Path) -> Result<Arc<ChatTokenizer>, ApiError> {
+        if let Some(found) = self.tokenizers.lock().unwrap().get(path) {
+            return Ok(found.clone());
+        }
+        let loaded =
+            Arc::new(ChatTokenizer::from_dir(path).map_err(|error| {
+                ApiError::Internal(format!("cannot load the tokenizer: {error}"))
+            })?);
+        self.tokenizers
+            .lock()
+            .unwrap()
+            .insert(path.to_path_buf(), loaded.clone());
+        Ok(loaded)
+    }
+
+    /// Context a request gets: the model's own, capped by `--max-ctx`.
+    pub fn context_length(&self, entry: &ModelEntry) -> Option<usize> {
+        let from_config = self
+            .infos
+            .lock()
+            .unwrap()
+            .get(&entry.id)
+            .map(|info| info.context_length)
+            .or_else(|| config_context(&entry.path));
+        match (from_config, self.max_ctx) {
+            (Some(model), Some(cap)) => Some(model.min(cap)),
+            (model, cap) => model.or(cap),
+        }
+    }
+
+    pub fn info(&self, id: &str) -> Option<ModelInfo> {
+        self.infos.lock().unwrap().get(id).cloned()
+    }
+
+    /// Records a model the engine just used or loaded (it is now resident).
+    pub fn mark_loaded(&self, id: &str, info: Option<ModelInfo>) {
+        if let Some(info) = info {
+            self.infos.lock().unwrap().insert(id.to_string(), info);
+        }
+        let mut resident = self.resident.lock().unwrap();
+        resident.retain(|other| other != id);
+        resident.push_front(id.to_string());
+        resident.truncate(ENGINE_RESIDENT.min(self.max_loaded));
+    }
+
+    pub fn is_loaded(&self, id: &str) -> bool {
+        self.resident
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|other| other == id)
+    }
+}
+
+fn entry(id: String, path: PathBuf, owned_by: &str) -> ModelEntry {
+    let created = std::fs::metadata(&path)
+        .and_then(|meta| meta.modified())
+        .ok()
+        .and_then(|time| time.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |age| age.as_secs());
+    ModelEntry {
+        id,
+        path,
+        owned_by: owned_by.to_string(),
+        created,
+    }
+}
+
+/// Relative, `/`-separated, no `.`/`..`, no backslashes or drive prefixes.
+fn check_id(id: &str) -> Result<(), ApiError> {
+    let bad = id.is_empty()
+        || id.contains('\\')
+        || id.contains('\0')
+        || Path::new(id)
+            .components()
+            .any(|part| !matches!(part, Component::Normal(_)))
+        || id
+            .split('/')
+            .any(|part| part.is_empty() || part == "." || part == "..");
+    if bad {
+        return Err(ApiError::BadRequest(format!(
+            "invalid model id `{id}`: ids are relative names like `qwen3` or `org/name`"
+        )));
+    }
+    Ok(())
+}
+
+/// Symlinks inside a models folder may not lead out of it.
+fn stays_inside(root: &Path, path: &Path) -> bool {
+    match (root.canonicalize(), path.canonicalize()) {
+        (Ok(root), Ok(path)) => path.starts_with(root),
+        _ => false,
+    }
+}
+
+fn is_model_dir(path: &Path) -> bool {
+    path.join("config.json").is_file()
+}
+
+fn default_hf_hub() -> Option<PathBuf> {
+    if let Some(home) = std::env::var_os("HF_HUB_CACHE") {
+        return Some(PathBuf::from(home));
+    }
+    if let Some(home) = std::env::var_os("HF_HOME") {
+        return Some(PathBuf::from(home).join("hub"));
+    }
+    std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache/huggingface/hub"))
+}
+
+/// Direct children with config.json as `name`, and one level deeper as `org/name`.
+fn scan_models_dir(dir: &Path) -> Vec<ModelEntry> {
+    let mut found = Vec::new();
+    for child in sorted_children(dir) {
+        let name = child
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .to_string();
+        if is_model_dir(&child) {
+            found.push(entry(name, child, "local"));
+        } else {
+            for grandchild in sorted_children(&child) {
+                if is_model_dir(&grandchild) {
+                    let leaf = grandchild.file_name().unwrap_or_default().to_string_lossy();
+                    found.push(entry(format!("{name}/{leaf}"), grandchild, &name));
+                }
+            }
+        }
+    }
+    found
+}
+
+fn scan_hf_hub(hub: &Path) -> Vec<ModelEntry> {
+    let mut found = Vec::new();
+    for repo in sorted_children(hub) {
+        let folder = repo
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .to_string();
+        let Some(rest) = folder.strip_prefix("models--") else {
+            continue;
+        };
+        let Some((org, name)) = rest.split_once("--") else {
+            continue;
+        };
+        if let Some(path) = hf_snapshot(&repo) {
+            found.push(entry(format!("{org}/{name}"), path, org));
+        }
+    }
+    found
+}
+
+/// The snapshot `refs/main` points at, else the newest snapshot holding a config.json.
+fn hf_snapshot(repo: &Path) -> Option<PathBuf> {
+    let snapshots = repo.join("snapshots");
+    if let Ok(main) = std::fs::read_to_string(repo.join("refs/main")) {
+        let path = snapshots.join(main.trim());
+        if is_model_dir(&path) {
+            return Some(path);
+        }
+    }
+    sorted_children(&snapshots)
+        .into_iter()
+        .filter(|path| is_model_dir(path))
+        .max_by_key(|path| std::fs::metadata(path).and_then(|m| m.modified()).ok())
+}
+
+fn sorted_children(dir: &Path) -> Vec<PathBuf> {
+    let mut children: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+                .filter(|path| path.is_dir())
+                .collect()
+        })
+        .unwrap_or_default();
+    children.sort();
+    children
+}
+
+/// `max_position_embeddings` from config.json (or its `text_config`), without loading weights.
+fn config_context(dir: &Path) -> Option<usize> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let config: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let read = |value: &serde_json::Value| value.get("max_position_embeddings")?.as_u64();
+    read(&config)
+        .or_else(|| read(config.get("text_config")?))
+        .map(|n| n as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("rmlx-registry-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn model_at(path: &Path) {
+        std::fs::create_dir_all(path).unwrap();
+        std::fs::write(
+            path.join("config.json"),
+            r#"{"max_position_embeddings": 4096}"#,
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn finds_models_dir_and_hf_cache_ids() {
+        let root = temp("ids");
+        model_at(&root.join("models/plain"));
+        model_at(&root.join("models/org/nested"));
+        model_at(&root.join("hub/models--Qwen--Qwen3-0.6B/snapshots/abc"));
+        std::fs::create_dir_all(root.join("hub/models--Qwen--Qwen3-0.6B/refs")).unwrap();
+        std::fs::write(root.join("hub/models--Qwen--Qwen3-0.6B/refs/main"), "abc").unwrap();
+        let registry = Registry::new(
+            &[],
+            Some(root.join("models")),
+            Some(root.join("hub")),
+            Some(1024),
+            1,
+        );
+        let ids: Vec<String> = registry.list().into_iter().map(|e| e.id).collect();
+        assert_eq!(ids, ["org/nested", "plain", "Qwen/Qwen3-0.6B"]);
+        let hf = registry.resolve("Qwen/Qwen3-0.6B").unwrap();
+        assert!(hf.path.ends_with("snapshots/abc"));
+        assert_eq!(hf.owned_by, "Qwen");
+        assert_eq!(registry.context_length(&hf), Some(1024));
+        assert!(registry.resolve("org/nested").is_ok());
+        let _ = std::fs::remove_dir_all(root);
+    }
+
+    #[test]
+    fn ids_cannot_escape() {
+        let root = temp("escape");
+        model_at(&root.join("outside"));
+        std::fs::create_dir_all(root.join("models")).unwrap();
+        let registry = Registry::new(
+            &[],
+            Some(root.join("models")),
+            Some(root.join("hub")),
+            None,
+            1,
+        );
+        for id in ["../outside", "/etc", "a/../../outside", "", "./x", "a\\b"] {
+            assert!(
+                matches!(registry.resolve(id), Err(ApiError::BadRequest(_))),
+                "{id}"
+            );
+        }
+        assert!(matches!(
+            registry.resolve("nope"),
+            Err(ApiError::ModelNotFound(_))
+        ));
+        let _ = std::fs::remove_dir_all(root);
+    }
+}

@@ -1,0 +1,99 @@
+//! Server-sent events from a per-API state machine: each `step` yields the next events (maybe
+//! none) or `None` at the end. When the client goes, axum drops the stream, the machine and its
+//! `Generation` with it, which cancels the engine work.
+
+use std::{convert::Infallible, future::Future};
+
+use axum::response::{
+    sse::{Event, Sse},
+    IntoResponse, Response,
+};
+use futures_util::{stream, StreamExt};
+
+pub trait EventSource: Send + 'static {
+    fn step(&mut self) -> impl Future<Output = Option<Vec<Event>>> + Send;
+}
+
+pub fn respond<M: EventSource>(machine: M) -> Response {
+    let events = stream::unfold(machine, |mut machine| async move {
+        let events = machine.step().await?;
+        Some((events, machine))
+    })
+    .flat_map(|events| stream::iter(events.into_iter().map(Ok::<_, Infallible>)));
+    Sse::new(events).into_response()
+}
+
+/// `data: {json}` (OpenAI's chunks carry no event name).
+pub fn data(value: &serde_json::Value) -> Event {
+    Event::default().data(value.to_string())
+}
+
+/// `event: name` + `data: {json}` (Anthropic names every event).
+pub fn named(name: &str, value: &serde_json::Value) -> Event {
+    Event::default().event(name).data(value.to_string())
+}
+
+/// Test helpers: synthetic engine events through a stream machine, read back as SSE text.
+#[cfg(test)]
+pub(crate) mod testing {
+    use http_body_util::BodyExt;
+    use rmlx_engine::{
+        engine::Event,
+        generate::{Completion, FinishReason, Timings},
+    };
+
+    use crate::generation::Generation;
+
+    pub fn generation(events: Vec<Event>) -> Generation {
+        let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+        for event in events {
+            sender.send(event).unwrap();
+        }
+        Generation::from_events(receiver, 3)
+    }
+
+    pub fn done(text: &str, tokens: usize, finish_reason: FinishReason) -> Event {
+        Event::Done(Completion {
+            text: text.into(),
+            prompt_ids: vec![1, 2, 3],
+            token_ids: vec![5; tokens],
+            finish_reason,
+            prompt_tokens: 3,
+            completion_tokens: tokens,
+            timings: Timings::default(),
+        })
+    }
+
+    pub fn delta(text: &str) -> Event {
+        Event::Delta {
+            token_id: 5,
+            text: text.into(),
+        }
+    }
+
+    /// `(event name, data)` of each SSE event.
+    pub async fn events(
+        response: axum::response::Response,
+    ) -> Vec<(Option<String>, serde_json::Value)> {
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8(bytes.to_vec())
+            .unwrap()
+            .split("\n\n")
+            .filter(|block| !block.trim().is_empty())
+            .map(|block| {
+                let name = block
+                    .lines()
+                    .find_map(|l| l.strip_prefix("event: "))
+                    .map(str::to_string);
+                let data: String = block
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data: "))
+                    .collect();
+                (
+                    name,
+                    serde_json::from_str(&data).unwrap_or(serde_json::Value::String(data)),
+                )
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,305 @@
+//! Guards and lifecycle in-process: API keys, Host allow-list, CORS, queue limits, client
+//! disconnects cancelling work, concurrent requests not interleaving.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use axum::{
+    body::Body,
+    http::{Method, Request, StatusCode},
+};
+use common::*;
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+fn chat(content: &str, max_tokens: usize, stream: bool) -> Value {
+    json!({"model": MODEL, "messages": [{"role": "user", "content": content}],
+           "max_tokens": max_tokens, "temperature": 0, "stream": stream})
+}
+
+/// A request that runs to `max_tokens`: EOS (`<|endoftext|>` 991, `<|im_end|>` 993 in the
+/// fixture's vocab) is banned through `logit_bias`.
+fn long_chat(max_tokens: usize, stream: bool) -> Value {
+    let mut body = chat("Tell me a story", max_tokens, stream);
+    body["logit_bias"] = json!({"991": -1000.0, "993": -1000.0});
+    body
+}
+
+#[tokio::test]
+async fn api_key_on_both_apis() {
+    let (app, _) = router(ServerConfigExt::with(|c| c.api_key = Some("sekret".into())));
+    let body = chat("hi", 1, false).to_string();
+    let openai = |headers: &'static [(&'static str, &'static str)]| {
+        let (app, body) = (app.clone(), body.clone());
+        async move {
+            send(
+                &app,
+                Method::POST,
+                "/v1/chat/completions",
+                Some(body),
+                headers,
+            )
+            .await
+        }
+    };
+    let missing = openai(&[]).await;
+    assert_eq!(missing.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(openai_error(&missing).1, "invalid_api_key");
+    assert_eq!(
+        openai(&[("authorization", "Bearer wrong")]).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    // x-api-key is Anthropic's header, not OpenAI's.
+    assert_eq!(
+        openai(&[("x-api-key", "sekret")]).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        openai(&[("authorization", "Bearer sekret")]).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(get(&app, "/health").await.status, StatusCode::OK);
+    assert_eq!(
+        get(&app, "/v1/models").await.status,
+        StatusCode::UNAUTHORIZED
+    );
+
+    let message =
+        json!({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+            .to_string();
+    let anthropic = |headers: &'static [(&'static str, &'static str)]| {
+        let (app, body) = (app.clone(), message.clone());
+        async move { send(&app, Method::POST, "/v1/messages", Some(body), headers).await }
+    };
+    let missing = anthropic(&[]).await;
+    assert_eq!(missing.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(anthropic_error(&missing).0, "authentication_error");
+    assert_eq!(
+        anthropic(&[("x-api-key", "nope")]).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        anthropic(&[("x-api-key", "sekret"), ("anthropic-version", "2023-06-01")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        anthropic(&[("authorization", "Bearer sekret")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+}
+
+async fn with_host(app: &axum::Router, host: Option<&str>) -> StatusCode {
+    let mut request = Request::builder().uri("/health");
+    if let Some(host) = host {
+        request = request.header("host", host);
+    }
+    app.clone()
+        .oneshot(request.body(Body::empty()).unwrap())
+        .await
+        .unwrap()
+        .status()
+}
+
+#[tokio::test]
+async fn host_header_allow_list() {
+    let (app, _) = router(config());
+    for host in ["localhost:8080", "127.0.0.1", "[::1]:9000"] {
+        assert_eq!(with_host(&app, Some(host)).await, StatusCode::OK, "{host}");
+    }
+    assert_eq!(
+        with_host(&app, Some("attacker.example:8080")).await,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(with_host(&app, None).await, StatusCode::BAD_REQUEST);
+    let (bound, _) = router(ServerConfigExt::with(|c| c.host = "studio.local".into()));
+    assert_eq!(
+        with_host(&bound, Some("studio.local:8080")).await,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn cors_only_for_listed_origins() {
+    let preflight = |app: axum::Router, origin: &'static str| async move {
+        let request = Request::builder()
+            .method(Method::OPTIONS)
+            .uri("/v1/chat/completions")
+            .header("host", "localhost")
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .header(
+                "access-control-request-headers",
+                "authorization,content-type",
+            )
+            .body(Body::empty())
+            .unwrap();
+        let response = app.oneshot(request).await.unwrap();
+        response
+            .headers()
+            .get("access-control-allow-origin")
+            .map(|v| v.to_str().unwrap().to_string())
+    };
+    let (off, _) = router(config());
+    assert_eq!(preflight(off.clone(), "http://app.example").await, None);
+    let reply = send(
+        &off,
+        Method::GET,
+        "/v1/models",
+        None,
+        &[("origin", "http://app.example")],
+    )
+    .await;
+    assert!(reply.headers.get("access-control-allow-origin").is_none());
+
+    let (on, _) = router(ServerConfigExt::with(|c| {
+        c.cors_origins = vec!["http://app.example".into()]
+    }));
+    assert_eq!(
+        preflight(on.clone(), "http://app.example").await.as_deref(),
+        Some("http://app.example")
+    );
+    assert_eq!(preflight(on.clone(), "http://evil.example").await, None);
+    let reply = send(
+        &on,
+        Method::GET,
+        "/v1/models",
+        None,
+        &[("origin", "http://app.example")],
+    )
+    .await;
+    assert_eq!(
+        reply.headers["access-control-allow-origin"],
+        "http://app.example"
+    );
+}
+
+async fn start_stream(app: &axum::Router, body: &Value) -> axum::response::Response {
+    let request = Request::builder()
+        .method(Method::POST)
+        .uri("/v1/chat/completions")
+        .header("host", "localhost")
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap();
+    app.clone().oneshot(request).await.unwrap()
+}
+
+async fn wait_idle(state: &rmlx_server::AppState, limit: Duration) -> Duration {
+    let started = Instant::now();
+    while state.engine.queue_depth() > 0 {
+        assert!(
+            started.elapsed() < limit,
+            "the engine is still busy after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    started.elapsed()
+}
+
+#[tokio::test]
+async fn disconnect_cancels_the_generation() {
+    let (app, state) = router(config());
+    // A full run, for scale.
+    let started = Instant::now();
+    let full = post(&app, "/v1/chat/completions", &long_chat(1500, false))
+        .await
+        .json();
+    let full_time = started.elapsed();
+    assert_eq!(full["usage"]["completion_tokens"], 1500);
+
+    let response = start_stream(&app, &long_chat(1500, true)).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let first = body.frame().await.unwrap().unwrap();
+    assert!(first.is_data());
+    let dropped_at = Instant::now();
+    drop(body);
+    wait_idle(&state, full_time * 3).await;
+    let cancel_time = dropped_at.elapsed();
+    assert!(
+        cancel_time < full_time / 2,
+        "cancel took {cancel_time:?}, a full run {full_time:?}"
+    );
+    // The engine serves the next request normally.
+    assert_eq!(
+        post(&app, "/v1/chat/completions", &chat("hi", 2, false))
+            .await
+            .status,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn full_queue_gives_429() {
+    let (app, state) = router(ServerConfigExt::with(|c| c.max_queue = 1));
+    let running = start_stream(&app, &long_chat(1800, true)).await;
+    assert_eq!(running.status(), StatusCode::OK);
+    let waiting = tokio::spawn({
+        let app = app.clone();
+        async move { start_stream(&app, &chat("hi", 1, true)).await.status() }
+    });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while state.engine.queue_depth() < 2 {
+        assert!(Instant::now() < deadline, "the second request never queued");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let refused = post(&app, "/v1/chat/completions", &chat("hi", 1, false)).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "{}",
+        refused.text
+    );
+    assert_eq!(openai_error(&refused).0, "rate_limit_error");
+    drop(running);
+    assert_eq!(waiting.await.unwrap(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn concurrent_clients_get_their_own_tokens() {
+    let (app, _) = router(config());
+    let prompts = [
+        "The sky is",
+        "Rust is a language",
+        "Once upon a time",
+        "2 + 2 =",
+    ];
+    let mut expected = Vec::new();
+    for prompt in prompts {
+        let body = post(&app, "/v1/chat/completions", &chat(prompt, 24, false))
+            .await
+            .json();
+        expected.push(
+            body["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    let tasks: Vec<_> = prompts
+        .iter()
+        .map(|prompt| {
+            let (app, body) = (app.clone(), chat(prompt, 24, true));
+            tokio::spawn(async move {
+                let reply = post(&app, "/v1/chat/completions", &body).await;
+                sse(&reply.text)
+                    .iter()
+                    .filter_map(|(_, d)| {
+                        d["choices"][0]["delta"]["content"]
+                            .as_str()
+                            .map(str::to_string)
+                    })
+                    .collect::<String>()
+            })
+        })
+        .collect();
+    for (task, expected) in tasks.into_iter().zip(expected) {
+        assert_eq!(task.await.unwrap(), expected);
+    }
+}

@@ -1,0 +1,436 @@
+//! OpenAI routes in-process on the tiny Qwen3 fixture: every field family, streaming against
+//! non-streaming at temperature 0, and each typed error.
+
+mod common;
+
+use axum::http::{Method, StatusCode};
+use common::*;
+use serde_json::{json, Value};
+
+fn chat(extra: Value) -> Value {
+    let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}],
+                          "max_tokens": 8, "temperature": 0});
+    for (key, value) in extra.as_object().unwrap() {
+        body[key] = value.clone();
+    }
+    body
+}
+
+/// Concatenated `delta.content` of a chat stream.
+fn streamed_content(events: &[(Option<String>, Value)]) -> String {
+    events
+        .iter()
+        .filter_map(|(_, data)| data["choices"][0]["delta"]["content"].as_str())
+        .collect()
+}
+
+#[tokio::test]
+async fn health_models_retrieve_load_unload() {
+    let (app, _) = router(config());
+    let health = get(&app, "/health").await;
+    assert_eq!(
+        (health.status, health.json()),
+        (StatusCode::OK, json!({"status": "ok"}))
+    );
+
+    let models = get(&app, "/v1/models").await.json();
+    assert_eq!(models["object"], "list");
+    let model = &models["data"][0];
+    assert_eq!(model["id"], MODEL);
+    assert_eq!(model["object"], "model");
+    assert_eq!(model["owned_by"], "local");
+    assert!(model["created"].as_u64().unwrap() > 0);
+    assert_eq!(model["context_length"], 2048);
+    assert_eq!(
+        (model["loaded"].clone(), model["vision"].clone()),
+        (json!(false), json!(false))
+    );
+
+    assert_eq!(get(&app, "/v1/models/qwen3-tiny").await.json()["id"], MODEL);
+    let load = post(&app, "/v1/models/qwen3-tiny/load", &json!({})).await;
+    assert_eq!(load.status, StatusCode::OK, "{}", load.text);
+    assert_eq!(load.json()["loaded"], true);
+    assert_eq!(load.json()["model_type"], "qwen3");
+    assert_eq!(
+        get(&app, "/v1/models").await.json()["data"][0]["loaded"],
+        true
+    );
+
+    let unload = post(&app, "/v1/models/qwen3-tiny/unload", &json!({})).await;
+    assert_eq!(unload.status, StatusCode::NOT_IMPLEMENTED);
+    assert!(openai_error(&unload).2.contains("not supported yet"));
+    let missing = post(&app, "/v1/models/nope/load", &json!({})).await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    let route = get(&app, "/v1/nothing").await;
+    assert_eq!(route.status, StatusCode::NOT_FOUND);
+    openai_error(&route);
+}
+
+#[tokio::test]
+async fn chat_completion_shape_usage_and_timings() {
+    let (app, _) = router(config());
+    let reply = post(
+        &app,
+        "/v1/chat/completions",
+        &chat(json!({"max_tokens": 6})),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    let body = reply.json();
+    assert_eq!(body["object"], "chat.completion");
+    assert!(body["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(body["model"], MODEL);
+    let choice = &body["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert!(choice["message"]["content"].is_string());
+    assert_eq!(choice["finish_reason"], "length");
+    let usage = &body["usage"];
+    assert_eq!(usage["completion_tokens"], 6);
+    assert_eq!(
+        usage["total_tokens"].as_u64(),
+        Some(usage["prompt_tokens"].as_u64().unwrap() + 6)
+    );
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
+    for key in ["ttft_ms", "prefill_tps", "decode_tps"] {
+        assert!(body["timings"][key].as_f64().unwrap() > 0.0, "{key}");
+    }
+    // max_completion_tokens wins over max_tokens.
+    let reply = post(
+        &app,
+        "/v1/chat/completions",
+        &chat(json!({"max_completion_tokens": 3})),
+    )
+    .await;
+    assert_eq!(reply.json()["usage"]["completion_tokens"], 3);
+}
+
+#[tokio::test]
+async fn chat_stream_equals_non_stream_at_temperature_zero() {
+    let (app, _) = router(config());
+    let whole = post(
+        &app,
+        "/v1/chat/completions",
+        &chat(json!({"max_tokens": 12})),
+    )
+    .await
+    .json();
+    let stream = post(
+        &app,
+        "/v1/chat/completions",
+        &chat(json!({"max_tokens": 12, "stream": true, "stream_options": {"include_usage": true}})),
+    )
+    .await;
+    assert_eq!(stream.status, StatusCode::OK);
+    assert!(stream.headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let events = sse(&stream.text);
+    assert_eq!(events[0].1["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(events.last().unwrap().1, json!("[DONE]"));
+    assert_eq!(
+        streamed_content(&events),
+        whole["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    let n = events.len();
+    assert_eq!(events[n - 3].1["choices"][0]["finish_reason"], "length");
+    assert_eq!(events[n - 2].1["choices"], json!([]));
+    assert_eq!(events[n - 2].1["usage"], whole["usage"]);
+    // Without include_usage there is no usage chunk.
+    let plain = sse(
+        &post(&app, "/v1/chat/completions", &chat(json!({"stream": true})))
+            .await
+            .text,
+    );
+    assert!(plain.iter().all(|(_, data)| data.get("usage").is_none()));
+}
+
+#[tokio::test]
+async fn sampling_fields_and_stop() {
+    let (app, _) = router(config());
+    let sampled = json!({"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
+        "presence_penalty": 0.5, "frequency_penalty": 0.2, "repetition_penalty": 1.1, "seed": 7,
+        "max_tokens": 10});
+    let a = post(&app, "/v1/chat/completions", &chat(sampled.clone())).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    let b = post(&app, "/v1/chat/completions", &chat(sampled)).await;
+    assert_eq!(
+        a.json()["choices"][0]["message"]["content"],
+        b.json()["choices"][0]["message"]["content"],
+        "same seed, same text"
+    );
+
+    let bad = post(&app, "/v1/chat/completions", &chat(json!({"top_p": 0}))).await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{}", bad.text);
+
+    // A stop string taken from the greedy answer cuts it right there.
+    let full = post(
+        &app,
+        "/v1/chat/completions",
+        &chat(json!({"max_tokens": 12})),
+    )
+    .await
+    .json();
+    let text = full["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let expected = &text[..text.find(&stop).unwrap()];
+    for stop_field in [json!(stop), json!([stop, "never-seen"])] {
+        let cut = post(
+            &app,
+            "/v1/chat/completions",
+            &chat(json!({"max_tokens": 12, "stop": stop_field})),
+        )
+        .await
+        .json();
+        assert_eq!(cut["choices"][0]["message"]["content"], expected);
+        assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+    }
+}
+
+#[tokio::test]
+async fn template_fields_tools_thinking_and_formats() {
+    let (app, _) = router(config());
+    let prompt_tokens = |reply: common::Reply| {
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+        reply.json()["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let base = prompt_tokens(
+        post(
+            &app,
+            "/v1/chat/completions",
+            &chat(json!({"max_tokens": 1})),
+        )
+        .await,
+    );
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let with_tools = prompt_tokens(
+        post(
+            &app,
+            "/v1/chat/completions",
+            &chat(json!({"max_tokens": 1, "tools": tools.clone()})),
+        )
+        .await,
+    );
+    assert!(with_tools > base + 20, "tools reach the template");
+    let none = prompt_tokens(
+        post(
+            &app,
+            "/v1/chat/completions",
+            &chat(json!({"max_tokens": 1, "tools": tools, "tool_choice": "none"})),
+        )
+        .await,
+    );
+    assert_eq!(none, base);
+    // Qwen3 writes an empty think block into the prompt when thinking is off.
+    let off = prompt_tokens(
+        post(
+            &app,
+            "/v1/chat/completions",
+            &chat(json!({"max_tokens": 1, "enable_thinking": false})),
+        )
+        .await,
+    );
+    assert!(off > base);
+    let kwargs = prompt_tokens(
+        post(
+            &app,
+            "/v1/chat/completions",
+            &chat(json!({"max_tokens": 1, "chat_template_kwargs": {"enable_thinking": false}})),
+        )
+        .await,
+    );
+    assert_eq!(kwargs, off);
+    // Tool-call history in OpenAI's shape renders.
+    let history = json!({"max_tokens": 1, "messages": [
+        {"role": "system", "content": "You help."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]});
+    prompt_tokens(post(&app, "/v1/chat/completions", &chat(history)).await);
+
+    let object = post(
+        &app,
+        "/v1/chat/completions",
+        &chat(json!({"response_format": {"type": "json_object"}})),
+    )
+    .await;
+    assert_eq!(object.status, StatusCode::OK);
+    let schema = post(
+        &app,
+        "/v1/chat/completions",
+        &chat(json!({"response_format": {"type": "json_schema", "json_schema": {}}})),
+    )
+    .await;
+    assert_eq!(schema.status, StatusCode::BAD_REQUEST);
+    assert!(openai_error(&schema).2.contains("not supported yet"));
+}
+
+#[tokio::test]
+async fn request_errors_have_openai_shape() {
+    let (app, _) = router(config());
+    let malformed = send(
+        &app,
+        Method::POST,
+        "/v1/chat/completions",
+        Some("{not json".into()),
+        &[],
+    )
+    .await;
+    assert_eq!(malformed.status, StatusCode::BAD_REQUEST);
+    assert_eq!(openai_error(&malformed).0, "invalid_request_error");
+
+    let wrong_type = post(
+        &app,
+        "/v1/chat/completions",
+        &chat(json!({"temperature": "hot"})),
+    )
+    .await;
+    assert_eq!(wrong_type.status, StatusCode::BAD_REQUEST);
+    assert!(openai_error(&wrong_type).2.contains("invalid type"));
+    let missing = post(&app, "/v1/chat/completions", &json!({"model": MODEL})).await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+
+    let unknown_fields = post(
+        &app,
+        "/v1/chat/completions",
+        &chat(json!({"user": "x", "frobnicate": {"a": 1}})),
+    )
+    .await;
+    assert_eq!(unknown_fields.status, StatusCode::OK);
+
+    let n2 = post(&app, "/v1/chat/completions", &chat(json!({"n": 2}))).await;
+    assert_eq!(n2.status, StatusCode::BAD_REQUEST);
+    assert!(openai_error(&n2).2.contains("n must be 1"));
+
+    let image = |url: &str| {
+        chat(json!({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]}]}))
+    };
+    let remote = post(
+        &app,
+        "/v1/chat/completions",
+        &image("https://example.com/cat.png"),
+    )
+    .await;
+    assert_eq!(remote.status, StatusCode::BAD_REQUEST);
+    assert!(openai_error(&remote)
+        .2
+        .contains("remote image URLs are not supported"));
+    let path = post(&app, "/v1/chat/completions", &image("/Users/me/cat.png")).await;
+    assert!(openai_error(&path).2.contains("file paths"));
+    let inline = post(
+        &app,
+        "/v1/chat/completions",
+        &image("data:image/png;base64,iVBORw0KGgo="),
+    )
+    .await;
+    assert_eq!(inline.status, StatusCode::BAD_REQUEST);
+    assert!(openai_error(&inline).2.contains("has no vision"));
+
+    let unknown = post(
+        &app,
+        "/v1/chat/completions",
+        &chat(json!({"model": "no-such-model"})),
+    )
+    .await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+    assert_eq!(openai_error(&unknown).1, "model_not_found");
+    let escape = post(
+        &app,
+        "/v1/chat/completions",
+        &chat(json!({"model": "../../etc"})),
+    )
+    .await;
+    assert_eq!(escape.status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn context_overflow_is_refused_before_compute() {
+    let (app, state) = router(common::ServerConfigExt::with(|c| c.max_ctx = Some(16)));
+    let long = "word ".repeat(64);
+    let started = std::time::Instant::now();
+    for stream in [false, true] {
+        let reply = post(
+            &app,
+            "/v1/chat/completions",
+            &chat(json!({"stream": stream, "messages": [{"role": "user", "content": long}]})),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text);
+        let body = reply.json();
+        assert_eq!(body["error"]["code"], "context_length_exceeded");
+        assert_eq!(body["error"]["context_length"], 16);
+        assert!(body["error"]["prompt_tokens"].as_u64().unwrap() > 16);
+    }
+    assert!(started.elapsed().as_secs() < 10);
+    assert_eq!(state.engine.queue_depth(), 0);
+    let models = get(&app, "/v1/models").await.json();
+    assert_eq!(models["data"][0]["context_length"], 16);
+}
+
+#[tokio::test]
+async fn body_limit_gives_413() {
+    let (app, _) = router(common::ServerConfigExt::with(|c| c.max_body_mb = 1));
+    let big = "a".repeat(2 * 1024 * 1024);
+    let reply = post(
+        &app,
+        "/v1/chat/completions",
+        &chat(json!({"messages": [{"role": "user", "content": big}]})),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(openai_error(&reply).1, "request_too_large");
+}
+
+#[tokio::test]
+async fn default_body_limit_takes_a_2560_png_data_uri() {
+    // 2560x2560 RGBA uncompressed is 26 MB; as base64 about 35 MB. It reaches the image check.
+    let (app, _) = router(config());
+    let payload = "A".repeat(35 * 1024 * 1024);
+    let body = chat(json!({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{payload}")}}]}]}));
+    let reply = post(&app, "/v1/chat/completions", &body).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    assert!(openai_error(&reply).2.contains("has no vision"));
+}
+
+#[tokio::test]
+async fn legacy_completions() {
+    let (app, _) = router(config());
+    let body =
+        json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0});
+    let whole = post(&app, "/v1/completions", &body).await;
+    assert_eq!(whole.status, StatusCode::OK, "{}", whole.text);
+    let whole = whole.json();
+    assert_eq!(whole["object"], "text_completion");
+    assert_eq!(whole["usage"]["completion_tokens"], 10);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let events = sse(&post(&app, "/v1/completions", &streamed).await.text);
+    let text: String = events
+        .iter()
+        .filter_map(|(_, d)| d["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(events.last().unwrap().1, json!("[DONE]"));
+    assert_eq!(events[events.len() - 2].1["usage"], whole["usage"]);
+
+    let mut listed = body.clone();
+    listed["prompt"] = json!(["Once upon a time"]);
+    assert_eq!(
+        post(&app, "/v1/completions", &listed).await.json()["choices"][0]["text"],
+        whole["choices"][0]["text"]
+    );
+    listed["prompt"] = json!({"text": 1});
+    assert_eq!(
+        post(&app, "/v1/completions", &listed).await.status,
+        StatusCode::BAD_REQUEST
+    );
+}

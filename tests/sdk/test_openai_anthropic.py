@@ -1,0 +1,162 @@
+"""The official Python SDKs, unmodified, against a real `rmlx serve` on loopback.
+
+Run: scripts/sdk-venv && RMLX_BIN=target/debug/rmlx .venv-sdk/bin/python -m pytest tests/sdk
+(cargo test runs it through crates/rmlx-cli/tests/sdk.rs when .venv-sdk exists).
+The tiny fixture has random weights: texts are gibberish but deterministic at temperature 0.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "qwen3-tiny"
+KEY = "sdk-test-key"
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    binary = os.environ.get("RMLX_BIN", str(ROOT / "target" / "debug" / "rmlx"))
+    empty_hub = ROOT / "target" / "sdk-empty-hub"
+    empty_hub.mkdir(parents=True, exist_ok=True)
+    server = subprocess.Popen(
+        [binary, "serve", "--model", str(ROOT / "tests/fixtures/qwen3-tiny"), "--port", "0",
+         "--api-key", KEY, "--hf-cache", str(empty_hub)],
+        stdout=subprocess.PIPE, stderr=sys.stderr, text=True,
+    )
+    try:
+        line = server.stdout.readline()  # "rmlx serve: listening on http://127.0.0.1:PORT"
+        assert "listening on http://" in line, f"server did not start: {line!r}"
+        yield line.strip().rsplit(" ", 1)[-1]
+    finally:
+        server.terminate()  # SIGTERM: graceful shutdown
+        assert server.wait(timeout=30) == 0, "the server did not exit cleanly on SIGTERM"
+
+
+@pytest.fixture(scope="module")
+def oai(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(base_url):
+    return anthropic.Anthropic(base_url=base_url, api_key=KEY, max_retries=0)
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name three colours."}]
+
+
+def test_models_list(oai):
+    models = oai.models.list()
+    assert MODEL in [m.id for m in models.data]
+    assert oai.models.retrieve(MODEL).id == MODEL
+
+
+def test_chat_stream_equals_non_stream_and_usage(oai):
+    whole = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    text = whole.choices[0].message.content
+    assert whole.choices[0].finish_reason in ("length", "stop")
+    assert whole.usage.completion_tokens <= 12
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+
+    pieces, usage = [], None
+    stream = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+    assert "".join(pieces) == text
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_legacy_completions(oai):
+    whole = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert streamed == whole.choices[0].text
+    assert whole.usage.completion_tokens <= 8
+
+
+def test_chat_tool_history_round_trips(oai):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    reply = oai.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=4, temperature=0)
+    plain = oai.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=4, temperature=0)
+    assert reply.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
+def test_messages_stream_equals_non_stream_and_usage(claude):
+    # anthropic 2.x has no typed `temperature` any more; the server still honours the field.
+    kwargs = dict(model=MODEL, max_tokens=12, extra_body={"temperature": 0}, system="You are terse.",
+                  messages=[{"role": "user", "content": "Name three colours."}])
+    whole = claude.messages.create(**kwargs)
+    text = "".join(block.text for block in whole.content if block.type == "text")
+    assert whole.stop_reason in ("max_tokens", "end_turn")
+    assert whole.usage.output_tokens <= 12
+    with claude.messages.stream(**kwargs) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == text
+    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.stop_reason == whole.stop_reason
+
+
+def test_count_tokens_equals_prompt_tokens(claude):
+    tools = [{"name": "get_weather", "description": "Weather for a city",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                   "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]
+    counted = claude.messages.count_tokens(model=MODEL, system="Be brief.", tools=tools, messages=messages)
+    used = claude.messages.create(model=MODEL, system="Be brief.", tools=tools, messages=messages,
+                                  max_tokens=2, extra_body={"temperature": 0})
+    assert counted.input_tokens == used.usage.input_tokens
+
+
+def test_unknown_model_is_not_found(oai, claude):
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=2)
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="no-such-model", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_bad_key_is_authentication_error(base_url):
+    bad_oai = openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_oai.models.list()
+    bad_claude = anthropic.Anthropic(base_url=base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        bad_claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_context_overflow_is_bad_request(oai, claude):
+    long = "word " * 3000  # the fixture's context is 2048 tokens
+    with pytest.raises(openai.BadRequestError) as raised:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=2)
+    assert raised.value.code == "context_length_exceeded"
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": long}])
+
+
+def test_n_above_one_and_remote_images_are_bad_requests(oai):
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="remote image URLs"):
+        oai.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}])

@@ -238,6 +238,7 @@ fn stop_string_split_across_tokens_is_never_emitted() {
     args.push("--json");
     let out = generate_json(&args);
     assert_eq!(out["finish_reason"], "stop");
+    assert_eq!(out["stop_sequence"], "y re");
     assert_eq!(out["text"], &full[..cut]);
     assert!(out["completion_tokens"].as_u64().unwrap() < 24);
     // Streaming prints the same text, the stop string held back until it could be ruled out.

@@ -322,19 +322,23 @@ impl EngineThread {
                     events,
                     cancel,
                 } => {
-                    if !cancel.load(Ordering::Relaxed) {
+                    let result = (!cancel.load(Ordering::Relaxed)).then(|| {
                         self.metrics.set_in_flight(1, 0);
                         let result = self.generate(&request, &events, &cancel);
                         if let Err(error) = &result {
                             self.metrics.record_error(error.kind());
                         }
                         self.metrics.set_in_flight(0, 0);
+                        result
+                    });
+                    // Counters settle before the client hears the end, so it sees them idle.
+                    self.queued.fetch_sub(1, Ordering::SeqCst);
+                    if let Some(result) = result {
                         let _ = events.send(match result {
                             Ok(completion) => Event::Done(completion),
                             Err(error) => Event::Error(error),
                         });
                     }
-                    self.queued.fetch_sub(1, Ordering::SeqCst);
                 }
                 Job::Info { model, reply } => {
                     let _ = reply.send(self.resident(&model).map(|r| r.loaded.info.clone()));

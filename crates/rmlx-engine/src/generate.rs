@@ -59,12 +59,13 @@ impl Default for GenerateParams {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     /// An EOS/stop token or a stop string.
     Stop,
     /// `max_tokens` reached, or the context is full.
+    #[default]
     Length,
     Cancelled,
 }
@@ -80,7 +81,7 @@ pub struct Timings {
     pub total_ms: f64,
 }
 
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct Completion {
     pub text: String,
     pub prompt_ids: Vec<u32>,
@@ -91,6 +92,10 @@ pub struct Completion {
     /// Per generated token, when the request asked for log-probs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<Vec<TokenLogprob>>,
+    /// The stop string that ended the answer (None when a stop token, the length or a
+    /// cancel did).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_sequence: Option<String>,
     /// Prompt tokens whose KV came from the prefix cache instead of being computed.
     #[serde(default)]
     pub cached_tokens: usize,
@@ -297,6 +302,7 @@ pub fn generate_reusing(
     let mut timings = Timings::default();
     let mut last_token_at = started;
     let mut finish_reason = FinishReason::Length;
+    let mut stop_sequence = None;
     let max_new = params.max_tokens.min(max_ctx - prompt_ids.len() + 1);
 
     let mut logprobs = params.logprobs.map(|_| Vec::new());
@@ -355,6 +361,7 @@ pub fn generate_reusing(
         });
         if matched.stopped {
             finish_reason = FinishReason::Stop;
+            stop_sequence = matched.matched;
             break;
         }
         if cancel.load(Ordering::Relaxed) {
@@ -370,7 +377,10 @@ pub fn generate_reusing(
         // Flush what the decoder and the stop matcher held back.
         let tail = stops.push(&decoder.finish());
         let mut rest = tail.text;
-        if !tail.stopped {
+        if tail.stopped {
+            finish_reason = FinishReason::Stop;
+            stop_sequence = tail.matched;
+        } else {
             rest.push_str(&stops.finish());
         }
         if !rest.is_empty() {
@@ -402,6 +412,7 @@ pub fn generate_reusing(
         finish_reason,
         prompt_tokens: prompt_ids.len(),
         logprobs,
+        stop_sequence,
         cached_tokens,
         timings,
     };
@@ -447,6 +458,7 @@ fn cancelled(prompt_ids: &[u32], cached_tokens: usize, started: Instant) -> Comp
         prompt_tokens: prompt_ids.len(),
         completion_tokens: 0,
         logprobs: None,
+        stop_sequence: None,
         cached_tokens,
         timings: Timings {
             total_ms: ms(started.elapsed()),

@@ -494,6 +494,7 @@ mod tests {
             prompt_tokens: 3,
             completion_tokens: tokens,
             logprobs: None,
+            stop_sequence: None,
             cached_tokens: 0,
             timings: Timings {
                 ttft_ms: ttft,

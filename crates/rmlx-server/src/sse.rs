@@ -39,7 +39,7 @@ pub(crate) mod testing {
     use http_body_util::BodyExt;
     use rmlx_engine::{
         engine::Event,
-        generate::{Completion, FinishReason, Timings},
+        generate::{Completion, FinishReason},
     };
 
     use crate::generation::Generation;
@@ -60,7 +60,7 @@ pub(crate) mod testing {
             finish_reason,
             prompt_tokens: 3,
             completion_tokens: tokens,
-            timings: Timings::default(),
+            ..Completion::default()
         })
     }
 
@@ -68,6 +68,7 @@ pub(crate) mod testing {
         Event::Delta {
             token_id: 5,
             text: text.into(),
+            logprob: None,
         }
     }
 

@@ -8,6 +8,8 @@ pub struct StopStep {
     pub text: String,
     /// A stop string was found; `text` ends right before it and the stream is over.
     pub stopped: bool,
+    /// Which stop string it was.
+    pub matched: Option<String>,
 }
 
 /// Finds the first stop string in a stream of chunks; never emits any part of it.
@@ -33,6 +35,7 @@ impl StopMatcher {
             return StopStep {
                 text: String::new(),
                 stopped: true,
+                matched: None,
             };
         }
         self.held.push_str(chunk);
@@ -41,15 +44,17 @@ impl StopMatcher {
         let first_stop = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min();
-        if let Some(at) = first_stop {
+            .filter_map(|s| self.held.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|(at, _)| *at);
+        if let Some((at, stop)) = first_stop {
+            let matched = Some(stop.clone());
             self.stopped = true;
             let mut text = std::mem::take(&mut self.held);
             text.truncate(at);
             return StopStep {
                 text,
                 stopped: true,
+                matched,
             };
         }
         let keep = self.partial_stop_suffix_len();
@@ -58,6 +63,7 @@ impl StopMatcher {
         StopStep {
             text,
             stopped: false,
+            matched: None,
         }
     }
 

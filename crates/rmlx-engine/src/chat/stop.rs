@@ -103,7 +103,8 @@ mod tests {
                     m.push("more"),
                     StopStep {
                         text: String::new(),
-                        stopped: true
+                        stopped: true,
+                        matched: None,
                     }
                 );
                 return (out, true);
@@ -121,7 +122,8 @@ mod tests {
             a,
             StopStep {
                 text: "Hello ".into(),
-                stopped: false
+                stopped: false,
+                matched: None,
             }
         );
         let b = m.push("EN");
@@ -129,7 +131,8 @@ mod tests {
             b,
             StopStep {
                 text: String::new(),
-                stopped: false
+                stopped: false,
+                matched: None,
             }
         );
         let c = m.push("D|> trailing");
@@ -137,7 +140,8 @@ mod tests {
             c,
             StopStep {
                 text: String::new(),
-                stopped: true
+                stopped: true,
+                matched: Some("<|END|>".into()),
             }
         );
         assert_eq!(m.finish(), "");

@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 
-.PHONY: run test bootstrap build lint fmt-check clippy cargo-test clean-mlx bench
+.PHONY: run test bootstrap build lint fmt-check clippy cargo-test sdk-deps clean-mlx bench
 
 ## Provide the pinned MLX + mlx-c pair under .mlx/ (idempotent; apt packages when root).
 bootstrap:
@@ -28,8 +28,13 @@ fmt-check: bootstrap
 clippy: bootstrap
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
-cargo-test: bootstrap
-	$(CARGO) test --workspace
+## The official Python and TypeScript SDKs the SDK tests drive (pinned, idempotent).
+sdk-deps:
+	@scripts/sdk-venv
+	@scripts/sdk-node
+
+cargo-test: bootstrap sdk-deps
+	RMLX_REQUIRE_SDK=1 $(CARGO) test --workspace
 
 lint: fmt-check clippy
 

@@ -46,5 +46,8 @@ fn official_typescript_sdk_against_rmlx_serve() {
         .status();
     let _ = server.kill();
     let _ = server.wait();
-    assert!(status.expect("node runs").success(), "tests/sdk/js failed (see above)");
+    assert!(
+        status.expect("node runs").success(),
+        "tests/sdk/js failed (see above)"
+    );
 }

@@ -16,6 +16,7 @@ use std::{
 
 use crate::{
     chat::{ChatTokenizer, TemplateOptions},
+    constrain::{Constraint, ConstraintFactory, ResponseFormat},
     error::{EngineError, Result},
     generate::{self, Completion, FinishReason, GenerateParams},
     metrics::{Metrics, MetricsSnapshot},
@@ -301,6 +302,26 @@ impl Engine {
 struct Resident {
     loaded: LoadedModel,
     tokenizer: ChatTokenizer,
+    /// Built on the first constrained request: most models never see one.
+    constraints: Option<ConstraintFactory>,
+}
+
+impl Resident {
+    /// The request's `response_format` constraint; None for plain text.
+    fn constraint(&mut self, format: &ResponseFormat) -> Result<Option<Constraint>> {
+        if format.is_text() {
+            return Ok(None);
+        }
+        let factory = match &mut self.constraints {
+            Some(factory) => factory,
+            slot => slot.insert(ConstraintFactory::from_tokenizer(
+                &self.tokenizer,
+                self.loaded.model.vocab_size(),
+                self.tokenizer.eos_token_ids(),
+            )?),
+        };
+        Ok(factory.constraint(format)?)
+    }
 }
 
 struct EngineThread {
@@ -381,8 +402,14 @@ impl EngineThread {
             }
             let tokenizer = ChatTokenizer::from_dir(&key)?;
             let loaded = models::load_model(&key)?;
-            self.models
-                .insert(key.clone(), Resident { loaded, tokenizer });
+            self.models.insert(
+                key.clone(),
+                Resident {
+                    loaded,
+                    tokenizer,
+                    constraints: None,
+                },
+            );
         }
         self.lru.retain(|resident| *resident != key);
         self.lru.push(key.clone());
@@ -398,6 +425,12 @@ impl EngineThread {
         let model_id = request.metrics_id();
         self.resident(&request.model)?;
         let key = self.lru.last().expect("just made resident").clone();
+        // Before any compute: a bad schema is the request's error.
+        let constraint = self
+            .models
+            .get_mut(&key)
+            .expect("just made resident")
+            .constraint(&request.params.response_format)?;
         let resident = &self.models[&key];
         let tokenizer = &resident.tokenizer;
         let prompt_ids = match &request.prompt {
@@ -427,6 +460,7 @@ impl EngineThread {
             &prompt_ids,
             &request.params,
             reuse,
+            constraint,
             cancel,
             |delta| {
                 metrics.set_in_flight(1, delta.kv_bytes);

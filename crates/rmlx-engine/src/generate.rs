@@ -12,6 +12,7 @@ use mlx_rs::{ops::indexing::IndexOp, transforms, Array};
 use crate::{
     cache::KvCache,
     chat::{ChatTokenizer, StopMatcher, StreamDecoder},
+    constrain::{self, Constraint, ResponseFormat},
     error::{EngineError, Result},
     models::{LanguageModel, Logits},
     prefix_cache::Reuse,
@@ -42,6 +43,9 @@ pub struct GenerateParams {
     /// `Some(n)`: report each token's log-prob and its `n` most likely alternatives (n <= 20).
     #[serde(default)]
     pub logprobs: Option<usize>,
+    /// Constrain the output to JSON (OpenAI `response_format`).
+    #[serde(default)]
+    pub response_format: ResponseFormat,
 }
 
 impl Default for GenerateParams {
@@ -55,6 +59,7 @@ impl Default for GenerateParams {
             max_ctx: None,
             prefill_chunk: None,
             logprobs: None,
+            response_format: ResponseFormat::Text,
         }
     }
 }
@@ -227,24 +232,36 @@ pub fn generate(
     cancel: &AtomicBool,
     on_delta: impl FnMut(Delta),
 ) -> Result<Completion> {
-    generate_reusing(model, tokenizer, prompt_ids, params, None, cancel, on_delta)
-        .map(|(completion, _)| completion)
+    generate_reusing(
+        model, tokenizer, prompt_ids, params, None, None, cancel, on_delta,
+    )
+    .map(|(completion, _)| completion)
 }
 
 /// `generate`, starting from a reused prefix's KV when given, and handing back the request's
-/// caches with the tokens they hold (for the prefix cache).
+/// caches with the tokens they hold (for the prefix cache). `constraint` enforces
+/// `params.response_format` (from the model's cached `ConstraintFactory`); without one, a
+/// non-text format builds its own.
+#[allow(clippy::too_many_arguments)]
 pub fn generate_reusing(
     model: &dyn LanguageModel,
     tokenizer: &ChatTokenizer,
     prompt_ids: &[u32],
     params: &GenerateParams,
     reuse: Option<Reuse>,
+    constraint: Option<Constraint>,
     cancel: &AtomicBool,
     mut on_delta: impl FnMut(Delta),
 ) -> Result<(Completion, CachedSequence)> {
     let started = Instant::now();
     let max_ctx = effective_context(model, params, prompt_ids.len())?;
     let mut sampler = Sampler::new(&params.sampling)?;
+    let mut constraint = match constraint {
+        Some(constraint) => Some(constraint),
+        None => {
+            constrain::one_off_constraint(tokenizer, model.vocab_size(), &params.response_format)?
+        }
+    };
     let (mut caches, cached_tokens) = match reuse {
         Some(reuse) if reuse.cached_tokens < prompt_ids.len() => {
             let mut caches = reuse.caches;
@@ -284,9 +301,16 @@ pub fn generate_reusing(
                 caches: &mut Vec<_>,
                 sampler: &mut Sampler,
                 history: &[u32],
-                pending: Option<&Array>| {
+                pending: Option<&Array>,
+                constraint: Option<&mut Constraint>| {
         let logits = model.forward(input, caches, Logits::Last)?;
-        let logits = logits.index((.., -1, ..));
+        let mut logits = logits.index((.., -1, ..));
+        if let Some(constraint) = constraint {
+            // Start the forward, and build the grammar's mask on the host meanwhile. Adding it
+            // before the processors equals mlx-lm's order: they keep -inf at -inf and x + 0 = x.
+            transforms::async_eval([&logits])?;
+            logits = constraint.apply(&logits)?;
+        }
         let (token, row) = sampler.sample_pending(&logits, history, pending)?;
         let logprobs = params
             .logprobs
@@ -303,15 +327,24 @@ pub fn generate_reusing(
     let mut last_token_at = started;
     let mut finish_reason = FinishReason::Length;
     let mut stop_sequence = None;
+    let mut document_complete = false;
     let max_new = params.max_tokens.min(max_ctx - prompt_ids.len() + 1);
 
     let mut logprobs = params.logprobs.map(|_| Vec::new());
-    let mut next = step(&as_input(last), &mut caches, &mut sampler, &history, None)?;
+    let mut next = step(
+        &as_input(last),
+        &mut caches,
+        &mut sampler,
+        &history,
+        None,
+        constraint.as_mut(),
+    )?;
     transforms::async_eval(next.arrays())?;
     for index in 0..max_new {
         let current = next;
-        // Queue step n+1 before reading token n, so the device never waits on the host.
-        let upcoming = if index + 1 < max_new {
+        // Queue step n+1 before reading token n, so the device never waits on the host. Not
+        // when constrained: the next mask depends on token n.
+        let upcoming = if index + 1 < max_new && constraint.is_none() {
             let input = current.token.reshape(&[1, 1])?;
             let upcoming = step(
                 &input,
@@ -319,6 +352,7 @@ pub fn generate_reusing(
                 &mut sampler,
                 &history,
                 Some(&current.token),
+                None,
             )?;
             transforms::async_eval(upcoming.arrays())?;
             Some(upcoming)
@@ -350,6 +384,9 @@ pub fn generate_reusing(
             finish_reason = FinishReason::Stop;
             break;
         }
+        if let Some(constraint) = constraint.as_mut() {
+            constraint.consume(token)?;
+        }
         let piece = decoder.push(token);
         let matched = stops.push(&piece);
         text.push_str(&matched.text);
@@ -364,16 +401,35 @@ pub fn generate_reusing(
             stop_sequence = matched.matched;
             break;
         }
+        // A complete document: only EOS could follow, so stop without spending a step on it.
+        if constraint.as_ref().is_some_and(Constraint::is_finished) {
+            finish_reason = FinishReason::Stop;
+            document_complete = true;
+            break;
+        }
         if cancel.load(Ordering::Relaxed) {
             finish_reason = FinishReason::Cancelled;
             break;
         }
         next = match upcoming {
             Some(upcoming) => upcoming,
+            None if constraint.is_some() && index + 1 < max_new => {
+                let input = current.token.reshape(&[1, 1])?;
+                let next = step(
+                    &input,
+                    &mut caches,
+                    &mut sampler,
+                    &history,
+                    None,
+                    constraint.as_mut(),
+                )?;
+                transforms::async_eval(next.arrays())?;
+                next
+            }
             None => break,
         };
     }
-    if finish_reason != FinishReason::Stop {
+    if finish_reason != FinishReason::Stop || document_complete {
         // Flush what the decoder and the stop matcher held back.
         let tail = stops.push(&decoder.finish());
         let mut rest = tail.text;

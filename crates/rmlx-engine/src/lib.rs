@@ -3,6 +3,7 @@
 pub mod cache;
 pub mod chat;
 pub mod config;
+pub mod constrain;
 pub mod engine;
 pub mod error;
 pub mod generate;

@@ -3,7 +3,6 @@
 //! `content_block_stop`, `message_delta`, `message_stop`). Reference: Anthropic Messages API and
 //! "Streaming Messages" docs.
 
-use std::sync::Arc;
 
 use axum::{
     extract::State,
@@ -11,7 +10,7 @@ use axum::{
     Json,
 };
 use rmlx_engine::{
-    chat::{ChatTokenizer, TemplateOptions},
+    chat::TemplateOptions,
     engine::{Prompt, Request},
     generate::{Completion, FinishReason, GenerateParams},
     sample::SamplingParams,
@@ -106,39 +105,24 @@ pub async fn count_tokens(
     Ok(Json(json!({"input_tokens": count})).into_response())
 }
 
+/// `input_tokens` is the whole prompt (it equals count_tokens and message_start's figure);
+/// `cache_read_input_tokens` says how many of those the prefix cache supplied.
 fn usage(completion: &Completion) -> Value {
-    json!({"input_tokens": completion.prompt_tokens, "output_tokens": completion.completion_tokens,
-           "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0})
+    json!({"input_tokens": completion.prompt_tokens,
+           "output_tokens": completion.completion_tokens,
+           "cache_creation_input_tokens": 0,
+           "cache_read_input_tokens": completion.cached_tokens})
 }
 
-/// Anthropic's stop reason, and which stop sequence ended the answer (the engine reports only
-/// "stop", so a last token that is not EOS means a stop string matched).
-fn stop_reason(
-    completion: &Completion,
-    tool_calls: bool,
-    stops: &[String],
-    tokenizer: &ChatTokenizer,
-) -> (&'static str, Option<String>) {
+/// Anthropic's stop reason, and the stop sequence the engine says ended the answer.
+fn stop_reason(completion: &Completion, tool_calls: bool) -> (&'static str, Option<String>) {
     match completion.finish_reason {
         _ if tool_calls => ("tool_use", None),
         FinishReason::Length => ("max_tokens", None),
-        FinishReason::Cancelled => ("end_turn", None),
-        FinishReason::Stop => {
-            let last = completion.token_ids.last().copied();
-            let by_eos = last.is_none_or(|id| tokenizer.eos_token_ids().contains(&id));
-            if by_eos || stops.is_empty() {
-                return ("end_turn", None);
-            }
-            let full = tokenizer
-                .decode(&completion.token_ids, false)
-                .unwrap_or_default();
-            let matched = stops
-                .iter()
-                .filter_map(|stop| full.find(stop.as_str()).map(|at| (at, stop)))
-                .min_by_key(|(at, _)| *at)
-                .map(|(_, stop)| stop.clone());
-            ("stop_sequence", matched.or_else(|| stops.first().cloned()))
-        }
+        FinishReason::Stop | FinishReason::Cancelled => match &completion.stop_sequence {
+            Some(sequence) => ("stop_sequence", Some(sequence.clone())),
+            None => ("end_turn", None),
+        },
     }
 }
 
@@ -154,7 +138,6 @@ pub async fn messages(
     if request.max_tokens == 0 {
         return Err(ApiError::BadRequest("max_tokens must be at least 1".into()));
     }
-    let stops = request.stop_sequences.clone().unwrap_or_default();
     let params = GenerateParams {
         max_tokens: request.max_tokens,
         sampling: SamplingParams {
@@ -164,7 +147,7 @@ pub async fn messages(
             top_k: request.top_k.unwrap_or(0).max(0) as usize,
             ..SamplingParams::default()
         },
-        stop: stops.clone(),
+        stop: request.stop_sequences.clone().unwrap_or_default(),
         max_ctx: state.config.max_ctx,
         ..GenerateParams::default()
     };
@@ -175,7 +158,6 @@ pub async fn messages(
         &prepared.options,
     )
     .await?;
-    let tokenizer = state.registry.tokenizer(&prepared.entry.path)?;
     let Prepared {
         entry,
         messages,
@@ -191,13 +173,11 @@ pub async fn messages(
     let generation = Generation::start(&state, &entry, engine_request).await?;
     let message =
         json!({"id": new_id("msg_"), "type": "message", "role": "assistant", "model": entry.id});
-    let finish = Finish { stops, tokenizer };
     if request.stream.unwrap_or(false) {
         return Ok(sse::respond(MessageStream {
             generation,
             parser: OutputParser::new(in_reasoning, tools),
             message,
-            finish,
             started: false,
             open: None,
             next_index: 0,
@@ -214,7 +194,7 @@ pub async fn messages(
         content.push(json!({"type": "text", "text": parsed.content}));
     }
     content.extend(parsed.tool_calls.iter().map(tool_use_block));
-    let (reason, sequence) = finish.reason(&completion, !parsed.tool_calls.is_empty());
+    let (reason, sequence) = stop_reason(&completion, !parsed.tool_calls.is_empty());
     let mut body = message;
     body["content"] = json!(content);
     body["stop_reason"] = json!(reason);
@@ -222,17 +202,6 @@ pub async fn messages(
     body["usage"] = usage(&completion);
     body["timings"] = crate::openai::timings(&completion);
     Ok(Json(body).into_response())
-}
-
-struct Finish {
-    stops: Vec<String>,
-    tokenizer: Arc<ChatTokenizer>,
-}
-
-impl Finish {
-    fn reason(&self, completion: &Completion, tool_calls: bool) -> (&'static str, Option<String>) {
-        stop_reason(completion, tool_calls, &self.stops, &self.tokenizer)
-    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -245,7 +214,6 @@ struct MessageStream {
     generation: Generation,
     parser: OutputParser,
     message: Value,
-    finish: Finish,
     started: bool,
     /// The open text/thinking block and its index.
     open: Option<(Block, usize)>,
@@ -359,12 +327,13 @@ impl EventSource for MessageStream {
                     self.ensure(Block::Text, &mut events);
                 }
                 self.close_block(&mut events);
-                let (reason, sequence) = self.finish.reason(&completion, self.tool_calls > 0);
+                let (reason, sequence) = stop_reason(&completion, self.tool_calls > 0);
                 events.push(sse::named(
                     "message_delta",
                     &json!({"type": "message_delta",
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": {"output_tokens": completion.completion_tokens}}),
+                    // The whole usage (as Anthropic now sends): cache reads are known only here.
+                    "usage": usage(&completion)}),
                 ));
                 events.push(sse::named("message_stop", &json!({"type": "message_stop"})));
             }
@@ -382,16 +351,10 @@ mod tests {
     use crate::sse::testing::{delta, done, events, generation};
 
     fn stream(events: Vec<Event>, tools: bool) -> MessageStream {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures/qwen3-tiny");
         MessageStream {
             generation: generation(events),
             parser: OutputParser::new(false, tools),
             message: json!({"id": "msg_test", "type": "message", "role": "assistant", "model": "m"}),
-            finish: Finish {
-                stops: Vec::new(),
-                tokenizer: Arc::new(ChatTokenizer::from_dir(&dir).unwrap()),
-            },
             started: false,
             open: None,
             next_index: 0,

@@ -37,8 +37,10 @@ impl Generation {
     pub async fn start(
         state: &AppState,
         entry: &ModelEntry,
-        request: Request,
+        mut request: Request,
     ) -> Result<Self, ApiError> {
+        // Metrics are filed under the id clients use, not the folder name.
+        request.model_id.get_or_insert_with(|| entry.id.clone());
         request
             .params
             .sampling
@@ -58,7 +60,6 @@ impl Generation {
                 prompt_tokens,
                 max_ctx,
             }) => {
-                state.registry.mark_loaded(&entry.id, None);
                 generation.prompt_tokens = prompt_tokens;
                 generation.max_ctx = max_ctx;
                 Ok(generation)

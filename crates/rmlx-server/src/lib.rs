@@ -25,7 +25,7 @@ use axum::{
     routing::{get, post},
     Extension, Router,
 };
-use rmlx_engine::engine::Engine;
+use rmlx_engine::engine::{Engine, EngineOptions};
 
 use crate::{error::BodyLimitMb, registry::Registry};
 
@@ -85,13 +85,17 @@ impl AppState {
                 model.display()
             );
         }
-        let engine = Engine::start(config.max_queue).context("cannot start the engine")?;
+        let engine = Engine::start_with(EngineOptions {
+            max_queue: config.max_queue,
+            max_loaded: config.max_loaded,
+            ..EngineOptions::default()
+        })
+        .context("cannot start the engine")?;
         let registry = Registry::new(
             &config.models,
             config.models_dir.clone(),
             config.hf_cache.clone(),
             config.max_ctx,
-            config.max_loaded,
         );
         Ok(Self {
             engine,

@@ -152,8 +152,8 @@ pub fn usage(completion: &Completion) -> Value {
         "prompt_tokens": completion.prompt_tokens,
         "completion_tokens": completion.completion_tokens,
         "total_tokens": completion.prompt_tokens + completion.completion_tokens,
-        // Filled once the engine's prefix cache lands.
-        "prompt_tokens_details": {"cached_tokens": 0},
+        // Prompt tokens whose KV the engine's prefix cache supplied.
+        "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
     })
 }
 

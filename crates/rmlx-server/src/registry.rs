@@ -4,7 +4,7 @@
 //! Reference: huggingface_hub `file_download.py` (cache layout, `refs/main`).
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::HashMap,
     path::{Component, Path, PathBuf},
     sync::{Arc, Mutex},
     time::UNIX_EPOCH,
@@ -13,10 +13,6 @@ use std::{
 use rmlx_engine::{chat::ChatTokenizer, models::ModelInfo};
 
 use crate::error::ApiError;
-
-/// How many models the engine keeps resident today (it evicts on switch); becomes
-/// `--max-loaded` when the engine's LRU lands.
-const ENGINE_RESIDENT: usize = 1;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelEntry {
@@ -32,11 +28,10 @@ pub struct Registry {
     models_dir: Option<PathBuf>,
     hf_hub: Option<PathBuf>,
     max_ctx: Option<usize>,
-    max_loaded: usize,
     tokenizers: Mutex<HashMap<PathBuf, Arc<ChatTokenizer>>>,
-    infos: Mutex<HashMap<String, ModelInfo>>,
-    /// Most recently used first: what we believe is resident in the engine.
-    resident: Mutex<VecDeque<String>>,
+    /// What the engine reported about a model once it loaded it, by canonical folder. Which
+    /// models are resident is the engine's (LRU) business: `Engine::loaded` answers that.
+    infos: Mutex<HashMap<PathBuf, ModelInfo>>,
 }
 
 impl Registry {
@@ -45,7 +40,6 @@ impl Registry {
         models_dir: Option<PathBuf>,
         hf_cache: Option<PathBuf>,
         max_ctx: Option<usize>,
-        max_loaded: usize,
     ) -> Self {
         let explicit = models
             .iter()
@@ -66,10 +60,8 @@ impl Registry {
             models_dir,
             hf_hub: hf_cache.or_else(default_hf_hub),
             max_ctx,
-            max_loaded: max_loaded.max(1),
             tokenizers: Mutex::default(),
             infos: Mutex::default(),
-            resident: Mutex::default(),
         }
     }
 
@@ -134,7 +126,7 @@ impl Registry {
             .infos
             .lock()
             .unwrap()
-            .get(&entry.id)
+            .get(&canonical(&entry.path))
             .map(|info| info.context_length)
             .or_else(|| config_context(&entry.path));
         match (from_config, self.max_ctx) {
@@ -143,28 +135,26 @@ impl Registry {
         }
     }
 
-    pub fn info(&self, id: &str) -> Option<ModelInfo> {
-        self.infos.lock().unwrap().get(id).cloned()
-    }
-
-    /// Records a model the engine just used or loaded (it is now resident).
-    pub fn mark_loaded(&self, id: &str, info: Option<ModelInfo>) {
-        if let Some(info) = info {
-            self.infos.lock().unwrap().insert(id.to_string(), info);
-        }
-        let mut resident = self.resident.lock().unwrap();
-        resident.retain(|other| other != id);
-        resident.push_front(id.to_string());
-        resident.truncate(ENGINE_RESIDENT.min(self.max_loaded));
-    }
-
-    pub fn is_loaded(&self, id: &str) -> bool {
-        self.resident
+    pub fn info(&self, entry: &ModelEntry) -> Option<ModelInfo> {
+        self.infos
             .lock()
             .unwrap()
-            .iter()
-            .any(|other| other == id)
+            .get(&canonical(&entry.path))
+            .cloned()
     }
+
+    /// Keeps what the engine said about a model it loaded (context, vision) for listings.
+    pub fn remember(&self, info: &ModelInfo) {
+        self.infos
+            .lock()
+            .unwrap()
+            .insert(canonical(&info.path), info.clone());
+    }
+}
+
+/// The key the engine files models under (it canonicalizes too), so ids and residency match.
+pub fn canonical(path: &Path) -> PathBuf {
+    path.canonicalize().unwrap_or_else(|_| path.to_path_buf())
 }
 
 fn entry(id: String, path: PathBuf, owned_by: &str) -> ModelEntry {
@@ -337,7 +327,6 @@ mod tests {
             Some(root.join("models")),
             Some(root.join("hub")),
             Some(1024),
-            1,
         );
         let ids: Vec<String> = registry.list().into_iter().map(|e| e.id).collect();
         assert_eq!(ids, ["org/nested", "plain", "Qwen/Qwen3-0.6B"]);
@@ -354,13 +343,7 @@ mod tests {
         let root = temp("escape");
         model_at(&root.join("outside"));
         std::fs::create_dir_all(root.join("models")).unwrap();
-        let registry = Registry::new(
-            &[],
-            Some(root.join("models")),
-            Some(root.join("hub")),
-            None,
-            1,
-        );
+        let registry = Registry::new(&[], Some(root.join("models")), Some(root.join("hub")), None);
         for id in ["../outside", "/etc", "a/../../outside", "", "./x", "a\\b"] {
             assert!(
                 matches!(registry.resolve(id), Err(ApiError::BadRequest(_))),

@@ -57,8 +57,14 @@ async fn health_models_retrieve_load_unload() {
     );
 
     let unload = post(&app, "/v1/models/qwen3-tiny/unload", &json!({})).await;
-    assert_eq!(unload.status, StatusCode::NOT_IMPLEMENTED);
-    assert!(openai_error(&unload).2.contains("not supported yet"));
+    assert_eq!(unload.status, StatusCode::OK, "{}", unload.text);
+    assert_eq!(unload.json(), json!({"id": MODEL, "unloaded": true}));
+    assert_eq!(
+        get(&app, "/v1/models").await.json()["data"][0]["loaded"],
+        false
+    );
+    let again = post(&app, "/v1/models/qwen3-tiny/unload", &json!({})).await;
+    assert_eq!(again.json(), json!({"id": MODEL, "unloaded": false}));
     let missing = post(&app, "/v1/models/nope/load", &json!({})).await;
     assert_eq!(missing.status, StatusCode::NOT_FOUND);
     let route = get(&app, "/v1/nothing").await;

@@ -1,0 +1,466 @@
+//! Constrained decoding for OpenAI `response_format` (`json_object`, `json_schema`): llguidance
+//! compiles the schema to a grammar and, before every step, gives the set of token ids that keep
+//! the output a prefix of a valid document; the decode loop adds it to the logits as a 0 / -inf
+//! mask. Reference: llguidance `Matcher` (its server-side API, as vLLM and SGLang use it) and
+//! mlx-lm's `logits_processors` (the mask is one more processor on raw logits).
+
+use std::sync::Arc;
+
+use llguidance::{
+    api::TopLevelGrammar,
+    earley::SlicedBiasComputer,
+    token_bytes_from_tokenizer_json,
+    toktrie::{
+        InferenceCapabilities, SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv,
+    },
+    Matcher, ParserFactory,
+};
+use mlx_rs::{error::Exception, ops, Array};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokenizers::Tokenizer;
+
+use crate::{chat::ChatTokenizer, error::EngineError};
+
+/// Whitespace allowed between JSON tokens: flexible (models pretty-print) but bounded, so a
+/// model cannot spin on newlines forever inside an otherwise valid document.
+const WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,32}";
+
+/// OpenAI's `response_format`, in its wire shape (`{"type": "json_schema", "json_schema": {..}}`)
+/// so front doors can deserialize the request field straight into it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    #[default]
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    JsonSchema {
+        json_schema: JsonSchemaFormat,
+    },
+}
+
+/// The `json_schema` member of `response_format`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JsonSchemaFormat {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// Absent means any JSON value, as in OpenAI's API.
+    #[serde(default = "any_json")]
+    pub schema: Value,
+    /// Strict: a keyword or format we cannot enforce is an error. Otherwise it is ignored (the
+    /// rest of the schema is still enforced). Clients send `null` too, hence the Option.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strict: Option<bool>,
+}
+
+fn any_json() -> Value {
+    json!({})
+}
+
+impl ResponseFormat {
+    pub fn json_schema(schema: Value, strict: bool) -> Self {
+        Self::JsonSchema {
+            json_schema: JsonSchemaFormat {
+                name: String::new(),
+                description: None,
+                schema,
+                strict: Some(strict),
+            },
+        }
+    }
+
+    pub fn is_text(&self) -> bool {
+        matches!(self, Self::Text)
+    }
+
+    /// The schema llguidance compiles, with our compile options unless the schema sets its own
+    /// (`x-guidance`); None for plain text.
+    fn grammar(&self) -> Option<TopLevelGrammar> {
+        let (mut schema, strict) = match self {
+            Self::Text => return None,
+            Self::JsonObject => (json!({"type": "object"}), true),
+            Self::JsonSchema { json_schema } => (
+                json_schema.schema.clone(),
+                json_schema.strict.unwrap_or(false),
+            ),
+        };
+        if let Some(object) = schema.as_object_mut() {
+            object
+                .entry("x-guidance")
+                .or_insert_with(|| json!({"whitespace_pattern": WHITESPACE, "lenient": !strict}));
+        }
+        Some(TopLevelGrammar::from_json_schema(schema))
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConstrainError {
+    /// The request's schema does not compile (HTTP 400).
+    #[error("invalid response_format: {0}")]
+    Schema(String),
+    #[error("constrained decoding is unavailable for this tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("the response_format grammar rejected token {token}: {message}")]
+    Rejected { token: u32, message: String },
+    #[error("the response_format grammar failed: {0}")]
+    Grammar(String),
+    #[error("MLX failed applying the token mask: {0}")]
+    Mlx(String),
+}
+
+impl From<Exception> for ConstrainError {
+    fn from(error: Exception) -> Self {
+        Self::Mlx(error.what().to_string())
+    }
+}
+
+impl From<ConstrainError> for EngineError {
+    fn from(error: ConstrainError) -> Self {
+        match error {
+            ConstrainError::Mlx(message) => EngineError::Mlx(message),
+            other => EngineError::InvalidRequest(other.to_string()),
+        }
+    }
+}
+
+/// Our tokenizer as llguidance sees it: the byte trie of every id, plus `tokenize_bytes` for
+/// the canonical tokenization of forced text.
+struct TokenizerEnvironment {
+    trie: TokTrie,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl TokenizerEnv for TokenizerEnvironment {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, bytes: &[u8]) -> Vec<TokenId> {
+        self.trie.tokenize_with_greedy_fallback(bytes, |text| {
+            self.tokenizer
+                .encode(text, false)
+                .map(|encoding| encoding.get_ids().to_vec())
+                .unwrap_or_else(|_| self.trie.greedy_tokenize(text.as_bytes()))
+        })
+    }
+}
+
+/// Per model: the token trie and llguidance's parser factory, built once (the trie walk over
+/// the whole vocabulary is the slow part) and cheap to make request constraints from.
+pub struct ConstraintFactory {
+    parsers: ParserFactory,
+    model_vocab: usize,
+    /// Ids at or past this are padding rows of the embedding, never a real token.
+    tokenizer_vocab: usize,
+}
+
+impl ConstraintFactory {
+    /// `model_vocab` is the logits' width (config `vocab_size`, often padded past the
+    /// tokenizer's); `eos_ids` are the ids allowed once the document is complete.
+    pub fn from_tokenizer(
+        tokenizer: &ChatTokenizer,
+        model_vocab: usize,
+        eos_ids: &[u32],
+    ) -> Result<Self, ConstrainError> {
+        let unavailable = |message: String| ConstrainError::Tokenizer(message);
+        let tokenizer_json = serde_json::to_value(tokenizer.inner().as_ref())
+            .map_err(|error| unavailable(error.to_string()))?;
+        let mut words = token_bytes_from_tokenizer_json(&tokenizer_json)
+            .map_err(|error| unavailable(error.to_string()))?;
+        let tokenizer_vocab = tokenizer.vocab_size().max(words.len()).min(model_vocab);
+        // Padding ids get special-token names: a JSON grammar never allows them.
+        words.truncate(model_vocab);
+        while words.len() < model_vocab {
+            let mut name = format!(".<[{}]>", words.len()).into_bytes();
+            name[0] = TokTrie::SPECIAL_TOKEN_MARKER;
+            words.push(name);
+        }
+        let eos: Vec<TokenId> = eos_ids
+            .iter()
+            .copied()
+            .filter(|&id| (id as usize) < tokenizer_vocab)
+            .collect();
+        let Some(&first_eos) = eos.first() else {
+            return Err(unavailable("it has no EOS token to end a document".into()));
+        };
+        let info = TokRxInfo::new(model_vocab as u32, first_eos);
+        let trie = TokTrie::from(&info, &words).with_eos_tokens(&eos);
+        let environment: TokEnv = Arc::new(TokenizerEnvironment {
+            trie,
+            tokenizer: tokenizer.inner().clone(),
+        });
+        let mut parsers = ParserFactory::new(
+            &environment,
+            InferenceCapabilities::default(),
+            &SlicedBiasComputer::json_slices(),
+        )
+        .map_err(|error| unavailable(error.to_string()))?;
+        // Schema warnings would go to the server's stderr on every request.
+        parsers.quiet();
+        Ok(Self {
+            parsers,
+            model_vocab,
+            tokenizer_vocab,
+        })
+    }
+
+    /// The constraint of one request; None for plain text. A schema that does not compile is
+    /// `ConstrainError::Schema`.
+    pub fn constraint(
+        &self,
+        format: &ResponseFormat,
+    ) -> Result<Option<Constraint>, ConstrainError> {
+        let Some(grammar) = format.grammar() else {
+            return Ok(None);
+        };
+        let parser = self
+            .parsers
+            .create_parser(grammar)
+            .map_err(|error| ConstrainError::Schema(error.to_string()))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(error) = matcher.get_error() {
+            return Err(ConstrainError::Schema(error));
+        }
+        Ok(Some(Constraint {
+            matcher,
+            allowed_below: self.tokenizer_vocab,
+            mask: vec![f32::NEG_INFINITY; self.model_vocab],
+        }))
+    }
+}
+
+/// A `ConstraintFactory` made just for this call: fine for one-off generations, slow for large
+/// vocabularies (the engine keeps a factory per resident model instead).
+pub fn one_off_constraint(
+    tokenizer: &ChatTokenizer,
+    model_vocab: usize,
+    format: &ResponseFormat,
+) -> Result<Option<Constraint>, ConstrainError> {
+    if format.is_text() {
+        return Ok(None);
+    }
+    ConstraintFactory::from_tokenizer(tokenizer, model_vocab, tokenizer.eos_token_ids())?
+        .constraint(format)
+}
+
+/// One request's grammar state: the mask for the next token, advanced by each token read.
+pub struct Constraint {
+    matcher: Matcher,
+    allowed_below: usize,
+    /// Host buffer of the mask, reused every step.
+    mask: Vec<f32>,
+}
+
+impl Constraint {
+    /// The ids the grammar allows next (only EOS once the document is complete).
+    pub fn allowed(&mut self) -> Result<Vec<u32>, ConstrainError> {
+        let mut ids = Vec::new();
+        self.allowed_set()?
+            .iter_set_entries(|id| ids.extend((id < self.allowed_below).then_some(id as u32)));
+        Ok(ids)
+    }
+
+    fn allowed_set(&mut self) -> Result<SimpleVob, ConstrainError> {
+        self.matcher
+            .compute_mask_or_eos()
+            .map_err(|error| ConstrainError::Grammar(error.to_string()))
+    }
+
+    /// Additive mask for the next token: 0 for allowed ids, -inf otherwise, f32 `[vocab]`.
+    pub fn mask(&mut self) -> Result<Array, ConstrainError> {
+        let allowed = self.allowed_set()?;
+        self.mask.fill(f32::NEG_INFINITY);
+        let mut any = false;
+        let (buffer, limit) = (&mut self.mask, self.allowed_below);
+        allowed.iter_set_entries(|id| {
+            if id < limit {
+                buffer[id] = 0.0;
+                any = true;
+            }
+        });
+        if !any {
+            // An all -inf row would sample NaN; say why instead.
+            return Err(ConstrainError::Grammar(
+                "no token can continue the document".into(),
+            ));
+        }
+        Ok(Array::from_slice(&self.mask, &[self.mask.len() as i32]))
+    }
+
+    /// `logits` (`[.., vocab]`) plus the mask, in the logits' dtype.
+    pub fn apply(&mut self, logits: &Array) -> Result<Array, ConstrainError> {
+        let mask = self.mask()?.as_dtype(logits.dtype())?;
+        Ok(ops::add(logits, &mask)?)
+    }
+
+    /// Advance past `token`, the one just sampled under this constraint's mask.
+    pub fn consume(&mut self, token: u32) -> Result<(), ConstrainError> {
+        self.matcher
+            .consume_token(token)
+            .map_err(|error| ConstrainError::Rejected {
+                token,
+                message: error.to_string(),
+            })
+    }
+
+    /// True once the document is complete: nothing but EOS may follow.
+    pub fn is_finished(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The mask against a hand-written oracle over the fixture vocabulary, the end-of-document
+    //! state, typed schema errors and the OpenAI wire shape. Generation: tests/constrained.rs.
+    use super::*;
+    use crate::chat::test_support::fixture;
+
+    /// The fixture's tokenizer (1000 ids) under a model whose vocab is padded to 1024.
+    const MODEL_VOCAB: usize = 1024;
+
+    fn tokenizer() -> ChatTokenizer {
+        ChatTokenizer::from_dir(&fixture("qwen3-tiny")).unwrap()
+    }
+
+    fn constraint(tokenizer: &ChatTokenizer, format: &ResponseFormat) -> Constraint {
+        one_off_constraint(tokenizer, MODEL_VOCAB, format)
+            .unwrap()
+            .expect("a JSON format has a constraint")
+    }
+
+    fn id(tokenizer: &ChatTokenizer, text: &str) -> u32 {
+        let ids = tokenizer.encode(text, false).unwrap();
+        assert_eq!(ids.len(), 1, "{text:?} is one token");
+        ids[0]
+    }
+
+    /// Could a JSON object start with `text`? Exact for the fixture's tokens that start with
+    /// `{`: an object opener, optional whitespace, then nothing, `}`, or the start of a key.
+    fn opens_an_object(text: &str) -> bool {
+        let Some(rest) = text.strip_prefix('{') else {
+            return false;
+        };
+        let rest = rest.trim_start_matches([' ', '\n', '\r', '\t']);
+        let key_start = rest
+            .strip_prefix('"')
+            .is_some_and(|key| !key.contains(['"', '\\']) && !key.contains(char::is_control));
+        rest.is_empty() || rest == "}" || key_start
+    }
+
+    #[test]
+    fn json_object_allows_exactly_the_object_openers_first() {
+        let tokenizer = tokenizer();
+        let mut constraint = constraint(&tokenizer, &ResponseFormat::JsonObject);
+        let expected: Vec<u32> = (0..tokenizer.vocab_size() as u32)
+            .filter(|&id| opens_an_object(&tokenizer.decode(&[id], false).unwrap()))
+            .collect();
+        assert_eq!(expected, [id(&tokenizer, "{"), id(&tokenizer, "{\"")]);
+        assert_eq!(constraint.allowed().unwrap(), expected);
+
+        let mask = constraint.mask().unwrap();
+        assert_eq!(mask.shape(), [MODEL_VOCAB as i32]);
+        let zeros: Vec<u32> = (0..MODEL_VOCAB as u32)
+            .filter(|&id| mask.as_slice::<f32>()[id as usize] == 0.0)
+            .collect();
+        assert_eq!(zeros, expected);
+        let rest = mask.as_slice::<f32>().iter().filter(|v| **v != 0.0);
+        assert!(rest.clone().all(|v| *v == f32::NEG_INFINITY));
+        assert_eq!(rest.count(), MODEL_VOCAB - expected.len());
+    }
+
+    #[test]
+    fn a_complete_document_allows_only_eos() {
+        let tokenizer = tokenizer();
+        let mut constraint = constraint(&tokenizer, &ResponseFormat::JsonObject);
+        constraint.consume(id(&tokenizer, "{")).unwrap();
+        assert!(!constraint.is_finished());
+        let open = constraint.allowed().unwrap();
+        assert!(open.contains(&id(&tokenizer, "}")));
+        assert!(!tokenizer
+            .eos_token_ids()
+            .iter()
+            .any(|eos| open.contains(eos)));
+
+        constraint.consume(id(&tokenizer, "}")).unwrap();
+        assert!(constraint.is_finished());
+        let mut eos = tokenizer.eos_token_ids().to_vec();
+        eos.sort_unstable();
+        assert_eq!(constraint.allowed().unwrap(), eos);
+    }
+
+    #[test]
+    fn a_token_outside_the_mask_is_rejected() {
+        let tokenizer = tokenizer();
+        let mut constraint = constraint(&tokenizer, &ResponseFormat::JsonObject);
+        let error = constraint.consume(id(&tokenizer, "}")).unwrap_err();
+        assert!(matches!(error, ConstrainError::Rejected { .. }), "{error}");
+    }
+
+    #[test]
+    fn bad_schemas_are_typed_errors() {
+        let tokenizer = tokenizer();
+        let factory =
+            ConstraintFactory::from_tokenizer(&tokenizer, MODEL_VOCAB, tokenizer.eos_token_ids())
+                .unwrap();
+        for schema in [
+            json!({"type": "no-such-type"}),
+            json!({"type": "object", "properties": 5}),
+            json!({"$ref": "#/$defs/missing"}),
+            json!("not a schema"),
+        ] {
+            let result = factory.constraint(&ResponseFormat::json_schema(schema.clone(), true));
+            assert!(
+                matches!(result, Err(ConstrainError::Schema(_))),
+                "{schema}: {:?}",
+                result.map(|c| c.is_some())
+            );
+            let engine_error = EngineError::from(ConstrainError::Schema("x".into()));
+            assert_eq!(engine_error.kind(), "invalid_request");
+        }
+        // A format we cannot enforce fails only a strict request.
+        let unknown_format = json!({"type": "string", "format": "no-such-format"});
+        let strict = ResponseFormat::json_schema(unknown_format.clone(), true);
+        assert!(matches!(
+            factory.constraint(&strict),
+            Err(ConstrainError::Schema(_))
+        ));
+        let lenient = ResponseFormat::json_schema(unknown_format, false);
+        assert!(factory.constraint(&lenient).unwrap().is_some());
+        assert!(factory.constraint(&ResponseFormat::Text).unwrap().is_none());
+    }
+
+    #[test]
+    fn response_format_reads_the_openai_wire_shape() {
+        let parse = |value: Value| serde_json::from_value::<ResponseFormat>(value).unwrap();
+        assert_eq!(parse(json!({"type": "text"})), ResponseFormat::Text);
+        assert_eq!(
+            parse(json!({"type": "json_object"})),
+            ResponseFormat::JsonObject
+        );
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let wire = json!({
+            "type": "json_schema",
+            "json_schema": {"name": "thing", "schema": schema, "strict": true}
+        });
+        let ResponseFormat::JsonSchema { json_schema } = parse(wire.clone()) else {
+            panic!("not json_schema");
+        };
+        assert_eq!(
+            (json_schema.name.as_str(), json_schema.strict),
+            ("thing", Some(true))
+        );
+        assert_eq!(json_schema.schema, schema);
+        let round_trip = serde_json::to_value(ResponseFormat::JsonSchema { json_schema }).unwrap();
+        assert_eq!(round_trip, wire);
+        assert!(serde_json::from_value::<ResponseFormat>(json!({"type": "yaml"})).is_err());
+        let loose = json!({"type": "json_schema", "json_schema": {"name": "x", "strict": null}});
+        let ResponseFormat::JsonSchema { json_schema } = parse(loose) else {
+            panic!("not json_schema");
+        };
+        assert_eq!((json_schema.strict, json_schema.schema), (None, json!({})));
+    }
+}

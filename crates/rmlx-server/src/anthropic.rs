@@ -3,7 +3,6 @@
 //! `content_block_stop`, `message_delta`, `message_stop`). Reference: Anthropic Messages API and
 //! "Streaming Messages" docs.
 
-
 use axum::{
     extract::State,
     response::{sse::Event, IntoResponse, Response},

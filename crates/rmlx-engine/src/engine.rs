@@ -148,6 +148,8 @@ pub struct EngineOptions {
     pub max_loaded: usize,
     /// Bytes of KV the prefix cache keeps for reuse (0 turns it off).
     pub prefix_cache_bytes: u64,
+    /// Memory a model may take; None = what the OS reports available when it loads.
+    pub memory_budget: Option<u64>,
 }
 
 impl Default for EngineOptions {
@@ -156,6 +158,7 @@ impl Default for EngineOptions {
             max_queue: 64,
             max_loaded: 1,
             prefix_cache_bytes: 1 << 30,
+            memory_budget: None,
         }
     }
 }
@@ -205,10 +208,15 @@ impl Engine {
         let thread = thread::Builder::new()
             .name("rmlx-engine".into())
             .spawn(move || {
+                if let Err(error) = crate::runtime::prepare_thread() {
+                    // Every request will report it; nothing can run on this thread.
+                    eprintln!("rmlx engine: {error}");
+                }
                 EngineThread {
                     models: HashMap::new(),
                     lru: Vec::new(),
                     max_loaded: options.max_loaded.max(1),
+                    memory_budget: options.memory_budget,
                     prefix: PrefixCache::new(options.prefix_cache_bytes),
                     metrics: worker_metrics,
                     queued: worker_queued,
@@ -329,6 +337,7 @@ struct EngineThread {
     /// Resident model keys, least recently used first.
     lru: Vec<PathBuf>,
     max_loaded: usize,
+    memory_budget: Option<u64>,
     prefix: PrefixCache,
     metrics: Arc<Metrics>,
     queued: Arc<AtomicUsize>,
@@ -353,7 +362,9 @@ impl EngineThread {
                         result
                     });
                     // Counters settle before the client hears the end, so it sees them idle.
-                    self.queued.fetch_sub(1, Ordering::SeqCst);
+                    if self.queued.fetch_sub(1, Ordering::SeqCst) == 1 {
+                        crate::runtime::release_cached_memory();
+                    }
                     if let Some(result) = result {
                         let _ = events.send(match result {
                             Ok(completion) => Event::Done(completion),
@@ -389,6 +400,38 @@ impl EngineThread {
         self.models.remove(&key).is_some()
     }
 
+    /// Refuses, with the numbers, a model whose weights cannot fit next to what is resident;
+    /// loading it anyway would swap the machine to a halt (unified memory on a Mac).
+    fn check_fits(&self, dir: &Path) -> Result<()> {
+        let Some(available) = self.memory_budget.or_else(crate::runtime::available_memory) else {
+            return Ok(());
+        };
+        let weights: u64 = std::fs::read_dir(dir)
+            .map_err(|error| EngineError::Io {
+                path: dir.to_path_buf(),
+                message: error.to_string(),
+            })?
+            .filter_map(|entry| entry.ok())
+            .filter(|entry| {
+                entry
+                    .path()
+                    .extension()
+                    .is_some_and(|ext| ext == "safetensors")
+            })
+            .filter_map(|entry| entry.metadata().ok().map(|meta| meta.len()))
+            .sum();
+        // Weights plus a tenth for activations and a first KV allocation.
+        let needed = weights + weights / 10;
+        if needed > available {
+            return Err(EngineError::ModelTooLarge {
+                model: dir.to_path_buf(),
+                needed,
+                available,
+            });
+        }
+        Ok(())
+    }
+
     fn resident(&mut self, dir: &Path) -> Result<&Resident> {
         let key = dir.canonicalize().map_err(|error| EngineError::Io {
             path: dir.to_path_buf(),
@@ -400,6 +443,7 @@ impl EngineThread {
                 let oldest = self.lru[0].clone();
                 self.unload(&oldest);
             }
+            self.check_fits(&key)?;
             let tokenizer = ChatTokenizer::from_dir(&key)?;
             let loaded = models::load_model(&key)?;
             self.models.insert(

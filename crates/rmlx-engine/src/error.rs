@@ -25,6 +25,12 @@ pub enum EngineError {
     MissingTensor { tensor: String, files: String },
     #[error("{} unexpected tensor(s) no layer uses, e.g. `{}` in {}", .tensors.len(), .tensors[0].0, .tensors[0].1.display())]
     UnusedTensors { tensors: Vec<(String, PathBuf)> },
+    #[error("{} needs about {:.1} GB but only {:.1} GB of memory is available", .model.display(), *.needed as f64 / 1e9, *.available as f64 / 1e9)]
+    ModelTooLarge {
+        model: PathBuf,
+        needed: u64,
+        available: u64,
+    },
     #[error("prompt has {prompt_tokens} tokens but the context holds {max_ctx}")]
     ContextOverflow {
         prompt_tokens: usize,
@@ -63,6 +69,7 @@ impl EngineError {
             | Self::MissingTensor { .. }
             | Self::UnusedTensors { .. } => "model_weights",
             Self::ContextOverflow { .. } => "context_length_exceeded",
+            Self::ModelTooLarge { .. } => "model_too_large",
             Self::Quant(_) => "quantization",
             Self::Chat(_) => "chat_template",
             Self::Sample(_) => "invalid_sampling",

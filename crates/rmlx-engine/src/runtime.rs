@@ -61,3 +61,105 @@ unsafe fn c_text(text: *const std::os::raw::c_char) -> String {
         .to_string_lossy()
         .into_owned()
 }
+
+/// Gives the calling thread its own default stream on the default device, once, before any
+/// evaluation. On Metal a thread without one fails with "There is no Stream(gpu, 0) in
+/// current thread" (rMLX issues 10, 104, 206); on the CPU backend this finds the one MLX made.
+/// Never create a stream per operation: each is an OS thread on Metal.
+pub fn prepare_thread() -> Result<(), mlx_sys::LoadError> {
+    mlx_sys::load()?;
+    // SAFETY: queries and sets this thread's default stream; handles are freed here.
+    unsafe {
+        let mut device = mlx_sys::mlx_device_new();
+        mlx_sys::mlx_get_default_device(&mut device);
+        let mut stream = mlx_sys::mlx_stream_new();
+        if mlx_sys::mlx_get_default_stream(&mut stream, device) != 0 {
+            mlx_sys::mlx_stream_free(stream);
+            stream = mlx_sys::mlx_stream_new_device(device);
+            mlx_sys::mlx_set_default_stream(stream);
+        }
+        mlx_sys::mlx_stream_free(stream);
+        mlx_sys::mlx_device_free(device);
+    }
+    Ok(())
+}
+
+/// Returns MLX's cached (freed but kept) buffers to the system: called when the engine goes
+/// idle, so a desktop app does not sit on gigabytes between requests.
+pub fn release_cached_memory() {
+    if mlx_sys::load().is_ok() {
+        // SAFETY: MLX is loaded; clearing the buffer cache is always allowed.
+        unsafe { mlx_sys::mlx_clear_cache() };
+    }
+}
+
+/// Memory a model may use: what the OS reports available (Linux `MemAvailable`), or the
+/// physical memory on macOS, where MLX shares unified memory with everything else.
+pub fn available_memory() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let line = meminfo
+            .lines()
+            .find(|line| line.starts_with("MemAvailable:"))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    }
+    #[cfg(target_os = "macos")]
+    {
+        let mut bytes: u64 = 0;
+        let mut size = std::mem::size_of::<u64>();
+        let name = c"hw.memsize";
+        // SAFETY: sysctlbyname writes at most `size` bytes into `bytes`.
+        let status = unsafe {
+            sysctlbyname(
+                name.as_ptr(),
+                (&mut bytes as *mut u64).cast(),
+                &mut size,
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        (status == 0).then_some(bytes)
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+    {
+        None
+    }
+}
+
+#[cfg(target_os = "macos")]
+extern "C" {
+    fn sysctlbyname(
+        name: *const std::os::raw::c_char,
+        oldp: *mut std::ffi::c_void,
+        oldlenp: *mut usize,
+        newp: *mut std::ffi::c_void,
+        newlen: usize,
+    ) -> std::os::raw::c_int;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fresh_thread_gets_a_stream_and_computes() {
+        let value = std::thread::spawn(|| {
+            prepare_thread().unwrap();
+            prepare_thread().unwrap(); // idempotent
+            let a = mlx_rs::Array::from_slice(&[1.0f32, 2.0], &[2]);
+            let sum = mlx_rs::ops::sum(&a, None).unwrap();
+            sum.item_exact::<f32>()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(value, 3.0);
+    }
+
+    #[test]
+    fn available_memory_is_reported() {
+        let bytes = available_memory().expect("Linux and macOS report memory");
+        assert!(bytes > 64 << 20, "{bytes}");
+    }
+}

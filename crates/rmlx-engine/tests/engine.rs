@@ -217,3 +217,25 @@ fn repeated_conversation_hits_the_prefix_cache_with_identical_answers() {
     assert!(metrics.prefix_cache_bytes > 0);
     assert!(metrics.mlx_active_bytes > 0);
 }
+
+#[test]
+fn a_model_that_cannot_fit_is_refused_before_loading() {
+    let engine = Engine::start_with(rmlx_engine::engine::EngineOptions {
+        memory_budget: Some(100_000),
+        ..Default::default()
+    })
+    .unwrap();
+    let error = engine.submit(request("hi", 4)).unwrap().wait().unwrap_err();
+    match &error {
+        EngineError::ModelTooLarge {
+            needed, available, ..
+        } => {
+            assert_eq!(*available, 100_000);
+            assert!(*needed > 800_000, "{needed}");
+        }
+        other => panic!("{other}"),
+    }
+    assert!(error.to_string().contains("GB"), "{error}");
+    assert!(engine.loaded().unwrap().is_empty());
+    assert_eq!(engine.metrics().error_counts["model_too_large"], 1);
+}

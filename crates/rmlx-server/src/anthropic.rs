@@ -315,7 +315,7 @@ impl EventSource for MessageStream {
         }
         let mut events = Vec::new();
         match self.generation.next().await? {
-            Step::Delta(text) => {
+            Step::Delta { text, .. } => {
                 let pieces = self.parser.push(&text);
                 self.pieces(pieces, &mut events);
             }

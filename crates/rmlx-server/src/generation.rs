@@ -8,7 +8,7 @@ use std::{sync::mpsc::RecvTimeoutError, time::Duration};
 
 use rmlx_engine::{
     engine::{Event, Request, RequestHandle},
-    generate::Completion,
+    generate::{Completion, TokenLogprob},
     EngineError,
 };
 use tokio::sync::mpsc;
@@ -20,7 +20,12 @@ use crate::{error::ApiError, registry::ModelEntry, AppState};
 const DISCONNECT_POLL: Duration = Duration::from_millis(50);
 
 pub enum Step {
-    Delta(String),
+    /// Text (maybe empty while the engine holds a partial character or stop string) and the
+    /// token's log-probs when the request asked for them.
+    Delta {
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
     Done(Completion),
     Failed(ApiError),
 }
@@ -90,13 +95,13 @@ impl Generation {
         }
         loop {
             let step = match self.events.recv().await {
-                Some(Event::Delta { text, .. }) => Step::Delta(text),
+                Some(Event::Delta { text, logprob, .. }) => Step::Delta { text, logprob },
                 Some(Event::Done(completion)) => Step::Done(completion),
                 Some(Event::Error(error)) => Step::Failed(error.into()),
                 Some(Event::Started { .. }) => continue,
                 None => Step::Failed(EngineError::EngineStopped.into()),
             };
-            self.finished = !matches!(step, Step::Delta(_));
+            self.finished = !matches!(step, Step::Delta { .. });
             return Some(step);
         }
     }
@@ -105,7 +110,7 @@ impl Generation {
     pub async fn complete(mut self) -> Result<Completion, ApiError> {
         while let Some(step) = self.next().await {
             match step {
-                Step::Delta(_) => {}
+                Step::Delta { .. } => {}
                 Step::Done(completion) => return Ok(completion),
                 Step::Failed(error) => return Err(error),
             }

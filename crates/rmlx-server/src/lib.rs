@@ -10,6 +10,7 @@ pub mod convert;
 pub mod error;
 pub mod generation;
 pub mod guard;
+pub mod logprobs;
 pub mod models;
 pub mod openai;
 pub mod parse;

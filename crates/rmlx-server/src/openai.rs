@@ -12,7 +12,7 @@ use axum::{
 use rmlx_engine::{
     chat::TemplateOptions,
     engine::{Prompt, Request},
-    generate::{Completion, FinishReason, GenerateParams},
+    generate::{Completion, FinishReason, GenerateParams, TokenLogprob},
     sample::SamplingParams,
 };
 use serde::Deserialize;
@@ -22,6 +22,7 @@ use crate::{
     convert,
     error::{Api, ApiError, ApiJson},
     generation::{new_id, prompt_opens_think, unix_now, Generation, Step},
+    logprobs,
     parse::{parse_all, OutputParser, Piece, ToolCall},
     registry::ModelEntry,
     sse::{self, EventSource},
@@ -93,13 +94,6 @@ impl SamplingFields {
                 "n must be 1: this server generates one choice per request".into(),
             ));
         }
-        if matches!(self.logprobs, Some(Value::Bool(true)))
-            || matches!(self.logprobs, Some(Value::Number(_)))
-        {
-            return Err(ApiError::BadRequest(
-                "logprobs are not supported yet".into(),
-            ));
-        }
         Ok(())
     }
 
@@ -111,7 +105,12 @@ impl SamplingFields {
         }
     }
 
-    fn params(&self, state: &AppState, max_tokens: usize) -> Result<GenerateParams, ApiError> {
+    fn params(
+        &self,
+        state: &AppState,
+        max_tokens: usize,
+        logprobs: Option<usize>,
+    ) -> Result<GenerateParams, ApiError> {
         self.check_unsupported()?;
         if max_tokens == 0 {
             return Err(ApiError::BadRequest("max_tokens must be at least 1".into()));
@@ -121,6 +120,7 @@ impl SamplingFields {
             sampling: self.sampling()?,
             stop: self.stops(),
             max_ctx: state.config.max_ctx,
+            logprobs,
             ..GenerateParams::default()
         })
     }
@@ -143,6 +143,7 @@ pub struct ChatRequest {
     enable_thinking: Option<bool>,
     chat_template_kwargs: Option<Map<String, Value>>,
     response_format: Option<Value>,
+    top_logprobs: Option<Value>,
     #[serde(flatten)]
     sampling: SamplingFields,
 }
@@ -208,7 +209,11 @@ pub async fn chat_completions(
         .max_completion_tokens
         .or(request.max_tokens)
         .unwrap_or_else(|| default_max_tokens(&state, &entry));
-    let params = request.sampling.params(&state, max_tokens)?;
+    let logprobs = logprobs::chat_request(
+        request.sampling.logprobs.as_ref(),
+        request.top_logprobs.as_ref(),
+    )?;
+    let params = request.sampling.params(&state, max_tokens, logprobs)?;
     let in_reasoning = prompt_opens_think(&state, &entry, &messages, &options).await?;
     let engine_request = Request {
         model: entry.path.clone(),
@@ -226,6 +231,7 @@ pub async fn chat_completions(
             include_usage: request.sampling.include_usage(),
             started: false,
             tool_calls: 0,
+            logprobs: logprobs::Pending::default(),
         }));
     }
     let completion = generation.complete().await?;
@@ -252,7 +258,8 @@ pub async fn chat_completions(
     }
     Ok(Json(json!({
         "id": id, "object": "chat.completion", "created": created, "model": entry.id,
-        "choices": [{"index": 0, "message": message, "logprobs": null,
+        "choices": [{"index": 0, "message": message,
+                     "logprobs": completion.logprobs.as_deref().map(logprobs::chat),
                      "finish_reason": finish_reason(completion.finish_reason, !parsed.tool_calls.is_empty())}],
         "usage": usage(&completion),
         "timings": timings(&completion),
@@ -267,13 +274,17 @@ struct ChatStream {
     include_usage: bool,
     started: bool,
     tool_calls: usize,
+    logprobs: logprobs::Pending,
 }
 
 impl ChatStream {
-    fn chunk(&self, delta: Value, finish: Option<&str>) -> Event {
+    /// A chunk, carrying the log-probs of the tokens since the last one (null when none).
+    fn chunk(&mut self, delta: Value, finish: Option<&str>) -> Event {
+        let waiting = self.logprobs.take();
         let mut chunk = self.head.clone();
-        chunk["choices"] =
-            json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]);
+        chunk["choices"] = json!([{"index": 0, "delta": delta,
+            "logprobs": (!waiting.is_empty()).then(|| logprobs::chat(&waiting)),
+            "finish_reason": finish}]);
         sse::data(&chunk)
     }
 
@@ -304,15 +315,18 @@ impl EventSource for ChatStream {
             ]);
         }
         match self.generation.next().await? {
-            Step::Delta(text) => {
+            Step::Delta { text, logprob } => {
+                self.logprobs.push(logprob);
                 let pieces = self.parser.push(&text);
                 Some(self.pieces(pieces))
             }
             Step::Done(completion) => {
                 let pieces = self.parser.finish();
                 let mut events = self.pieces(pieces);
+                let rest = self.logprobs.finish(completion.logprobs.as_deref());
                 let mut last = self.head.clone();
-                last["choices"] = json!([{"index": 0, "delta": {}, "logprobs": null,
+                last["choices"] = json!([{"index": 0, "delta": {},
+                    "logprobs": (!rest.is_empty()).then(|| logprobs::chat(&rest)),
                     "finish_reason": finish_reason(completion.finish_reason, self.tool_calls > 0)}]);
                 last["timings"] = timings(&completion);
                 events.push(sse::data(&last));
@@ -374,9 +388,11 @@ pub async fn completions(
     let entry = state.registry.resolve(&request.model)?;
     let prompt = legacy_prompt(&request.prompt)?;
     // OpenAI's legacy default.
+    let logprobs = logprobs::legacy_request(request.sampling.logprobs.as_ref())?;
+    // OpenAI's legacy default.
     let params = request
         .sampling
-        .params(&state, request.max_tokens.unwrap_or(16))?;
+        .params(&state, request.max_tokens.unwrap_or(16), logprobs)?;
     let engine_request = Request {
         model: entry.path.clone(),
         prompt,
@@ -390,11 +406,17 @@ pub async fn completions(
             generation,
             head,
             include_usage: request.sampling.include_usage(),
+            logprobs: logprobs::Pending::default(),
+            text_offset: 0,
         }));
     }
     let completion = generation.complete().await?;
     let mut body = head;
-    body["choices"] = json!([{"index": 0, "text": completion.text, "logprobs": null,
+    let logprobs = completion
+        .logprobs
+        .as_deref()
+        .map(|entries| logprobs::legacy(entries, &mut 0));
+    body["choices"] = json!([{"index": 0, "text": completion.text, "logprobs": logprobs,
         "finish_reason": finish_reason(completion.finish_reason, false)}]);
     body["usage"] = usage(&completion);
     body["timings"] = timings(&completion);
@@ -405,26 +427,37 @@ struct TextStream {
     generation: Generation,
     head: Value,
     include_usage: bool,
+    logprobs: logprobs::Pending,
+    /// Characters of generated text the sent log-probs cover (legacy `text_offset`).
+    text_offset: usize,
 }
 
 impl TextStream {
-    fn chunk(&self, text: &str, finish: Option<&str>) -> Event {
-        let mut chunk = self.head.clone();
-        chunk["choices"] =
-            json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]);
-        sse::data(&chunk)
+    fn choices(&mut self, text: &str, finish: Option<&str>, waiting: Vec<TokenLogprob>) -> Value {
+        let logprobs =
+            (!waiting.is_empty()).then(|| logprobs::legacy(&waiting, &mut self.text_offset));
+        json!([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}])
     }
 }
 
 impl EventSource for TextStream {
     async fn step(&mut self) -> Option<Vec<Event>> {
         match self.generation.next().await? {
-            Step::Delta(text) if text.is_empty() => Some(Vec::new()),
-            Step::Delta(text) => Some(vec![self.chunk(&text, None)]),
+            Step::Delta { text, logprob } => {
+                self.logprobs.push(logprob);
+                if text.is_empty() {
+                    return Some(Vec::new());
+                }
+                let waiting = self.logprobs.take();
+                let mut chunk = self.head.clone();
+                chunk["choices"] = self.choices(&text, None, waiting);
+                Some(vec![sse::data(&chunk)])
+            }
             Step::Done(completion) => {
+                let rest = self.logprobs.finish(completion.logprobs.as_deref());
+                let reason = finish_reason(completion.finish_reason, false);
                 let mut last = self.head.clone();
-                last["choices"] = json!([{"index": 0, "text": "", "logprobs": null,
-                    "finish_reason": finish_reason(completion.finish_reason, false)}]);
+                last["choices"] = self.choices("", Some(reason), rest);
                 last["timings"] = timings(&completion);
                 let mut events = vec![sse::data(&last)];
                 if self.include_usage {
@@ -456,6 +489,7 @@ mod tests {
             include_usage: true,
             started: false,
             tool_calls: 0,
+            logprobs: logprobs::Pending::default(),
         }
     }
 

@@ -1,0 +1,202 @@
+//! Log-probs in OpenAI's two shapes, from the engine's per-token `TokenLogprob`s: chat's
+//! `{"content": [{token, logprob, bytes, top_logprobs}]}` and the legacy completions'
+//! `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`. A stream carries
+//! each token's entry in the chunk that first follows it, so the chunks concatenate to the
+//! non-streamed list. Reference: OpenAI API reference (chat `logprobs`, completions `logprobs`).
+
+use rmlx_engine::generate::{TokenLogprob, MAX_TOP_LOGPROBS};
+use serde_json::{json, Map, Value};
+
+use crate::error::ApiError;
+
+/// Chat: `logprobs: true` with `top_logprobs: 0..=20`; `top_logprobs` alone is refused, as
+/// OpenAI does, rather than silently returning nothing.
+pub fn chat_request(
+    logprobs: Option<&Value>,
+    top: Option<&Value>,
+) -> Result<Option<usize>, ApiError> {
+    let top = match top {
+        None | Some(Value::Null) => None,
+        Some(value) => Some(top_count(value, "top_logprobs")?),
+    };
+    match logprobs {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => match top {
+            Some(_) => Err(ApiError::BadRequest(
+                "top_logprobs requires logprobs: true".into(),
+            )),
+            None => Ok(None),
+        },
+        Some(Value::Bool(true)) => Ok(Some(top.unwrap_or(0))),
+        Some(_) => Err(ApiError::BadRequest(
+            "logprobs must be a boolean on /v1/chat/completions (use top_logprobs for alternatives)"
+                .into(),
+        )),
+    }
+}
+
+/// Legacy completions: `logprobs: n` asks for the chosen token plus `n` alternatives.
+pub fn legacy_request(logprobs: Option<&Value>) -> Result<Option<usize>, ApiError> {
+    match logprobs {
+        None | Some(Value::Null) => Ok(None),
+        Some(value) => top_count(value, "logprobs").map(Some),
+    }
+}
+
+fn top_count(value: &Value, field: &str) -> Result<usize, ApiError> {
+    match value.as_u64() {
+        Some(n) if n as usize <= MAX_TOP_LOGPROBS => Ok(n as usize),
+        _ => Err(ApiError::BadRequest(format!(
+            "{field} must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {value}"
+        ))),
+    }
+}
+
+fn bytes(token: &str) -> Value {
+    json!(token.as_bytes())
+}
+
+/// Chat's `logprobs` object for these tokens.
+pub fn chat(entries: &[TokenLogprob]) -> Value {
+    let content: Vec<Value> = entries
+        .iter()
+        .map(|entry| {
+            let top: Vec<Value> = entry
+                .top
+                .iter()
+                .map(|alt| json!({"token": alt.token, "logprob": alt.logprob, "bytes": bytes(&alt.token)}))
+                .collect();
+            json!({"token": entry.token, "logprob": entry.logprob, "bytes": bytes(&entry.token),
+                   "top_logprobs": top})
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// The legacy `logprobs` object; `offset` is where the first token starts in the generated
+/// text (in characters) and is advanced past these tokens, so stream chunks continue it.
+pub fn legacy(entries: &[TokenLogprob], offset: &mut usize) -> Value {
+    let mut text_offset = Vec::with_capacity(entries.len());
+    for entry in entries {
+        text_offset.push(*offset);
+        *offset += entry.token.chars().count();
+    }
+    let top: Vec<Value> = entries
+        .iter()
+        .map(|entry| {
+            let alternatives: Map<String, Value> = entry
+                .top
+                .iter()
+                .map(|alt| (alt.token.clone(), json!(alt.logprob)))
+                .collect();
+            Value::Object(alternatives)
+        })
+        .collect();
+    json!({
+        "tokens": entries.iter().map(|e| e.token.as_str()).collect::<Vec<_>>(),
+        "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
+        "top_logprobs": top,
+        "text_offset": text_offset,
+    })
+}
+
+/// Entries a stream has seen but not yet sent; each chunk takes what is waiting.
+#[derive(Default)]
+pub struct Pending {
+    waiting: Vec<TokenLogprob>,
+    sent: usize,
+}
+
+impl Pending {
+    pub fn push(&mut self, entry: Option<TokenLogprob>) {
+        self.waiting.extend(entry);
+    }
+
+    /// Everything waiting, now going out in a chunk.
+    pub fn take(&mut self) -> Vec<TokenLogprob> {
+        self.sent += self.waiting.len();
+        std::mem::take(&mut self.waiting)
+    }
+
+    /// At the end: what is waiting plus the tokens that made no text event (the stop token),
+    /// which only the completion lists.
+    pub fn finish(&mut self, all: Option<&[TokenLogprob]>) -> Vec<TokenLogprob> {
+        let mut rest = self.take();
+        if let Some(all) = all {
+            rest.extend(all.iter().skip(self.sent).cloned());
+            self.sent = self.sent.max(all.len());
+        }
+        rest
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rmlx_engine::generate::TopLogprob;
+
+    use super::*;
+
+    fn entry(token: &str, logprob: f32) -> TokenLogprob {
+        TokenLogprob {
+            token_id: 1,
+            token: token.into(),
+            logprob,
+            top: vec![TopLogprob {
+                token_id: 1,
+                token: token.into(),
+                logprob,
+            }],
+        }
+    }
+
+    #[test]
+    fn request_fields_are_checked() {
+        assert_eq!(chat_request(None, None).unwrap(), None);
+        assert_eq!(chat_request(Some(&json!(true)), None).unwrap(), Some(0));
+        assert_eq!(
+            chat_request(Some(&json!(true)), Some(&json!(20))).unwrap(),
+            Some(20)
+        );
+        for (logprobs, top) in [
+            (json!(true), json!(21)),
+            (json!(true), json!(-1)),
+            (json!(false), json!(2)),
+            (Value::Null, json!(2)),
+            (json!(3), Value::Null),
+        ] {
+            assert!(
+                chat_request(Some(&logprobs), Some(&top)).is_err(),
+                "{logprobs} {top}"
+            );
+        }
+        assert_eq!(legacy_request(Some(&json!(5))).unwrap(), Some(5));
+        assert!(legacy_request(Some(&json!(21))).is_err());
+        assert!(legacy_request(Some(&json!(true))).is_err());
+    }
+
+    #[test]
+    fn shapes() {
+        let entries = [entry("Hé", -0.5), entry(" yo", -1.0)];
+        let chat = chat(&entries);
+        assert_eq!(chat["content"][0]["bytes"], json!([72, 195, 169]));
+        assert_eq!(chat["content"][1]["top_logprobs"][0]["token"], " yo");
+        let mut offset = 0;
+        let legacy = legacy(&entries, &mut offset);
+        assert_eq!(legacy["text_offset"], json!([0, 2]));
+        assert_eq!(legacy["top_logprobs"][1], json!({" yo": -1.0}));
+        assert_eq!(offset, 5);
+    }
+
+    #[test]
+    fn pending_sends_each_entry_once() {
+        let all = [entry("a", -1.0), entry("b", -1.0), entry("<eos>", -1.0)];
+        let mut pending = Pending::default();
+        pending.push(Some(all[0].clone()));
+        assert_eq!(pending.take().len(), 1);
+        pending.push(Some(all[1].clone()));
+        let rest = pending.finish(Some(&all));
+        assert_eq!(
+            rest.iter().map(|e| e.token.as_str()).collect::<Vec<_>>(),
+            ["b", "<eos>"]
+        );
+    }
+}

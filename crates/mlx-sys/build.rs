@@ -31,6 +31,11 @@ fn main() {
         );
     }
     check_versions(&pins_path, &prefix);
+    let pins = fs::read_to_string(&pins_path).unwrap_or_default();
+    for key in ["MLX_VERSION", "MLX_C_VERSION"] {
+        let value = value_of(&pins, key).unwrap_or_else(|| "unknown".into());
+        println!("cargo:rustc-env=MLX_SYS_PINNED_{key}={value}");
+    }
 
     let mut headers: Vec<PathBuf> = fs::read_dir(&header_dir)
         .unwrap()

@@ -11,6 +11,10 @@ mod loader;
 
 pub use loader::{library_path, load, LoadError};
 
+/// The MLX and mlx-c versions these bindings were generated for (mlx.pins).
+pub const PINNED_MLX_VERSION: &str = env!("MLX_SYS_PINNED_MLX_VERSION");
+pub const PINNED_MLX_C_VERSION: &str = env!("MLX_SYS_PINNED_MLX_C_VERSION");
+
 /// IEEE half as 16 raw bits; mlx-rs reads `.0` (upstream bindgen emits this shape on aarch64).
 #[repr(transparent)]
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Hash)]

@@ -199,6 +199,9 @@ impl Engine {
 
     pub fn start_with(options: EngineOptions) -> Result<Self> {
         mlx_sys::load().map_err(|error| EngineError::Mlx(error.to_string()))?;
+        if let Some(warning) = crate::runtime::version_drift() {
+            eprintln!("rmlx: {warning}");
+        }
         let max_queue = options.max_queue.max(1);
         let (jobs, inbox) = mpsc::sync_channel(max_queue);
         let queued = Arc::new(AtomicUsize::new(0));

@@ -15,7 +15,21 @@ pub struct RuntimeInfo {
 }
 
 /// The MLX version these bindings were built for (mlx.pins).
-pub const PINNED_MLX_VERSION: &str = "0.32.2";
+pub const PINNED_MLX_VERSION: &str = mlx_sys::PINNED_MLX_VERSION;
+
+/// A warning when the loaded MLX is not the pinned one (a package-manager symlink can point
+/// anywhere); drift is allowed to run, but users deserve to know.
+pub fn version_drift() -> Option<String> {
+    let info = runtime_info().ok()?;
+    (info.mlx_version != info.compiled_mlx_version).then(|| {
+        format!(
+            "warning: loaded MLX {} from {} differs from the pinned {}",
+            info.mlx_version,
+            info.library.display(),
+            info.compiled_mlx_version
+        )
+    })
+}
 
 /// Loads MLX (a clear error if it is missing) and describes it.
 pub fn runtime_info() -> Result<RuntimeInfo, mlx_sys::LoadError> {

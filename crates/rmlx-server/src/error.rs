@@ -42,6 +42,10 @@ pub enum ApiError {
     NotImplemented(String),
     #[error("{0}")]
     Internal(String),
+    /// An error the engine reported, and so already counted in its metrics; the server's own
+    /// error counter skips these.
+    #[error(transparent)]
+    FromEngine(Box<ApiError>),
 }
 
 /// Which API's error shape a response takes; chosen from the request path in `app`.
@@ -52,8 +56,42 @@ pub enum Api {
 }
 
 impl ApiError {
-    pub fn status(&self) -> StatusCode {
+    /// Marks an error that came back from the engine (see `FromEngine`).
+    pub fn from_engine(error: EngineError) -> Self {
+        Self::FromEngine(Box::new(error.into()))
+    }
+
+    /// The error itself, past the `FromEngine` marker.
+    fn plain(&self) -> &Self {
         match self {
+            Self::FromEngine(inner) => inner.plain(),
+            other => other,
+        }
+    }
+
+    /// Whether the server should count this error (the engine counted it otherwise).
+    pub fn counted_by_server(&self) -> bool {
+        !matches!(self, Self::FromEngine(_))
+    }
+
+    /// The `error_counts` key for an error the server answered itself.
+    pub fn kind(&self) -> &'static str {
+        match self.plain() {
+            Self::BadRequest(_) => "invalid_request",
+            Self::ContextLength { .. } => "context_length_exceeded",
+            Self::Unauthorized(_) => "unauthorized",
+            Self::Forbidden(_) => "forbidden_host",
+            Self::ModelNotFound(_) => "model_not_found",
+            Self::NotFound(_) => "not_found",
+            Self::PayloadTooLarge(_) => "request_too_large",
+            Self::QueueFull(_) => "queue_full",
+            Self::NotImplemented(_) => "not_implemented",
+            Self::Internal(_) | Self::FromEngine(_) => "internal",
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self.plain() {
             Self::BadRequest(_) | Self::ContextLength { .. } => StatusCode::BAD_REQUEST,
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::Forbidden(_) => StatusCode::FORBIDDEN,
@@ -61,13 +99,13 @@ impl ApiError {
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
-            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Internal(_) | Self::FromEngine(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
     /// OpenAI's (`type`, `code`) pair.
     fn openai_kind(&self) -> (&'static str, Option<&'static str>) {
-        match self {
+        match self.plain() {
             Self::BadRequest(_) => ("invalid_request_error", None),
             Self::ContextLength { .. } => {
                 ("invalid_request_error", Some("context_length_exceeded"))
@@ -79,12 +117,12 @@ impl ApiError {
             Self::PayloadTooLarge(_) => ("invalid_request_error", Some("request_too_large")),
             Self::QueueFull(_) => ("rate_limit_error", Some("queue_full")),
             Self::NotImplemented(_) => ("invalid_request_error", Some("not_implemented")),
-            Self::Internal(_) => ("server_error", None),
+            Self::Internal(_) | Self::FromEngine(_) => ("server_error", None),
         }
     }
 
     fn anthropic_kind(&self) -> &'static str {
-        match self {
+        match self.plain() {
             Self::BadRequest(_) | Self::ContextLength { .. } | Self::NotImplemented(_) => {
                 "invalid_request_error"
             }
@@ -93,7 +131,7 @@ impl ApiError {
             Self::ModelNotFound(_) | Self::NotFound(_) => "not_found_error",
             Self::PayloadTooLarge(_) => "request_too_large",
             Self::QueueFull(_) => "rate_limit_error",
-            Self::Internal(_) => "api_error",
+            Self::Internal(_) | Self::FromEngine(_) => "api_error",
         }
     }
 
@@ -107,7 +145,7 @@ impl ApiError {
                 if let Self::ContextLength {
                     prompt_tokens,
                     max_ctx,
-                } = self
+                } = self.plain()
                 {
                     error["prompt_tokens"] = json!(prompt_tokens);
                     error["context_length"] = json!(max_ctx);

@@ -51,7 +51,10 @@ impl Generation {
             .sampling
             .validate()
             .map_err(|error| ApiError::BadRequest(error.to_string()))?;
-        let handle = state.engine.submit(request)?;
+        let handle = state
+            .engine
+            .submit(request)
+            .map_err(ApiError::from_engine)?;
         let (sender, events) = mpsc::unbounded_channel();
         tokio::task::spawn_blocking(move || forward(handle, sender));
         let mut generation = Self {
@@ -69,7 +72,7 @@ impl Generation {
                 generation.max_ctx = max_ctx;
                 Ok(generation)
             }
-            Some(Event::Error(error)) => Err(error.into()),
+            Some(Event::Error(error)) => Err(ApiError::from_engine(error)),
             Some(_) => Err(ApiError::Internal(
                 "the engine skipped its start event".into(),
             )),
@@ -97,7 +100,7 @@ impl Generation {
             let step = match self.events.recv().await {
                 Some(Event::Delta { text, logprob, .. }) => Step::Delta { text, logprob },
                 Some(Event::Done(completion)) => Step::Done(completion),
-                Some(Event::Error(error)) => Step::Failed(error.into()),
+                Some(Event::Error(error)) => Step::Failed(ApiError::from_engine(error)),
                 Some(Event::Started { .. }) => continue,
                 None => Step::Failed(EngineError::EngineStopped.into()),
             };

@@ -24,12 +24,20 @@ pub fn api_of(path: &str) -> Api {
     }
 }
 
-pub async fn shape_errors(request: Request, next: Next) -> Response {
+/// Every error response passes here once, so this is also where the errors the server answers
+/// itself (before the engine) are counted for `/metrics/cache`.
+pub async fn shape_errors(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let api = api_of(request.uri().path());
     let response = next.run(request).await;
-    match (api, response.extensions().get::<ApiError>()) {
-        (Api::Anthropic, Some(error)) => error.response(Api::Anthropic),
-        _ => response,
+    let Some(error) = response.extensions().get::<ApiError>() else {
+        return response;
+    };
+    if error.counted_by_server() {
+        state.server_errors.record(error.kind());
+    }
+    match api {
+        Api::Anthropic => error.response(Api::Anthropic),
+        Api::OpenAi => response,
     }
 }
 

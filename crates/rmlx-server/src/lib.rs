@@ -11,6 +11,7 @@ pub mod error;
 pub mod generation;
 pub mod guard;
 pub mod logprobs;
+pub mod metrics;
 pub mod models;
 pub mod openai;
 pub mod parse;
@@ -74,6 +75,7 @@ pub struct AppState {
     pub engine: Engine,
     pub registry: Arc<Registry>,
     pub config: Arc<ServerConfig>,
+    pub server_errors: Arc<metrics::ServerErrors>,
 }
 
 impl AppState {
@@ -102,12 +104,13 @@ impl AppState {
             engine,
             registry: Arc::new(registry),
             config: Arc::new(config),
+            server_errors: Arc::default(),
         })
     }
 }
 
-/// The whole API. Layers, outermost first: error shape per API, Host allow-list, CORS (only
-/// with `--cors-origin`), API key, body limit.
+/// The whole API. Layers, outermost first: error shape per API (and the server's error
+/// count), Host allow-list, CORS (only with `--cors-origin`), API key, body limit.
 pub fn app(state: AppState) -> Router {
     let body_limit = state.config.max_body_mb;
     let routes = Router::new()
@@ -121,6 +124,8 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/metrics/cache", get(metrics::cache))
+        .route("/metrics", get(metrics::prometheus))
         .fallback(models::not_found)
         .layer(DefaultBodyLimit::max(
             body_limit.saturating_mul(1024 * 1024),
@@ -139,7 +144,10 @@ pub fn app(state: AppState) -> Router {
             state.clone(),
             guard::check_host,
         ))
-        .layer(middleware::from_fn(guard::shape_errors))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            guard::shape_errors,
+        ))
         .with_state(state)
 }
 

@@ -1,0 +1,115 @@
+//! `GET /metrics/cache` (JSON, the shape docs/SERVER.md documents) and `GET /metrics`
+//! (Prometheus text), both from the engine's one `MetricsSnapshot`, plus the errors the server
+//! refuses before a request reaches the engine (bad JSON, unknown model, key, body size), which
+//! the engine never sees. Reference: Prometheus text exposition format 0.0.4.
+
+use std::{collections::BTreeMap, sync::Mutex};
+
+use axum::{
+    extract::State,
+    http::header,
+    response::{IntoResponse, Response},
+    Json,
+};
+use rmlx_engine::metrics::{MetricsSnapshot, Summary};
+use serde_json::{json, Value};
+
+use crate::AppState;
+
+/// Errors answered by the server itself, by kind; the engine counts its own.
+#[derive(Debug, Default)]
+pub struct ServerErrors(Mutex<BTreeMap<String, u64>>);
+
+impl ServerErrors {
+    pub fn record(&self, kind: &str) {
+        let mut counts = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        *counts.entry(kind.to_string()).or_default() += 1;
+    }
+
+    fn merge_into(&self, counts: &mut BTreeMap<String, u64>) {
+        for (kind, count) in self.0.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            *counts.entry(kind.clone()).or_default() += count;
+        }
+    }
+}
+
+/// The engine's snapshot with the server's own refusals merged into `error_counts`.
+pub fn snapshot(state: &AppState) -> MetricsSnapshot {
+    let mut snapshot = state.engine.metrics();
+    state.server_errors.merge_into(&mut snapshot.error_counts);
+    snapshot
+}
+
+fn latency(model_id: &str, summary: &Summary) -> Value {
+    json!({"model_id": model_id, "p50": summary.p50, "p95": summary.p95, "mean": summary.mean,
+           "count": summary.count})
+}
+
+/// The `/metrics/cache` body. Memory figures are process-wide (MLX has one allocator) and the
+/// engine runs one request at a time, so each model entry repeats the global live KV and memory.
+pub fn cache_json(snapshot: &MetricsSnapshot) -> Value {
+    let models: Vec<Value> = snapshot
+        .models
+        .iter()
+        .map(|model| {
+            json!({
+                "model_id": model.model_id,
+                "prefix_cache_hits": model.prefix_cache_hits,
+                "prefix_cache_misses": model.prefix_cache_misses,
+                "prefix_cache_evictions": model.prefix_cache_evictions,
+                "kv_cache_bytes": snapshot.kv_cache_bytes,
+                "active_memory_bytes": snapshot.mlx_active_bytes,
+                "peak_memory_bytes": snapshot.mlx_peak_bytes,
+            })
+        })
+        .collect();
+    let ttft: Vec<Value> = snapshot
+        .models
+        .iter()
+        .map(|model| latency(&model.model_id, &model.ttft_ms))
+        .collect();
+    let itl: Vec<Value> = snapshot
+        .models
+        .iter()
+        .map(|model| latency(&model.model_id, &model.itl_ms))
+        .collect();
+    let recent: Vec<Value> = snapshot
+        .recent
+        .iter()
+        .map(|record| {
+            json!({"model": record.model, "ttft_ms": record.ttft_ms,
+                   "itl_p50_ms": record.itl_p50_ms, "tokens_in": record.tokens_in,
+                   "tokens_out": record.tokens_out, "ended": record.ended})
+        })
+        .collect();
+    json!({
+        "models": models,
+        "ttft": ttft,
+        "itl": itl,
+        "recent": recent,
+        "tokens_in": snapshot.tokens_in,
+        "tokens_out": snapshot.tokens_out,
+        "queue_depth": snapshot.queue_depth,
+        "in_flight": snapshot.in_flight,
+        "kv_cache_bytes": snapshot.kv_cache_bytes,
+        "prefix_cache_bytes": snapshot.prefix_cache_bytes,
+        "active_memory_bytes": snapshot.mlx_active_bytes,
+        "peak_memory_bytes": snapshot.mlx_peak_bytes,
+        "error_counts": snapshot.error_counts,
+    })
+}
+
+pub async fn cache(State(state): State<AppState>) -> Json<Value> {
+    Json(cache_json(&snapshot(&state)))
+}
+
+pub async fn prometheus(State(state): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        snapshot(&state).to_prometheus(),
+    )
+        .into_response()
+}

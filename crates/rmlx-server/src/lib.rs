@@ -177,12 +177,22 @@ pub async fn serve(config: ServerConfig) -> anyhow::Result<()> {
     );
     use std::io::Write;
     std::io::stdout().flush()?;
-    axum::serve(listener, app(state))
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .context("the server failed")?;
+    serve_on(listener, state, shutdown_signal()).await?;
     eprintln!("rmlx serve: stopped");
     Ok(())
+}
+
+/// Serves `app(state)` on a bound listener until `shutdown` resolves, then lets in-flight
+/// requests finish: what `serve` runs, and what loopback tests drive on a free port.
+pub async fn serve_on(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    axum::serve(listener, app(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("the server failed")
 }
 
 async fn shutdown_signal() {

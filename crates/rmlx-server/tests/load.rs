@@ -1,0 +1,293 @@
+//! A bounded loopback load test on a real socket: `serve_on` bound to 127.0.0.1 on a free port,
+//! 200 requests 16 at a time (chat and messages, streaming and not), a quarter of the streams
+//! dropped mid-way. Afterwards every completed response is whole, the server is healthy and
+//! idle, live KV is 0 and MLX active memory is back to idle plus what the prefix cache keeps.
+//! Then a real 2560x2560 noise PNG as a data URI passes the default body limit.
+
+mod common;
+
+use std::{net::SocketAddr, time::Duration};
+
+use axum::http::{Request, StatusCode};
+use base64::Engine as _;
+use common::*;
+use futures_util::{stream, StreamExt};
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Bytes, Incoming};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+
+const REQUESTS: usize = 200;
+const CONCURRENT: usize = 16;
+/// Allocator slack on top of the prefix cache's bytes (small arrays, alignment).
+const MEMORY_SLACK: u64 = 4 << 20;
+
+/// One request on its own connection; the connection task comes back so a test can cut it.
+async fn send_raw(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<Vec<u8>>,
+) -> (hyper::Response<Incoming>, tokio::task::JoinHandle<()>) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+        .await
+        .unwrap();
+    let task = tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.unwrap_or_default())))
+        .unwrap();
+    (sender.send_request(request).await.unwrap(), task)
+}
+
+async fn call(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> (StatusCode, String) {
+    let (response, _task) =
+        send_raw(addr, method, path, body.map(|b| b.to_string().into_bytes())).await;
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+#[derive(Clone, Copy)]
+struct Plan {
+    messages_api: bool,
+    stream: bool,
+    drop_mid_stream: bool,
+    max_tokens: u64,
+}
+
+fn plan(i: usize) -> Plan {
+    let stream = i % 2 == 1;
+    // Two of every eight streams are cut: a quarter of them.
+    let drop_mid_stream = stream && (i / 2).is_multiple_of(4);
+    Plan {
+        messages_api: (i / 2) % 2 == 1,
+        stream,
+        drop_mid_stream,
+        // Cut streams run long enough to be cut mid-way.
+        max_tokens: if drop_mid_stream {
+            64
+        } else {
+            2 + (i % 5) as u64
+        },
+    }
+}
+
+fn body(plan: Plan, i: usize) -> (&'static str, Value) {
+    let content = format!("Request {i}: say something");
+    if plan.messages_api {
+        let body = json!({"model": MODEL, "max_tokens": plan.max_tokens, "stream": plan.stream,
+                          "messages": [{"role": "user", "content": content}]});
+        ("/v1/messages", body)
+    } else {
+        let body = json!({"model": MODEL, "max_tokens": plan.max_tokens, "stream": plan.stream,
+                          "stream_options": {"include_usage": true}, "temperature": 0.7,
+                          "messages": [{"role": "user", "content": content}]});
+        ("/v1/chat/completions", body)
+    }
+}
+
+/// Runs one planned request; returns whether it completed (not cut) and checks it is whole.
+async fn run_one(addr: SocketAddr, i: usize) -> bool {
+    let plan = plan(i);
+    let (path, body) = body(plan, i);
+    let (response, connection) =
+        send_raw(addr, "POST", path, Some(body.to_string().into_bytes())).await;
+    assert_eq!(response.status(), StatusCode::OK, "request {i}");
+    if plan.drop_mid_stream {
+        let mut body = response.into_body();
+        let first = body.frame().await.unwrap().unwrap();
+        assert!(first.is_data());
+        drop(body);
+        connection.abort();
+        return false;
+    }
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let text = String::from_utf8(bytes.to_vec()).unwrap();
+    let max = plan.max_tokens;
+    let n = |v: &Value| v.as_u64().unwrap_or_else(|| panic!("request {i}: {text}"));
+    match (plan.messages_api, plan.stream) {
+        (false, false) => {
+            let reply: Value = serde_json::from_str(&text).unwrap();
+            let usage = &reply["usage"];
+            assert!(
+                (1..=max).contains(&n(&usage["completion_tokens"])),
+                "{i}: {usage}"
+            );
+            assert_eq!(
+                n(&usage["total_tokens"]),
+                n(&usage["prompt_tokens"]) + n(&usage["completion_tokens"])
+            );
+            assert!(reply["choices"][0]["message"].is_object());
+        }
+        (true, false) => {
+            let reply: Value = serde_json::from_str(&text).unwrap();
+            assert!(
+                (1..=max).contains(&n(&reply["usage"]["output_tokens"])),
+                "{i}: {reply}"
+            );
+            assert!(reply["content"].is_array());
+            assert!(reply["stop_reason"].is_string());
+        }
+        (false, true) => {
+            let events = sse(&text);
+            assert_eq!(events.last().unwrap().1, json!("[DONE]"), "request {i}");
+            let usage = &events[events.len() - 2].1["usage"];
+            assert!(
+                (1..=max).contains(&n(&usage["completion_tokens"])),
+                "{i}: {usage}"
+            );
+        }
+        (true, true) => {
+            let events = sse(&text);
+            assert_eq!(
+                events.last().unwrap().0.as_deref(),
+                Some("message_stop"),
+                "{i}"
+            );
+            let delta = &events[events.len() - 2].1;
+            assert_eq!(delta["type"], "message_delta");
+            assert!(
+                (1..=max).contains(&n(&delta["usage"]["output_tokens"])),
+                "{i}: {delta}"
+            );
+        }
+    }
+    true
+}
+
+async fn cache_metrics(addr: SocketAddr) -> Value {
+    let (status, text) = call(addr, "GET", "/metrics/cache", None).await;
+    assert_eq!(status, StatusCode::OK);
+    serde_json::from_str(&text).unwrap()
+}
+
+/// A 2560x2560 RGBA PNG of noise (incompressible, so as large as such a PNG gets).
+fn noise_png() -> Vec<u8> {
+    let side = 2560u32;
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let pixels: Vec<u8> = (0..side * side * 4)
+        .map(|_| {
+            // xorshift64: fast, deterministic noise.
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 56) as u8
+        })
+        .collect();
+    let mut png = Vec::new();
+    let encoder = image::codecs::png::PngEncoder::new_with_quality(
+        &mut png,
+        image::codecs::png::CompressionType::Fast,
+        image::codecs::png::FilterType::NoFilter,
+    );
+    image::ImageEncoder::write_image(
+        encoder,
+        &pixels,
+        side,
+        side,
+        image::ExtendedColorType::Rgba8,
+    )
+    .unwrap();
+    png
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn loopback_load_and_large_image() {
+    let state = rmlx_server::AppState::new(config()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(rmlx_server::serve_on(listener, state.clone(), async {
+        let _ = stopped.await;
+    }));
+
+    // Idle: the model loaded, nothing running, nothing cached yet.
+    let (status, text) = call(
+        addr,
+        "POST",
+        &format!("/v1/models/{MODEL}/load"),
+        Some(&json!({})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let idle = cache_metrics(addr).await["active_memory_bytes"]
+        .as_u64()
+        .unwrap();
+
+    let started = std::time::Instant::now();
+    let completed: Vec<bool> = stream::iter(0..REQUESTS)
+        .map(|i| run_one(addr, i))
+        .buffer_unordered(CONCURRENT)
+        .collect()
+        .await;
+    let load_time = started.elapsed();
+    assert_eq!(completed.iter().filter(|done| !**done).count(), 25);
+
+    let (status, _) = call(addr, "GET", "/health", None).await;
+    assert_eq!(status, StatusCode::OK);
+    // Cut streams are cancelled as the engine notices; give it a moment to settle.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let metrics = loop {
+        let metrics = cache_metrics(addr).await;
+        if metrics["in_flight"] == 0 && metrics["queue_depth"] == 0 {
+            break metrics;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never idle: {metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(metrics["kv_cache_bytes"], 0);
+    assert!(
+        metrics["error_counts"].as_object().unwrap().is_empty(),
+        "{metrics}"
+    );
+    let active = metrics["active_memory_bytes"].as_u64().unwrap();
+    let kept = metrics["prefix_cache_bytes"].as_u64().unwrap();
+    assert!(
+        active <= idle + kept + MEMORY_SLACK,
+        "active {active} > idle {idle} + prefix cache {kept} + slack"
+    );
+    eprintln!("load: {REQUESTS} requests in {load_time:?}; memory idle {idle}, after {active}, prefix cache {kept}");
+    assert!(load_time < Duration::from_secs(45), "{load_time:?}");
+
+    // A real 2560x2560 PNG as a data URI fits the default body limit: it reaches the image
+    // check (no vision here) instead of a 413.
+    let png = noise_png();
+    let uri = format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(&png)
+    );
+    let body = json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": uri}}]}]});
+    let (status, text) = call(addr, "POST", "/v1/chat/completions", Some(&body)).await;
+    assert_eq!(
+        status,
+        StatusCode::BAD_REQUEST,
+        "{}",
+        &text[..text.len().min(300)]
+    );
+    assert!(text.contains("has no vision"), "{text}");
+    eprintln!(
+        "png: {} bytes, body {} bytes",
+        png.len(),
+        body.to_string().len()
+    );
+
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+}

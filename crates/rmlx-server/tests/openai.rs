@@ -280,14 +280,37 @@ async fn template_fields_tools_thinking_and_formats() {
     )
     .await;
     assert_eq!(object.status, StatusCode::OK);
+    // A schema that leaves few choices: the random model must still produce a valid value.
+    let format = json!({"type": "json_schema", "json_schema": {"name": "colour", "schema": {
+        "type": "object", "properties": {"colour": {"enum": ["red", "green"]}},
+        "required": ["colour"], "additionalProperties": false}}});
     let schema = post(
         &app,
         "/v1/chat/completions",
-        &chat(json!({"response_format": {"type": "json_schema", "json_schema": {}}})),
+        &chat(json!({"response_format": format, "max_tokens": 400})),
     )
     .await;
-    assert_eq!(schema.status, StatusCode::BAD_REQUEST);
-    assert!(openai_error(&schema).2.contains("not supported yet"));
+    assert_eq!(schema.status, StatusCode::OK, "{}", schema.text);
+    let body = schema.json();
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+    let value: Value = serde_json::from_str(content).unwrap();
+    assert!(
+        ["red", "green"].contains(&value["colour"].as_str().unwrap()),
+        "{content}"
+    );
+    for bad in [
+        json!({"type": "xml"}),
+        json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+    ] {
+        let reply = post(
+            &app,
+            "/v1/chat/completions",
+            &chat(json!({"response_format": bad})),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text);
+    }
 }
 
 #[tokio::test]

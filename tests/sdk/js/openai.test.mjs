@@ -41,3 +41,15 @@ test("errors are the SDK's typed exceptions", async () => {
     (error) => error instanceof OpenAI.BadRequestError,
   );
 });
+
+test("json_schema output is valid JSON of that schema", async () => {
+  const reply = await client.chat.completions.create({
+    model, messages: [{ role: "user", content: "Pick a colour." }], max_tokens: 400, temperature: 0,
+    response_format: { type: "json_schema", json_schema: { name: "colour", schema: {
+      type: "object", properties: { colour: { enum: ["red", "green"] } },
+      required: ["colour"], additionalProperties: false } } },
+  });
+  assert.equal(reply.choices[0].finish_reason, "stop");
+  const value = JSON.parse(reply.choices[0].message.content);
+  assert.ok(["red", "green"].includes(value.colour), JSON.stringify(value));
+});

@@ -45,6 +45,10 @@ pub struct Request {
     /// The name metrics file this request under; default the model folder's name.
     pub model_id: Option<String>,
     pub prompt: Prompt,
+    /// Text appended to the prompt (after a chat prompt's generation prompt) before tokenizing:
+    /// the start of the assistant's turn, part of the prompt, not of the answer (a forced
+    /// `<tool_call>`, Anthropic's assistant prefill).
+    pub assistant_prefill: Option<String>,
     pub params: GenerateParams,
 }
 
@@ -54,6 +58,7 @@ impl Default for Request {
             model: PathBuf::new(),
             model_id: None,
             prompt: Prompt::Ids(Vec::new()),
+            assistant_prefill: None,
             params: GenerateParams::default(),
         }
     }
@@ -480,10 +485,15 @@ impl EngineThread {
             .constraint(&request.params.response_format)?;
         let resident = &self.models[&key];
         let tokenizer = &resident.tokenizer;
+        let prefill = request.assistant_prefill.as_deref().unwrap_or("");
         let prompt_ids = match &request.prompt {
-            Prompt::Chat { messages, options } => tokenizer.encode_chat(messages, options)?.1,
-            Prompt::Text(text) => tokenizer.encode_plain(text)?,
-            Prompt::Ids(ids) => ids.clone(),
+            Prompt::Chat { messages, options } => {
+                tokenizer
+                    .encode_chat_prefilled(messages, options, prefill)?
+                    .1
+            }
+            Prompt::Text(text) => tokenizer.encode_plain(&format!("{text}{prefill}"))?,
+            Prompt::Ids(ids) => [ids.clone(), tokenizer.encode(prefill, false)?].concat(),
         };
         let model = resident.loaded.model.as_ref();
         let vocab = model.vocab_size() as u32;

@@ -1,9 +1,11 @@
 //! The engine thread: streamed deltas add up to the final text, cancellation between steps,
-//! a dropped handle stops its work, a full queue is refused, and requests run in order.
+//! a dropped handle stops its work, a full queue is refused, requests run in order, and an
+//! assistant prefill is part of the prompt.
 
 use std::path::PathBuf;
 
 use rmlx_engine::{
+    chat::ChatTokenizer,
     engine::{Engine, Event, Prompt, Request},
     generate::{FinishReason, GenerateParams},
     EngineError,
@@ -216,6 +218,56 @@ fn repeated_conversation_hits_the_prefix_cache_with_identical_answers() {
     );
     assert!(metrics.prefix_cache_bytes > 0);
     assert!(metrics.mlx_active_bytes > 0);
+}
+
+#[test]
+fn assistant_prefill_is_part_of_the_prompt_not_the_answer() {
+    let engine = Engine::start(4).unwrap();
+    let tokenizer = ChatTokenizer::from_dir(&fixture("qwen3-tiny")).unwrap();
+    let plain = request("Weather in Paris?", 6);
+    let Prompt::Chat { messages, options } = &plain.prompt else {
+        unreachable!("request() builds a chat prompt")
+    };
+    let rendered = tokenizer.render(messages, options).unwrap();
+    let prefill = "<tool_call>\n{\"name\": \"";
+    let prefilled = Request {
+        assistant_prefill: Some(prefill.into()),
+        ..plain.clone()
+    };
+    let handle = engine.submit(prefilled).unwrap();
+    let Event::Started { prompt_tokens, .. } = handle.events.recv().unwrap() else {
+        panic!("the first event is Started");
+    };
+    let completion = handle.wait().unwrap();
+    let expected = tokenizer
+        .encode(&format!("{rendered}{prefill}"), false)
+        .unwrap();
+    assert_eq!(completion.prompt_ids, expected);
+    assert_eq!(
+        (prompt_tokens, completion.prompt_tokens),
+        (expected.len(), expected.len())
+    );
+    // The answer is only what follows the prefill.
+    assert_eq!(completion.completion_tokens, 6);
+    assert!(!completion.text.starts_with("<tool_call>"));
+    let without = engine.submit(plain).unwrap().wait().unwrap();
+    assert!(expected.len() > without.prompt_ids.len());
+    assert_eq!(
+        without.prompt_ids,
+        tokenizer.encode(&rendered, false).unwrap()
+    );
+
+    // A text prompt gets the prefill appended as well.
+    let text = Request {
+        prompt: Prompt::Text("Once upon".into()),
+        assistant_prefill: Some(" a time".into()),
+        ..request("", 2)
+    };
+    let completion = engine.submit(text).unwrap().wait().unwrap();
+    assert_eq!(
+        completion.prompt_ids,
+        tokenizer.encode_plain("Once upon a time").unwrap()
+    );
 }
 
 #[test]

@@ -112,7 +112,19 @@ impl ChatTokenizer {
         messages: &[Value],
         options: &TemplateOptions,
     ) -> Result<(String, Vec<u32>), ChatError> {
-        let prompt = self.render(messages, options)?;
+        self.encode_chat_prefilled(messages, options, "")
+    }
+
+    /// `encode_chat` with `prefill` appended to the rendered prompt (the start of the assistant's
+    /// answer, after the generation prompt); the joined text is encoded as one string.
+    pub fn encode_chat_prefilled(
+        &self,
+        messages: &[Value],
+        options: &TemplateOptions,
+        prefill: &str,
+    ) -> Result<(String, Vec<u32>), ChatError> {
+        let mut prompt = self.render(messages, options)?;
+        prompt.push_str(prefill);
         let ids = self.encode(&prompt, false)?;
         Ok((prompt, ids))
     }

@@ -188,3 +188,77 @@ def test_json_schema_is_enforced(oai):
     assert reply.choices[0].finish_reason == "stop"
     value = json.loads(reply.choices[0].message.content)
     assert 1 <= value["n"] <= 9
+
+
+# A forced call: the random model never writes one itself, so these show the constraint at work.
+FORECAST = {"type": "object",
+            "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["unit", "days"], "additionalProperties": False}
+
+
+def assert_forecast_arguments(arguments):
+    assert set(arguments) == {"unit", "days"}, arguments
+    assert arguments["unit"] in ("celsius", "fahrenheit")
+    assert isinstance(arguments["days"], int) and 1 <= arguments["days"] <= 7
+
+
+def test_forced_tool_call_round_trips_openai(oai):
+    tools = [{"type": "function", "function": {"name": "get_forecast", "description": "Weather forecast",
+                                               "parameters": FORECAST}}]
+    messages = [{"role": "user", "content": "Forecast for Paris?"}]
+    reply = oai.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, max_tokens=400, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_forecast"}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_forecast"
+    assert_forecast_arguments(json.loads(call.function.arguments))
+
+    # Streamed, the SDK assembles the same call from the deltas.
+    name, arguments, finish = None, "", None
+    for chunk in oai.chat.completions.create(
+            model=MODEL, messages=messages, tools=tools, max_tokens=400, temperature=0,
+            tool_choice="required", stream=True):
+        for delta_call in chunk.choices[0].delta.tool_calls or []:
+            name = delta_call.function.name or name
+            arguments += delta_call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (name, finish) == ("get_forecast", "tool_calls")
+    assert_forecast_arguments(json.loads(arguments))
+
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    answer = oai.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=8,
+                                         temperature=0)
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.usage.completion_tokens > 0
+    assert answer.usage.prompt_tokens > reply.usage.prompt_tokens
+
+
+def test_forced_tool_use_round_trips_anthropic(claude):
+    tools = [{"name": "get_forecast", "description": "Weather forecast", "input_schema": FORECAST}]
+    messages = [{"role": "user", "content": "Forecast for Paris?"}]
+    kwargs = dict(model=MODEL, max_tokens=400, extra_body={"temperature": 0}, tools=tools)
+    reply = claude.messages.create(messages=messages, tool_choice={"type": "tool", "name": "get_forecast"},
+                                   **kwargs)
+    assert reply.stop_reason == "tool_use"
+    [block] = reply.content
+    assert (block.type, block.name) == ("tool_use", "get_forecast")
+    assert_forecast_arguments(block.input)
+
+    with claude.messages.stream(messages=messages, tool_choice={"type": "any"}, **kwargs) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    [streamed] = [b for b in final.content if b.type == "tool_use"]
+    assert streamed.name == "get_forecast"
+    assert_forecast_arguments(streamed.input)
+
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in reply.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id,
+                                               "content": "sunny, 21 C"}]}]
+    answer = claude.messages.create(model=MODEL, max_tokens=8, extra_body={"temperature": 0}, tools=tools,
+                                    messages=messages)
+    assert answer.role == "assistant" and answer.stop_reason in ("max_tokens", "end_turn")
+    assert answer.usage.output_tokens > 0 and answer.usage.input_tokens > reply.usage.input_tokens

@@ -21,8 +21,9 @@ use serde_json::{json, Value};
 use crate::{
     convert,
     error::{Api, ApiError, ApiJson},
+    forced::{self, ForcedCall},
     generation::{new_id, prompt_opens_think, Generation, Step},
-    parse::{parse_all, OutputParser, Piece, ToolCall},
+    parse::{OutputParser, Piece, ToolCall},
     registry::ModelEntry,
     sse::{self, EventSource},
     AppState,
@@ -56,13 +57,21 @@ struct Prepared {
     messages: Vec<Value>,
     options: TemplateOptions,
     tools: bool,
+    /// The client's assistant prefill (a last assistant message of text).
+    prefill: Option<String>,
+    forced: Option<ForcedCall>,
 }
 
 fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError> {
     let entry = state.registry.resolve(&fields.model)?;
     let system = convert::anthropic_system(fields.system.as_ref())?;
-    let messages = convert::anthropic_messages(system, &fields.messages, &entry.id)?;
+    let (turns, prefill) = convert::anthropic_prefill(&fields.messages);
+    let messages = convert::anthropic_messages(system, turns, &entry.id)?;
     let tools = convert::anthropic_tools(fields.tools.as_deref(), fields.tool_choice.as_ref())?;
+    let forced = ForcedCall::new(
+        forced::anthropic_requires_call(fields.tool_choice.as_ref()),
+        tools.as_ref(),
+    )?;
     let enable_thinking = match fields
         .thinking
         .as_ref()
@@ -77,6 +86,8 @@ fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError
         entry,
         messages,
         tools: tools.is_some(),
+        prefill,
+        forced,
         options: TemplateOptions {
             add_generation_prompt: true,
             enable_thinking,
@@ -86,16 +97,33 @@ fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError
     })
 }
 
+impl Prepared {
+    /// Renders the prompt: whether the answer starts in reasoning, and the whole assistant
+    /// prefill (the client's, then a forced call's opening).
+    async fn prefill(&self, state: &AppState) -> Result<(bool, Option<String>), ApiError> {
+        let before = self.prefill.as_deref().unwrap_or("");
+        let in_reasoning =
+            prompt_opens_think(state, &self.entry, &self.messages, &self.options, before).await?;
+        let prefill = match &self.forced {
+            Some(forced) => Some(forced.prefill(before, in_reasoning)),
+            None => self.prefill.clone(),
+        };
+        Ok((in_reasoning, prefill))
+    }
+}
+
 pub async fn count_tokens(
     State(state): State<AppState>,
     ApiJson(fields): ApiJson<PromptFields>,
 ) -> Result<Response, ApiError> {
     let prepared = prepare(&state, &fields)?;
+    let (_, prefill) = prepared.prefill(&state).await?;
     let registry = state.registry.clone();
     let count = tokio::task::spawn_blocking(move || {
         let tokenizer = registry.tokenizer(&prepared.entry.path)?;
+        let prefill = prefill.as_deref().unwrap_or("");
         tokenizer
-            .encode_chat(&prepared.messages, &prepared.options)
+            .encode_chat_prefilled(&prepared.messages, &prepared.options, prefill)
             .map(|(_, ids)| ids.len())
             .map_err(|error| ApiError::from(EngineError::Chat(error)))
     })
@@ -137,7 +165,7 @@ pub async fn messages(
     if request.max_tokens == 0 {
         return Err(ApiError::BadRequest("max_tokens must be at least 1".into()));
     }
-    let params = GenerateParams {
+    let mut params = GenerateParams {
         max_tokens: request.max_tokens,
         sampling: SamplingParams {
             // Anthropic's defaults: temperature 1, no top_p/top_k filtering.
@@ -150,22 +178,26 @@ pub async fn messages(
         max_ctx: state.config.max_ctx,
         ..GenerateParams::default()
     };
-    let in_reasoning = prompt_opens_think(
-        &state,
-        &prepared.entry,
-        &prepared.messages,
-        &prepared.options,
-    )
-    .await?;
+    let (in_reasoning, assistant_prefill) = prepared.prefill(&state).await?;
     let Prepared {
         entry,
         messages,
         options,
         tools,
+        forced,
+        ..
     } = prepared;
+    let parser = match &forced {
+        Some(forced) => {
+            params.response_format = forced.response_format();
+            OutputParser::forced_call()
+        }
+        None => OutputParser::new(in_reasoning, tools),
+    };
     let engine_request = Request {
         model: entry.path.clone(),
         prompt: Prompt::Chat { messages, options },
+        assistant_prefill,
         params,
         ..Request::default()
     };
@@ -175,7 +207,7 @@ pub async fn messages(
     if request.stream.unwrap_or(false) {
         return Ok(sse::respond(MessageStream {
             generation,
-            parser: OutputParser::new(in_reasoning, tools),
+            parser,
             message,
             started: false,
             open: None,
@@ -184,7 +216,7 @@ pub async fn messages(
         }));
     }
     let completion = generation.complete().await?;
-    let parsed = parse_all(&completion.text, in_reasoning, tools);
+    let parsed = parser.parse(&completion.text);
     let mut content = Vec::new();
     if let Some(reasoning) = &parsed.reasoning {
         content.push(json!({"type": "thinking", "thinking": reasoning, "signature": ""}));

@@ -350,6 +350,33 @@ pub fn anthropic_messages(
     Ok(out)
 }
 
+/// Anthropic's assistant prefill: a last message from the assistant holding only text is the
+/// start of the answer, not a turn. Returns the messages before it and its text; other
+/// conversations come back whole.
+pub fn anthropic_prefill(messages: &[Value]) -> (&[Value], Option<String>) {
+    let Some((last, before)) = messages.split_last() else {
+        return (messages, None);
+    };
+    if last.get("role").and_then(Value::as_str) != Some("assistant") {
+        return (messages, None);
+    }
+    let text = match last.get("content") {
+        Some(Value::String(text)) => Some(text.clone()),
+        Some(Value::Array(blocks)) => blocks
+            .iter()
+            .map(|block| match block.get("type").and_then(Value::as_str) {
+                Some("text") => block.get("text").and_then(Value::as_str),
+                _ => None,
+            })
+            .collect::<Option<String>>(),
+        _ => None,
+    };
+    match text {
+        Some(text) => (before, Some(text)),
+        None => (messages, None),
+    }
+}
+
 /// Anthropic tools (`name`, `description`, `input_schema`) as the template's function tools,
 /// after `tool_choice` (`none` hides them, `tool` keeps the named one).
 pub fn anthropic_tools(
@@ -427,6 +454,34 @@ mod tests {
         assert!(msg("/tmp/cat.png").contains("file paths"));
         assert!(msg("data:image/png;base64,@@@").contains("not valid base64"));
         assert!(msg("data:image/png;base64,iVBORw0KGgo=").contains("has no vision"));
+    }
+
+    #[test]
+    fn a_last_assistant_text_is_a_prefill() {
+        let user = json!({"role": "user", "content": "Hi"});
+        for content in [
+            json!("The answer is"),
+            json!([{"type": "text", "text": "The answer"},
+                                                       {"type": "text", "text": " is"}]),
+        ] {
+            let messages = [
+                user.clone(),
+                json!({"role": "assistant", "content": content}),
+            ];
+            let (turns, prefill) = anthropic_prefill(&messages);
+            assert_eq!(
+                (turns, prefill.as_deref()),
+                (&messages[..1], Some("The answer is"))
+            );
+        }
+        let tool_use = [
+            user.clone(),
+            json!({"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "w", "input": {}}]}),
+        ];
+        assert_eq!(anthropic_prefill(&tool_use), (&tool_use[..], None));
+        let only_user = [user];
+        assert_eq!(anthropic_prefill(&only_user), (&only_user[..], None));
+        assert_eq!(anthropic_prefill(&[]), (&[][..], None));
     }
 
     #[test]

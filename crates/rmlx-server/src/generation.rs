@@ -13,7 +13,7 @@ use rmlx_engine::{
 };
 use tokio::sync::mpsc;
 
-use crate::{error::ApiError, registry::ModelEntry, AppState};
+use crate::{error::ApiError, parse::THINK_OPEN, registry::ModelEntry, AppState};
 
 /// How often an idle forwarder checks whether its client is still there (prefill sends no
 /// events, so a disconnect during a long prompt is noticed at this pace).
@@ -164,24 +164,26 @@ pub fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Whether the rendered prompt ends inside an open `<think>` (templates that force thinking), so
-/// the output parser starts in reasoning mode. Rendering here also surfaces template errors as
-/// a 400 before the request is queued.
+/// Whether the rendered prompt, with `prefill` after it, ends inside an open `<think>`
+/// (templates that force thinking), so the output parser starts in reasoning mode. Rendering
+/// here also surfaces template errors as a 400 before the request is queued.
 pub async fn prompt_opens_think(
     state: &AppState,
     entry: &ModelEntry,
     messages: &[serde_json::Value],
     options: &rmlx_engine::chat::TemplateOptions,
+    prefill: &str,
 ) -> Result<bool, ApiError> {
     let (registry, path) = (state.registry.clone(), entry.path.clone());
     let (messages, options) = (messages.to_vec(), options.clone());
+    let prefill = prefill.to_string();
     tokio::task::spawn_blocking(move || {
         let tokenizer = registry.tokenizer(&path)?;
         let prompt = tokenizer
             .render(&messages, &options)
             .map_err(|error| ApiError::from(EngineError::Chat(error)))?;
-        let tail = prompt.trim_end();
-        Ok(tail.ends_with("<think>"))
+        let tail = format!("{prompt}{prefill}");
+        Ok(tail.trim_end().ends_with(THINK_OPEN))
     })
     .await
     .map_err(|error| ApiError::Internal(error.to_string()))?

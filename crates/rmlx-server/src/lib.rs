@@ -8,6 +8,7 @@
 pub mod anthropic;
 pub mod convert;
 pub mod error;
+pub mod forced;
 pub mod generation;
 pub mod guard;
 pub mod logprobs;

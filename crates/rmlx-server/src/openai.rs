@@ -22,9 +22,10 @@ use serde_json::{json, Map, Value};
 use crate::{
     convert,
     error::{Api, ApiError, ApiJson},
+    forced::{self, ForcedCall},
     generation::{new_id, prompt_opens_think, unix_now, Generation, Step},
     logprobs,
-    parse::{parse_all, OutputParser, Piece, ToolCall},
+    parse::{OutputParser, Piece, ToolCall},
     registry::ModelEntry,
     sse::{self, EventSource},
     AppState,
@@ -195,6 +196,10 @@ pub async fn chat_completions(
     };
     let messages = convert::openai_messages(&request.messages, &entry.id)?;
     let tools = convert::openai_tools(request.tools.as_deref(), request.tool_choice.as_ref())?;
+    let forced = ForcedCall::new(
+        forced::openai_requires_call(request.tool_choice.as_ref()),
+        tools.as_ref(),
+    )?;
     let mut extra = request.chat_template_kwargs.clone().unwrap_or_default();
     let kwarg_thinking = extra.remove("enable_thinking").and_then(|v| v.as_bool());
     let options = TemplateOptions {
@@ -214,19 +219,29 @@ pub async fn chat_completions(
     )?;
     let mut params = request.sampling.params(&state, max_tokens, logprobs)?;
     params.response_format = response_format;
-    let in_reasoning = prompt_opens_think(&state, &entry, &messages, &options).await?;
+    let in_reasoning = prompt_opens_think(&state, &entry, &messages, &options, "").await?;
+    // A forced call is all the answer holds: its grammar replaces any response_format.
+    let (parser, assistant_prefill) = match &forced {
+        Some(forced) => {
+            params.response_format = forced.response_format();
+            let prefill = forced.prefill("", in_reasoning);
+            (OutputParser::forced_call(), Some(prefill))
+        }
+        None => (OutputParser::new(in_reasoning, tools.is_some()), None),
+    };
     let engine_request = Request {
         model: entry.path.clone(),
         prompt: Prompt::Chat { messages, options },
+        assistant_prefill,
         params,
         ..Request::default()
     };
     let generation = Generation::start(&state, &entry, engine_request).await?;
-    let (id, created, has_tools) = (new_id("chatcmpl-"), unix_now(), tools.is_some());
+    let (id, created) = (new_id("chatcmpl-"), unix_now());
     if request.sampling.stream.unwrap_or(false) {
         return Ok(sse::respond(ChatStream {
             generation,
-            parser: OutputParser::new(in_reasoning, has_tools),
+            parser,
             head: json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": entry.id}),
             include_usage: request.sampling.include_usage(),
             started: false,
@@ -235,7 +250,7 @@ pub async fn chat_completions(
         }));
     }
     let completion = generation.complete().await?;
-    let parsed = parse_all(&completion.text, in_reasoning, has_tools);
+    let parsed = parser.parse(&completion.text);
     let mut message = json!({"role": "assistant", "content": parsed.content});
     if let Some(reasoning) = &parsed.reasoning {
         message["reasoning_content"] = json!(reasoning);

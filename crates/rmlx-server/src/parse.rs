@@ -5,10 +5,10 @@
 
 use serde_json::Value;
 
-const THINK_OPEN: &str = "<think>";
-const THINK_CLOSE: &str = "</think>";
-const TOOL_OPEN: &str = "<tool_call>";
-const TOOL_CLOSE: &str = "</tool_call>";
+pub const THINK_OPEN: &str = "<think>";
+pub const THINK_CLOSE: &str = "</think>";
+pub const TOOL_OPEN: &str = "<tool_call>";
+pub const TOOL_CLOSE: &str = "</tool_call>";
 
 /// A parsed tool call; `arguments` is the JSON the model wrote (an object normally).
 #[derive(Debug, Clone, PartialEq)]
@@ -36,6 +36,8 @@ enum Mode {
     Content,
     Reasoning,
     ToolCall,
+    /// The whole output is one call's JSON (the prompt opened the call; a grammar shapes it).
+    ForcedCall,
 }
 
 /// Streaming parser: `push` chunks, then `finish`. Text that might be the start of a tag is held
@@ -70,6 +72,18 @@ impl OutputParser {
             buf: String::new(),
             tools,
             trim_leading: in_reasoning,
+        }
+    }
+
+    /// A parser for a forced call: the prompt ends in `<tool_call>` and the output is its JSON,
+    /// held to the end and given back as one call, or nothing when it was cut short (a broken
+    /// call is worse than none).
+    pub fn forced_call() -> Self {
+        Self {
+            mode: Mode::ForcedCall,
+            buf: String::new(),
+            tools: true,
+            trim_leading: false,
         }
     }
 
@@ -136,6 +150,8 @@ impl OutputParser {
                     // A tool call is only useful whole: hold it all until the closing tag.
                     None => break,
                 },
+                // Not even a closing tag ends it: a JSON string may hold that text.
+                Mode::ForcedCall => break,
             }
         }
         out
@@ -149,29 +165,35 @@ impl OutputParser {
             Mode::Content => emit(&mut out, Piece::Content(rest)),
             Mode::Reasoning => emit(&mut out, Piece::Reasoning(rest)),
             Mode::ToolCall => out.push(tool_piece(&rest, false)),
+            Mode::ForcedCall => out.extend(parse_tool_call(&rest).map(Piece::ToolCall)),
         }
         self.mode = Mode::Content;
         out
     }
+
+    /// Parses a whole answer with this (fresh) streaming parser, so both paths agree by
+    /// construction.
+    pub fn parse(mut self, text: &str) -> Parsed {
+        let mut pieces = self.push(text);
+        pieces.extend(self.finish());
+        let mut parsed = Parsed::default();
+        for piece in pieces {
+            match piece {
+                Piece::Content(text) => parsed.content.push_str(&text),
+                Piece::Reasoning(text) => parsed
+                    .reasoning
+                    .get_or_insert_with(String::new)
+                    .push_str(&text),
+                Piece::ToolCall(call) => parsed.tool_calls.push(call),
+            }
+        }
+        parsed
+    }
 }
 
-/// Parses a whole answer with the streaming parser, so both paths agree by construction.
+/// Parses a whole answer with the streaming parser.
 pub fn parse_all(text: &str, in_reasoning: bool, tools: bool) -> Parsed {
-    let mut parser = OutputParser::new(in_reasoning, tools);
-    let mut pieces = parser.push(text);
-    pieces.extend(parser.finish());
-    let mut parsed = Parsed::default();
-    for piece in pieces {
-        match piece {
-            Piece::Content(text) => parsed.content.push_str(&text),
-            Piece::Reasoning(text) => parsed
-                .reasoning
-                .get_or_insert_with(String::new)
-                .push_str(&text),
-            Piece::ToolCall(call) => parsed.tool_calls.push(call),
-        }
-    }
-    parsed
+    OutputParser::new(in_reasoning, tools).parse(text)
 }
 
 fn emit(out: &mut Vec<Piece>, piece: Piece) {
@@ -346,6 +368,24 @@ mod tests {
         assert_eq!(parsed.reasoning.as_deref(), Some("need weather\n"));
         assert_eq!(parsed.content, "");
         assert_eq!(parsed.tool_calls[0].name, "w");
+    }
+
+    #[test]
+    fn a_forced_call_is_the_whole_output_or_nothing() {
+        let text = "{\"name\": \"w\", \"arguments\": {\"note\": \"</tool_call> <think>\"}}";
+        let mut parser = OutputParser::forced_call();
+        for ch in text.chars() {
+            assert_eq!(parser.push(&ch.to_string()), vec![], "held to the end");
+        }
+        let call = ToolCall {
+            name: "w".into(),
+            arguments: json!({"note": "</tool_call> <think>"}),
+        };
+        assert_eq!(parser.finish(), vec![Piece::ToolCall(call.clone())]);
+        assert_eq!(OutputParser::forced_call().parse(text).tool_calls, [call]);
+        // Cut short (max_tokens, a stop string): no call and no broken text.
+        let cut = OutputParser::forced_call().parse(&text[..30]);
+        assert_eq!(cut, Parsed::default());
     }
 
     #[test]

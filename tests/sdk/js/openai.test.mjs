@@ -53,3 +53,57 @@ test("json_schema output is valid JSON of that schema", async () => {
   const value = JSON.parse(reply.choices[0].message.content);
   assert.ok(["red", "green"].includes(value.colour), JSON.stringify(value));
 });
+
+test("a forced tool call is a valid call and its result round-trips", async () => {
+  const parameters = {
+    type: "object",
+    properties: {
+      unit: { type: "string", enum: ["celsius", "fahrenheit"] },
+      days: { type: "integer", minimum: 1, maximum: 7 },
+    },
+    required: ["unit", "days"], additionalProperties: false,
+  };
+  const tools = [{ type: "function", function: { name: "get_forecast", description: "Weather forecast", parameters } }];
+  const asked = [{ role: "user", content: "Forecast for Paris?" }];
+  const checkArguments = (text) => {
+    const args = JSON.parse(text);
+    assert.deepEqual(Object.keys(args).sort(), ["days", "unit"], text);
+    assert.ok(["celsius", "fahrenheit"].includes(args.unit), text);
+    assert.ok(Number.isInteger(args.days) && args.days >= 1 && args.days <= 7, text);
+  };
+  const reply = await client.chat.completions.create({
+    model, messages: asked, tools, max_tokens: 400, temperature: 0,
+    tool_choice: { type: "function", function: { name: "get_forecast" } },
+  });
+  const choice = reply.choices[0];
+  assert.equal(choice.finish_reason, "tool_calls");
+  assert.equal(choice.message.tool_calls.length, 1);
+  const call = choice.message.tool_calls[0];
+  assert.equal(call.function.name, "get_forecast");
+  checkArguments(call.function.arguments);
+
+  const stream = await client.chat.completions.create({
+    model, messages: asked, tools, max_tokens: 400, temperature: 0, tool_choice: "required", stream: true,
+  });
+  let name = null;
+  let args = "";
+  let finish = null;
+  for await (const chunk of stream) {
+    for (const delta of chunk.choices[0]?.delta?.tool_calls ?? []) {
+      name = delta.function?.name ?? name;
+      args += delta.function?.arguments ?? "";
+    }
+    finish = chunk.choices[0]?.finish_reason ?? finish;
+  }
+  assert.equal(name, "get_forecast");
+  assert.equal(finish, "tool_calls");
+  checkArguments(args);
+
+  const answer = await client.chat.completions.create({
+    model, tools, max_tokens: 8, temperature: 0,
+    messages: [...asked, choice.message, { role: "tool", tool_call_id: call.id, content: "sunny, 21 C" }],
+  });
+  assert.equal(answer.choices[0].message.role, "assistant");
+  assert.ok(answer.usage.completion_tokens > 0);
+  assert.ok(answer.usage.prompt_tokens > reply.usage.prompt_tokens);
+});

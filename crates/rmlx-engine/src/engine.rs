@@ -139,9 +139,6 @@ enum Job {
         model: PathBuf,
         reply: mpsc::Sender<bool>,
     },
-    Loaded {
-        reply: mpsc::Sender<Vec<ModelInfo>>,
-    },
 }
 
 /// How the engine thread is sized.
@@ -181,6 +178,7 @@ struct Inner {
     thread: Option<thread::JoinHandle<()>>,
     queued: Arc<AtomicUsize>,
     metrics: Arc<Metrics>,
+    resident: Arc<std::sync::Mutex<Vec<ModelInfo>>>,
     max_queue: usize,
 }
 
@@ -212,6 +210,8 @@ impl Engine {
         let queued = Arc::new(AtomicUsize::new(0));
         let metrics = Arc::new(Metrics::default());
         let (worker_metrics, worker_queued) = (metrics.clone(), queued.clone());
+        let resident = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let worker_resident = resident.clone();
         // Models are not Send: the thread builds its state itself and never hands it out.
         let thread = thread::Builder::new()
             .name("rmlx-engine".into())
@@ -228,6 +228,7 @@ impl Engine {
                     prefix: PrefixCache::new(options.prefix_cache_bytes),
                     metrics: worker_metrics,
                     queued: worker_queued,
+                    published: worker_resident,
                 }
                 .run(inbox)
             })
@@ -240,6 +241,7 @@ impl Engine {
                 thread: Some(thread),
                 queued,
                 metrics,
+                resident,
                 max_queue,
             }),
         })
@@ -299,7 +301,13 @@ impl Engine {
 
     /// The resident models, most recently used last.
     pub fn loaded(&self) -> Result<Vec<ModelInfo>> {
-        self.ask(|reply| Job::Loaded { reply })
+        // Published by the engine thread, so listing never waits behind a generation.
+        Ok(self
+            .inner
+            .resident
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone())
     }
 
     /// Requests waiting or running.
@@ -349,9 +357,20 @@ struct EngineThread {
     prefix: PrefixCache,
     metrics: Arc<Metrics>,
     queued: Arc<AtomicUsize>,
+    /// The resident models as `Engine::loaded` reports them, LRU order.
+    published: Arc<std::sync::Mutex<Vec<ModelInfo>>>,
 }
 
 impl EngineThread {
+    fn publish_resident(&self) {
+        let infos = self
+            .lru
+            .iter()
+            .map(|key| self.models[key].loaded.info.clone())
+            .collect();
+        *self.published.lock().unwrap_or_else(|p| p.into_inner()) = infos;
+    }
+
     fn run(mut self, inbox: mpsc::Receiver<Job>) {
         for job in inbox {
             match job {
@@ -386,14 +405,6 @@ impl EngineThread {
                 Job::Unload { model, reply } => {
                     let _ = reply.send(self.unload(&model));
                 }
-                Job::Loaded { reply } => {
-                    let infos = self
-                        .lru
-                        .iter()
-                        .map(|key| self.models[key].loaded.info.clone())
-                        .collect();
-                    let _ = reply.send(infos);
-                }
             }
         }
     }
@@ -405,7 +416,9 @@ impl EngineThread {
         self.lru.retain(|resident| *resident != key);
         self.prefix.forget_model(&key);
         self.metrics.set_prefix_cache_bytes(self.prefix.bytes());
-        self.models.remove(&key).is_some()
+        let removed = self.models.remove(&key).is_some();
+        self.publish_resident();
+        removed
     }
 
     /// Refuses, with the numbers, a model whose weights cannot fit next to what is resident;
@@ -463,8 +476,11 @@ impl EngineThread {
                 },
             );
         }
-        self.lru.retain(|resident| *resident != key);
-        self.lru.push(key.clone());
+        if self.lru.last() != Some(&key) {
+            self.lru.retain(|resident| *resident != key);
+            self.lru.push(key.clone());
+            self.publish_resident();
+        }
         Ok(&self.models[&key])
     }
 

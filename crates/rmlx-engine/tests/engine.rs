@@ -291,3 +291,26 @@ fn a_model_that_cannot_fit_is_refused_before_loading() {
     assert!(engine.loaded().unwrap().is_empty());
     assert_eq!(engine.metrics().error_counts["model_too_large"], 1);
 }
+
+#[test]
+fn listing_models_does_not_wait_behind_a_generation() {
+    let engine = Engine::start(4).unwrap();
+    assert!(engine.loaded().unwrap().is_empty());
+    let handle = engine
+        .submit(request("A long answer please", 1900))
+        .unwrap();
+    loop {
+        if let Event::Delta { .. } = handle.events.recv().unwrap() {
+            break;
+        }
+    }
+    let asked = std::time::Instant::now();
+    let loaded = engine.loaded().unwrap();
+    assert!(asked.elapsed().as_millis() < 500);
+    assert_eq!(loaded.len(), 1);
+    assert_eq!(loaded[0].model_type, "qwen3");
+    handle.cancel();
+    handle.wait().unwrap();
+    assert!(engine.unload(&fixture("qwen3-tiny")).unwrap());
+    assert!(engine.loaded().unwrap().is_empty());
+}

@@ -1,5 +1,6 @@
 //! rMLX's engine: pure compute on MLX, no HTTP. Front doors (CLI, server, app) call into it.
 
+pub mod attention;
 pub mod cache;
 pub mod chat;
 pub mod config;

@@ -1,0 +1,111 @@
+//! Query-tiled attention for vision towers: a large image is thousands of patches attending
+//! to each other in one bidirectional block, and one SDPA over all of them is one huge graph
+//! (the seed's large-image crashes; the Metal watchdog kills command buffers past ~10 s).
+//! Tiling the queries bounds each piece of work and its scores to `tile × seq`.
+//! Reference: mlx-vlm's vision attention (one `scaled_dot_product_attention` call), which the
+//! tiled form must equal.
+
+use mlx_rs::{fast, ops, ops::indexing::IndexOp, transforms, Array};
+
+use crate::error::Result;
+
+/// When and how to tile: tiling starts above `threshold` query positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TileConfig {
+    pub tile: i32,
+    pub threshold: i32,
+    /// Evaluate each tile before building the next, so no single graph holds them all.
+    pub eval_each_tile: bool,
+}
+
+impl Default for TileConfig {
+    fn default() -> Self {
+        Self {
+            tile: 1024,
+            threshold: 4096,
+            eval_each_tile: true,
+        }
+    }
+}
+
+/// Bidirectional attention `softmax(q kᵀ · scale) v` over `[B, heads, L, D]` arrays, split
+/// along the query axis when `L` passes the threshold. Keys and values are never split: every
+/// query still sees every patch, so the result equals the untiled call.
+pub fn vision_attention(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    config: TileConfig,
+) -> Result<Array> {
+    let len = queries.shape()[2];
+    if len <= config.threshold || config.tile <= 0 {
+        return Ok(fast::scaled_dot_product_attention(
+            queries, keys, values, scale, None, None,
+        )?);
+    }
+    let mut tiles = Vec::new();
+    let mut start = 0;
+    while start < len {
+        let end = (start + config.tile).min(len);
+        let tile = queries.index((.., .., start..end, ..));
+        let out = fast::scaled_dot_product_attention(&tile, keys, values, scale, None, None)?;
+        if config.eval_each_tile {
+            transforms::eval([&out])?;
+        }
+        tiles.push(out);
+        start = end;
+    }
+    Ok(ops::concatenate(&tiles, 2)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_rs::random;
+
+    fn randn(shape: &[i32], seed: u64) -> Array {
+        let key = random::key(seed).unwrap();
+        random::normal::<f32>(shape, None, None, &key).unwrap()
+    }
+
+    #[test]
+    fn tiled_equals_one_sdpa_for_any_length() {
+        for (len, tile) in [(96, 32), (100, 32), (257, 64), (33, 64)] {
+            let q = randn(&[1, 4, len, 16], 1);
+            let k = randn(&[1, 4, len, 16], 2);
+            let v = randn(&[1, 4, len, 16], 3);
+            let scale = 0.25;
+            let whole = fast::scaled_dot_product_attention(&q, &k, &v, scale, None, None).unwrap();
+            let config = TileConfig {
+                tile,
+                threshold: 0,
+                eval_each_tile: len % 2 == 0,
+            };
+            let tiled = vision_attention(&q, &k, &v, scale, config).unwrap();
+            assert_eq!(tiled.shape(), whole.shape());
+            let diff = ops::abs(ops::subtract(&tiled, &whole).unwrap())
+                .unwrap()
+                .max(None)
+                .unwrap()
+                .item_exact::<f32>();
+            assert!(diff < 1e-5, "len {len}, tile {tile}: {diff}");
+        }
+    }
+
+    #[test]
+    fn below_the_threshold_nothing_is_split() {
+        let q = randn(&[1, 2, 10, 8], 4);
+        let config = TileConfig {
+            tile: 3,
+            threshold: 10,
+            eval_each_tile: false,
+        };
+        let out = vision_attention(&q, &q, &q, 0.3, config).unwrap();
+        let whole = fast::scaled_dot_product_attention(&q, &q, &q, 0.3, None, None).unwrap();
+        let equal = ops::array_eq(&out, &whole, None)
+            .unwrap()
+            .item_exact::<bool>();
+        assert!(equal);
+    }
+}

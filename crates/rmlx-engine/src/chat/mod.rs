@@ -8,6 +8,7 @@
 
 mod config;
 mod detokenizer;
+pub mod images;
 mod pyformat;
 mod stop;
 mod template;

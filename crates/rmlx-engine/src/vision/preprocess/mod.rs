@@ -2,9 +2,40 @@
 //! shapes the vision tower expects out (the model code uploads them). Each family follows its
 //! mlx-vlm 0.7.6 processor bit for bit; the shared resize follows Pillow's bicubic.
 
+pub mod qwen3_vl;
 pub mod resample;
 
+use std::path::Path;
+
+pub use qwen3_vl::{smart_resize, PreprocessorConfig as QwenPreprocessorConfig, QwenImage};
 pub use resample::resize_bicubic;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PreprocessError {
+    #[error("image has no pixels")]
+    EmptyImage,
+    /// The reference refuses these too (transformers' `smart_resize`).
+    #[error("image aspect ratio must be at most 200:1, got {width}x{height}")]
+    AspectRatio { width: usize, height: usize },
+    #[error("preprocessor config: {0}")]
+    Config(String),
+}
+
+/// A JSON file if it exists; `None` when absent (configs fall back to the reference defaults).
+fn read_json(path: &Path) -> Result<Option<serde_json::Value>, PreprocessError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| PreprocessError::Config(format!("{}: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(PreprocessError::Config(format!("{}: {e}", path.display()))),
+    }
+}
+
+#[cfg(test)]
+pub(crate) fn fixtures_dir() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
 
 /// SHA-256 for the tests' golden comparisons (`sha256_f32le`), kept here rather than adding a
 /// dependency for one hash. FIPS 180-4, straightforward and unoptimised.
@@ -64,6 +95,13 @@ pub(crate) fn sha256_hex(data: &[u8]) -> String {
         }
     }
     h.iter().map(|x| format!("{x:08x}")).collect()
+}
+
+/// Hash of float32 values as little-endian bytes in order: the goldens' `sha256_f32le`.
+#[cfg(test)]
+pub(crate) fn sha256_f32le(values: &[f32]) -> String {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    sha256_hex(&bytes)
 }
 
 #[cfg(test)]

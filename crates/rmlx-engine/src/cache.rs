@@ -17,6 +17,9 @@ pub struct KvCache {
     values: Option<Array>,
     offset: i32,
     max_ctx: i32,
+    /// MRoPE models (Qwen3-VL): rotary position minus cache position for tokens after an
+    /// image prompt (image blocks use fewer positions than tokens). 0 for text models.
+    rope_delta: i32,
 }
 
 impl KvCache {
@@ -26,12 +29,22 @@ impl KvCache {
             values: None,
             offset: 0,
             max_ctx: max_ctx.min(i32::MAX as usize) as i32,
+            rope_delta: 0,
         }
     }
 
     /// Positions already stored (the next token's position).
     pub fn offset(&self) -> i32 {
         self.offset
+    }
+
+    /// See the field: what MRoPE models add to the offset to get the next rotary position.
+    pub fn rope_delta(&self) -> i32 {
+        self.rope_delta
+    }
+
+    pub fn set_rope_delta(&mut self, delta: i32) {
+        self.rope_delta = delta;
     }
 
     /// Forgets every position from `len` on (the arrays stay; later writes overwrite them).

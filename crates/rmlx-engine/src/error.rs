@@ -11,7 +11,7 @@ pub enum EngineError {
     Io { path: PathBuf, message: String },
     #[error("{path}: invalid config: {message}")]
     Config { path: PathBuf, message: String },
-    #[error("unsupported model_type `{0}` (supported: qwen3)")]
+    #[error("unsupported model_type `{0}` (supported: qwen3, qwen3_vl)")]
     UnknownModelType(String),
     #[error("{file}: tensor `{tensor}`: {message}")]
     Tensor {
@@ -36,6 +36,8 @@ pub enum EngineError {
         prompt_tokens: usize,
         max_ctx: usize,
     },
+    #[error("the prompt has {tokens} image tokens but the vision tower gave {features} features")]
+    ImageTokenMismatch { tokens: usize, features: usize },
     #[error(transparent)]
     Quant(#[from] QuantError),
     #[error(transparent)]
@@ -69,6 +71,7 @@ impl EngineError {
             | Self::MissingTensor { .. }
             | Self::UnusedTensors { .. } => "model_weights",
             Self::ContextOverflow { .. } => "context_length_exceeded",
+            Self::ImageTokenMismatch { .. } => "image_token_mismatch",
             Self::ModelTooLarge { .. } => "model_too_large",
             Self::Quant(_) => "quantization",
             Self::Chat(_) => "chat_template",

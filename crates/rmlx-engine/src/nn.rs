@@ -115,6 +115,11 @@ impl Linear {
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (out, bias) = match self {
+            // mlx's nn.Linear adds the bias inside the matmul (one rounding in bf16).
+            Linear::Dense {
+                weight,
+                bias: Some(bias),
+            } => return Ok(ops::addmm(bias, x, ops::transpose(weight)?, 1.0, 1.0)?),
             Linear::Dense { weight, bias } => (ops::matmul(x, ops::transpose(weight)?)?, bias),
             Linear::Quantized { packed, bias } => (
                 quant::quantized_matmul(
@@ -217,4 +222,23 @@ impl RmsNorm {
 pub fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
     let silu = ops::multiply(gate, ops::sigmoid(gate)?)?;
     Ok(ops::multiply(&silu, up)?)
+}
+
+/// LayerNorm with weight and bias (vision towers).
+pub struct LayerNorm {
+    weight: Array,
+    bias: Array,
+    eps: f32,
+}
+
+impl LayerNorm {
+    pub fn load(store: &mut WeightStore, prefix: &str, dim: i32, eps: f32) -> Result<Self> {
+        let weight = store.take(&format!("{prefix}.weight"), &[dim], DtypeKind::Float)?;
+        let bias = store.take(&format!("{prefix}.bias"), &[dim], DtypeKind::Float)?;
+        Ok(Self { weight, bias, eps })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(fast::layer_norm(x, &self.weight, &self.bias, self.eps)?)
+    }
 }

@@ -1,6 +1,7 @@
 //! Model families by config.json `model_type`, one file each, behind one trait.
 
 pub mod qwen3;
+pub mod qwen3_vl;
 
 use std::path::{Path, PathBuf};
 
@@ -34,6 +35,44 @@ pub trait LanguageModel {
             .map(|_| KvCache::new(max_ctx))
             .collect()
     }
+
+    /// The image entry points of a vision-language model; None for text-only families.
+    fn as_vision(&self) -> Option<&dyn VisionLanguageModel> {
+        None
+    }
+}
+
+/// Preprocessed images of one prompt, in prompt order.
+pub struct ImageInput {
+    /// `[patches, C*T*P*P]` float32 rows of every image, concatenated.
+    pub pixel_values: Array,
+    /// `(t, h, w)` patch grid of each image.
+    pub grid_thw: Vec<[i32; 3]>,
+}
+
+/// What a vision tower hands the language model.
+pub struct VisionFeatures {
+    /// `[image tokens, hidden]`, one row per image soft token, images in order.
+    pub embeds: Array,
+    /// Extra per-layer features (Qwen3-VL deepstack), each shaped like `embeds`.
+    pub deepstack: Vec<Array>,
+    pub grid_thw: Vec<[i32; 3]>,
+}
+
+/// A model that sees images: the vision tower runs apart from prefill so callers can check
+/// the context before any vision compute, then pass the features with the prompt ids.
+pub trait VisionLanguageModel: LanguageModel {
+    fn encode_images(&self, images: &ImageInput) -> Result<VisionFeatures>;
+
+    /// Like [`LanguageModel::forward`] for a prompt chunk whose image soft tokens (which must
+    /// number exactly the feature rows) take `features`; text-only when `features` is None.
+    fn forward_with_images(
+        &self,
+        inputs: &Array,
+        features: Option<&VisionFeatures>,
+        caches: &mut [KvCache],
+        logits: Logits,
+    ) -> Result<Array>;
 }
 
 /// What `rmlx info` and `/v1/models` report about a checkpoint.
@@ -61,12 +100,13 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
     let config = ConfigFile::read(dir)?;
     let model_type = config.base.model_type.clone();
     // Refuse an unknown family before reading any weights.
-    if !matches!(model_type.as_str(), "qwen3") {
+    if !matches!(model_type.as_str(), "qwen3" | "qwen3_vl") {
         return Err(EngineError::UnknownModelType(model_type));
     }
     let mut store = WeightStore::open(dir)?;
     let model: Box<dyn LanguageModel> = match model_type.as_str() {
         "qwen3" => Box::new(qwen3::Model::load(dir, &config, &mut store)?),
+        "qwen3_vl" => Box::new(qwen3_vl::Model::load(dir, &config, &mut store)?),
         _ => unreachable!("checked above"),
     };
     let summary = store.finish()?;

@@ -210,14 +210,15 @@ impl Attention {
     }
 }
 
-struct Mlp {
+/// SwiGLU MLP, shared with the Qwen3-VL text decoder.
+pub(crate) struct Mlp {
     gate_proj: Linear,
     down_proj: Linear,
     up_proj: Linear,
 }
 
 impl Mlp {
-    fn load(
+    pub(crate) fn load(
         store: &mut WeightStore,
         quant: Option<&QuantizationConfig>,
         prefix: &str,
@@ -252,7 +253,7 @@ impl Mlp {
         })
     }
 
-    fn forward(&self, x: &Array) -> Result<Array> {
+    pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
         self.down_proj.forward(&swiglu(
             &self.gate_proj.forward(x)?,
             &self.up_proj.forward(x)?,

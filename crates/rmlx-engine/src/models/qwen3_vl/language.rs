@@ -1,0 +1,388 @@
+//! Qwen3-VL text decoder: Qwen3 blocks (q/k RMSNorm, SwiGLU) with interleaved MRoPE over
+//! three position rows (t, h, w), deepstack features added at the image positions after the
+//! first layers, and `get_rope_index` for text+image prompts. Reference: mlx-vlm
+//! `models/qwen3_vl/language.py` and `rope_utils.py` (`MRoPERotaryEmbedding`, interleaved).
+
+use mlx_rs::{fast, fast::ScaledDotProductAttentionMask, ops, ops::indexing::IndexOp, Array};
+
+use super::{
+    config::{Config, Rope, TextConfig},
+    vision::{inv_freq, rotate_half},
+};
+use crate::{
+    cache::KvCache,
+    config::QuantizationConfig,
+    error::Result,
+    models::{qwen3::Mlp, Logits},
+    nn::{Embedding, Linear, RmsNorm},
+    weights::WeightStore,
+};
+
+/// Per-token rotary positions of a prompt: rows t, h, w, and the delta that maps later cache
+/// offsets to rotary positions (`position = offset + delta`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MropePositions {
+    pub rows: [Vec<i32>; 3],
+    pub rope_delta: i32,
+}
+
+/// mlx-vlm's `get_rope_index` for one prompt with images (no video): text runs count up on all
+/// three rows; each image block holds (t, h/merge, w/merge) coordinates offset by the position
+/// after the preceding text; the next text resumes at the block's max + 1.
+pub fn rope_index(ids: &[u32], grids: &[[i32; 3]], config: &Config) -> MropePositions {
+    let len = ids.len();
+    let merge = config.vision_config.spatial_merge_size;
+    let image_nums = ids
+        .windows(2)
+        .filter(|pair| pair[0] == config.vision_start_token_id && pair[1] == config.image_token_id)
+        .count();
+    if grids.is_empty() || image_nums == 0 {
+        let positions: Vec<i32> = (0..len as i32).collect();
+        return MropePositions {
+            rows: [positions.clone(), positions.clone(), positions],
+            rope_delta: 0,
+        };
+    }
+    let mut rows: [Vec<i32>; 3] = Default::default();
+    let mut next = 0; // max of the previous run + 1
+    let mut start = 0;
+    for &[t, h, w] in grids.iter().take(image_nums) {
+        let Some(found) = ids[start..]
+            .iter()
+            .position(|&id| id == config.image_token_id)
+        else {
+            break;
+        };
+        let end = start + found;
+        let text_len = (end - start) as i32;
+        for row in rows.iter_mut() {
+            row.extend(next..next + text_len);
+        }
+        let (gh, gw) = (h / merge, w / merge);
+        let base = next + text_len;
+        let mut block_max = base;
+        for ti in 0..t {
+            for hi in 0..gh {
+                for wi in 0..gw {
+                    rows[0].push(base + ti);
+                    rows[1].push(base + hi);
+                    rows[2].push(base + wi);
+                    block_max = block_max.max(base + ti.max(hi).max(wi));
+                }
+            }
+        }
+        next = block_max + 1;
+        start = end + (t * gh * gw) as usize;
+    }
+    if start < len {
+        let text_len = (len - start) as i32;
+        for row in rows.iter_mut() {
+            row.extend(next..next + text_len);
+        }
+        next += text_len;
+    }
+    MropePositions {
+        rows,
+        rope_delta: next - len as i32,
+    }
+}
+
+/// Interleaved MRoPE: frequency `i` takes its position from row `selector[i]` (h at
+/// i ≡ 1 mod 3 and w at i ≡ 2 mod 3 within their sections, t elsewhere).
+pub(super) fn position_selector(section: [i32; 3], freq_dim: i32) -> Vec<usize> {
+    let mut selector = vec![0; freq_dim as usize];
+    for (row, offset) in [(1usize, 1i32), (2, 2)] {
+        let mut i = offset;
+        while i < (section[row] * 3).min(freq_dim) {
+            selector[i as usize] = row;
+            i += 3;
+        }
+    }
+    selector
+}
+
+/// cos/sin `[1, 1, L, head_dim]` for positions `rows` (t, h, w) of `L` tokens.
+pub(super) struct RotaryAngles {
+    cos: Array,
+    sin: Array,
+}
+
+impl RotaryAngles {
+    pub(super) fn new(rows: &[&[i32]; 3], rope: &Rope, head_dim: i32) -> Result<Self> {
+        let len = rows[0].len();
+        let freq_dim = head_dim / 2;
+        let selector = position_selector(rope.mrope_section, freq_dim);
+        let mut positions = Vec::with_capacity(len * freq_dim as usize);
+        let (t, h, w) = (rows[0], rows[1], rows[2]);
+        for ((&t, &h), &w) in t.iter().zip(h).zip(w) {
+            let axes = [t, h, w];
+            positions.extend(selector.iter().map(|&row| axes[row] as f32));
+        }
+        let positions = Array::from_slice(&positions, &[len as i32, freq_dim]);
+        let freqs = ops::multiply(&positions, inv_freq(head_dim, rope.theta)?)?;
+        let angles =
+            ops::concatenate(&[&freqs, &freqs], -1)?.reshape(&[1, 1, len as i32, head_dim])?;
+        Ok(Self {
+            cos: ops::cos(&angles)?,
+            sin: ops::sin(&angles)?,
+        })
+    }
+
+    fn apply(&self, x: &Array) -> Result<Array> {
+        // mlx-vlm casts cos/sin to the activations' dtype before rotating.
+        let cos = self.cos.as_dtype(x.dtype())?;
+        let sin = self.sin.as_dtype(x.dtype())?;
+        Ok(ops::add(
+            ops::multiply(x, &cos)?,
+            ops::multiply(rotate_half(x)?, &sin)?,
+        )?)
+    }
+}
+
+struct Attention {
+    n_heads: i32,
+    n_kv_heads: i32,
+    head_dim: i32,
+    scale: f32,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+}
+
+impl Attention {
+    fn load(
+        store: &mut WeightStore,
+        quant: Option<&QuantizationConfig>,
+        prefix: &str,
+        args: &TextConfig,
+    ) -> Result<Self> {
+        let (dim, heads, kv_heads, head_dim) = (
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+        );
+        let linear = |store: &mut WeightStore, name: &str, i: i32, o: i32| {
+            Linear::load(store, quant, &format!("{prefix}.{name}"), i, o, false)
+        };
+        Ok(Self {
+            n_heads: heads,
+            n_kv_heads: kv_heads,
+            head_dim,
+            scale: (head_dim as f32).powf(-0.5),
+            q_proj: linear(store, "q_proj", dim, heads * head_dim)?,
+            k_proj: linear(store, "k_proj", dim, kv_heads * head_dim)?,
+            v_proj: linear(store, "v_proj", dim, kv_heads * head_dim)?,
+            o_proj: linear(store, "o_proj", heads * head_dim, dim)?,
+            q_norm: RmsNorm::load(
+                store,
+                &format!("{prefix}.q_norm"),
+                head_dim,
+                args.rms_norm_eps,
+            )?,
+            k_norm: RmsNorm::load(
+                store,
+                &format!("{prefix}.k_norm"),
+                head_dim,
+                args.rms_norm_eps,
+            )?,
+        })
+    }
+
+    fn forward(&self, x: &Array, rotary: &RotaryAngles, cache: &mut KvCache) -> Result<Array> {
+        let (batch, len) = (x.shape()[0], x.shape()[1]);
+        let heads =
+            |projected: Array, count: i32| projected.reshape(&[batch, len, count, self.head_dim]);
+        let queries = self
+            .q_norm
+            .forward(&heads(self.q_proj.forward(x)?, self.n_heads)?)?
+            .transpose_axes(&[0, 2, 1, 3])?;
+        let keys = self
+            .k_norm
+            .forward(&heads(self.k_proj.forward(x)?, self.n_kv_heads)?)?
+            .transpose_axes(&[0, 2, 1, 3])?;
+        let values =
+            heads(self.v_proj.forward(x)?, self.n_kv_heads)?.transpose_axes(&[0, 2, 1, 3])?;
+        let queries = rotary.apply(&queries)?;
+        let keys = rotary.apply(&keys)?;
+        let (keys, values) = cache.update_and_fetch(&keys, &values)?;
+        let mask = (len > 1).then_some(ScaledDotProductAttentionMask::Causal);
+        let output =
+            fast::scaled_dot_product_attention(&queries, &keys, &values, self.scale, mask, None)?;
+        let output = output
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[batch, len, -1])?;
+        self.o_proj.forward(&output)
+    }
+}
+
+struct DecoderLayer {
+    self_attn: Attention,
+    mlp: Mlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+}
+
+impl DecoderLayer {
+    fn load(
+        store: &mut WeightStore,
+        quant: Option<&QuantizationConfig>,
+        prefix: &str,
+        args: &TextConfig,
+    ) -> Result<Self> {
+        let norm = |store: &mut WeightStore, name: &str| {
+            RmsNorm::load(
+                store,
+                &format!("{prefix}.{name}"),
+                args.hidden_size,
+                args.rms_norm_eps,
+            )
+        };
+        Ok(Self {
+            self_attn: Attention::load(store, quant, &format!("{prefix}.self_attn"), args)?,
+            mlp: Mlp::load(
+                store,
+                quant,
+                &format!("{prefix}.mlp"),
+                args.hidden_size,
+                args.intermediate_size,
+            )?,
+            input_layernorm: norm(store, "input_layernorm")?,
+            post_attention_layernorm: norm(store, "post_attention_layernorm")?,
+        })
+    }
+
+    fn forward(&self, x: &Array, rotary: &RotaryAngles, cache: &mut KvCache) -> Result<Array> {
+        let h = ops::add(
+            x,
+            self.self_attn
+                .forward(&self.input_layernorm.forward(x)?, rotary, cache)?,
+        )?;
+        Ok(ops::add(
+            &h,
+            self.mlp
+                .forward(&self.post_attention_layernorm.forward(&h)?)?,
+        )?)
+    }
+}
+
+/// Where deepstack features go: `gather[pos]` is 0 for text and 1 + the feature row for an
+/// image token, into `[zeros; features]`, so one gather and add injects them on device.
+pub(super) struct Deepstack<'a> {
+    pub gather: &'a Array,
+    pub features: &'a [Array],
+}
+
+pub struct LanguageModel {
+    pub(super) args: TextConfig,
+    pub(super) rope: Rope,
+    pub(super) embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Option<Linear>,
+}
+
+impl LanguageModel {
+    pub fn load(
+        store: &mut WeightStore,
+        quant: Option<&QuantizationConfig>,
+        config: &Config,
+        rope: Rope,
+    ) -> Result<Self> {
+        let args = config.text_config.clone();
+        let tied = config.tied();
+        if tied {
+            for suffix in ["weight", "scales", "biases"] {
+                store.discard(&format!("language_model.lm_head.{suffix}"));
+            }
+        }
+        let embed_tokens = Embedding::load(
+            store,
+            quant,
+            "language_model.model.embed_tokens",
+            args.vocab_size,
+            args.hidden_size,
+        )?;
+        let layers = (0..args.num_hidden_layers)
+            .map(|i| {
+                DecoderLayer::load(
+                    store,
+                    quant,
+                    &format!("language_model.model.layers.{i}"),
+                    &args,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(
+            store,
+            "language_model.model.norm",
+            args.hidden_size,
+            args.rms_norm_eps,
+        )?;
+        let lm_head = if tied {
+            None
+        } else {
+            Some(Linear::load(
+                store,
+                quant,
+                "language_model.lm_head",
+                args.hidden_size,
+                args.vocab_size,
+                false,
+            )?)
+        };
+        Ok(Self {
+            args,
+            rope,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Embeddings `[1, L, hidden]` at rotary positions `rows` through the decoder to logits.
+    pub(super) fn forward_embeddings(
+        &self,
+        mut h: Array,
+        rows: &[&[i32]; 3],
+        deepstack: Option<Deepstack>,
+        caches: &mut [KvCache],
+        logits: Logits,
+    ) -> Result<Array> {
+        let rotary = RotaryAngles::new(rows, &self.rope, self.args.head_dim)?;
+        let padded = match &deepstack {
+            Some(ds) => {
+                let zeros = ops::zeros_dtype(&[1, self.args.hidden_size], h.dtype())?;
+                ds.features
+                    .iter()
+                    .map(|f| Ok(ops::concatenate(&[&zeros, &f.as_dtype(h.dtype())?], 0)?))
+                    .collect::<Result<Vec<_>>>()?
+            }
+            None => Vec::new(),
+        };
+        for (index, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
+            h = layer.forward(&h, &rotary, cache)?;
+            if let (Some(ds), Some(table)) = (&deepstack, padded.get(index)) {
+                let rows = table.take_axis(ds.gather, 0)?.reshape(h.shape())?;
+                h = ops::add(&h, &rows)?;
+            }
+        }
+        if logits == Logits::Last && h.shape()[1] > 1 {
+            let last = h.shape()[1] - 1;
+            h = h.index((.., last..));
+        }
+        let h = self.norm.forward(&h)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed_tokens.as_linear(&h),
+        }
+    }
+}

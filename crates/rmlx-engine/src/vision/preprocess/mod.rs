@@ -2,11 +2,13 @@
 //! shapes the vision tower expects out (the model code uploads them). Each family follows its
 //! mlx-vlm 0.7.6 processor bit for bit; the shared resize follows Pillow's bicubic.
 
+pub mod gemma4;
 pub mod qwen3_vl;
 pub mod resample;
 
 use std::path::Path;
 
+pub use gemma4::{Gemma4ImageConfig, GemmaImage, SUPPORTED_SOFT_TOKENS};
 pub use qwen3_vl::{smart_resize, PreprocessorConfig as QwenPreprocessorConfig, QwenImage};
 pub use resample::resize_bicubic;
 
@@ -17,6 +19,8 @@ pub enum PreprocessError {
     /// The reference refuses these too (transformers' `smart_resize`).
     #[error("image aspect ratio must be at most 200:1, got {width}x{height}")]
     AspectRatio { width: usize, height: usize },
+    #[error("max_soft_tokens must be one of 70, 140, 280, 560, 1120, got {0}")]
+    SoftTokenBudget(usize),
     #[error("preprocessor config: {0}")]
     Config(String),
 }

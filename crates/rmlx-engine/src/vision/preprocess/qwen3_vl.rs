@@ -326,6 +326,26 @@ mod tests {
         }
     }
 
+    /// A downscale end to end: `Qwen3VLImageProcessor(min_pixels=4096, max_pixels=128*128)` of
+    /// `resample/noise_300x200.png` in `.venv-ref` (300x200 -> 128x96), hash of its pixel_values.
+    #[test]
+    fn downscaled_noise_equals_mlx_vlm() {
+        let cfg = PreprocessorConfig {
+            min_pixels: 4096,
+            max_pixels: 128 * 128,
+            ..PreprocessorConfig::default()
+        };
+        let img = image::open(fixtures_dir().join("vision-images/resample/noise_300x200.png"))
+            .unwrap()
+            .to_rgb8();
+        let got = cfg.preprocess(&img).unwrap();
+        assert_eq!(got.grid_thw, [1, 6, 8]);
+        assert_eq!(
+            sha256_f32le(&got.pixel_values),
+            "f96dc122fefaa99c6fc8aee72591dd367e37347fd03b4c46b0c36c3e5e056699"
+        );
+    }
+
     /// The real Qwen3-VL ceiling keeps a 2560² image at full size: 160×160 patches, 6400 tokens
     /// after the 2×2 merge (rMLX 0.2.4 capped this and lost detail).
     #[test]

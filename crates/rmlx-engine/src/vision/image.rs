@@ -250,6 +250,47 @@ mod tests {
         assert_eq!(jpeg.dimensions(), (4, 3));
     }
 
+    /// A JPEG with an EXIF APP1 segment carrying `orientation` (tag 0x0112).
+    fn jpeg_with_orientation(image: &RgbImage, orientation: u16) -> Vec<u8> {
+        let jpeg = encode(image, ImageFormat::Jpeg);
+        let mut tiff = b"II*\0\x08\0\0\0".to_vec();
+        tiff.extend_from_slice(&1u16.to_le_bytes()); // one IFD entry
+        tiff.extend_from_slice(&0x0112u16.to_le_bytes());
+        tiff.extend_from_slice(&3u16.to_le_bytes()); // SHORT
+        tiff.extend_from_slice(&1u32.to_le_bytes());
+        tiff.extend_from_slice(&orientation.to_le_bytes());
+        tiff.extend_from_slice(&[0, 0, 0, 0, 0, 0]); // value padding, next IFD = 0
+        let mut app1 = b"Exif\0\0".to_vec();
+        app1.extend_from_slice(&tiff);
+        let mut out = jpeg[..2].to_vec(); // SOI
+        out.extend_from_slice(&[0xff, 0xe1]);
+        out.extend_from_slice(&((app1.len() + 2) as u16).to_be_bytes());
+        out.extend_from_slice(&app1);
+        out.extend_from_slice(&jpeg[2..]);
+        out
+    }
+
+    #[test]
+    fn jpeg_exif_orientation_is_applied() {
+        let wide = RgbImage::from_fn(40, 20, |x, _| Rgb([if x < 20 { 250 } else { 5 }, 0, 0]));
+        let limits = ImageLimits::default();
+        let upright = decode_image(&jpeg_with_orientation(&wide, 1), &limits).unwrap();
+        assert_eq!(upright.dimensions(), (40, 20));
+        // 6 = rotate 90° clockwise: the bright left half ends up on top.
+        let rotated = decode_image(&jpeg_with_orientation(&wide, 6), &limits).unwrap();
+        assert_eq!(rotated.dimensions(), (20, 40));
+        assert!(
+            rotated.get_pixel(10, 5)[0] > 200,
+            "{:?}",
+            rotated.get_pixel(10, 5)
+        );
+        assert!(
+            rotated.get_pixel(10, 35)[0] < 50,
+            "{:?}",
+            rotated.get_pixel(10, 35)
+        );
+    }
+
     #[test]
     fn data_uris_base64_and_sources() {
         let png = encode(&sample(), ImageFormat::Png);

@@ -86,6 +86,9 @@ struct GenerateArgs {
     /// Send the prompt as is, without the chat template.
     #[arg(long)]
     raw: bool,
+    /// An image file to ask about (repeatable; vision models only).
+    #[arg(long = "image", value_name = "PATH")]
+    images: Vec<PathBuf>,
     /// Turn the template's thinking mode on or off (Qwen3).
     #[arg(long)]
     enable_thinking: Option<bool>,
@@ -164,7 +167,19 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         if let Some(system) = args.system {
             messages.push(serde_json::json!({"role": "system", "content": system}));
         }
-        messages.push(serde_json::json!({"role": "user", "content": args.prompt}));
+        // Image parts first, as chat UIs send them; the template places each one.
+        let content = if args.images.is_empty() {
+            serde_json::json!(args.prompt)
+        } else {
+            let mut parts: Vec<serde_json::Value> = args
+                .images
+                .iter()
+                .map(|_| serde_json::json!({"type": "image"}))
+                .collect();
+            parts.push(serde_json::json!({"type": "text", "text": args.prompt}));
+            serde_json::Value::Array(parts)
+        };
+        messages.push(serde_json::json!({"role": "user", "content": content}));
         Prompt::Chat {
             messages,
             options: TemplateOptions {
@@ -174,9 +189,23 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             },
         }
     };
+    let limits = rmlx_engine::vision::ImageLimits::default();
+    let images = args
+        .images
+        .iter()
+        .map(|path| {
+            rmlx_engine::vision::decode_image_source(
+                &path.to_string_lossy(),
+                rmlx_engine::vision::SourcePolicy::AllowFiles,
+                &limits,
+            )
+            .with_context(|| format!("image {}", path.display()))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let request = Request {
         model: args.model,
         prompt,
+        images,
         params: GenerateParams {
             max_tokens: args.max_tokens,
             sampling,

@@ -49,6 +49,9 @@ pub struct Request {
     /// the start of the assistant's turn, part of the prompt, not of the answer (a forced
     /// `<tool_call>`, Anthropic's assistant prefill).
     pub assistant_prefill: Option<String>,
+    /// Decoded images, in the order their content parts appear (or, with no parts, placed by
+    /// the splice fallback inside the final user turn).
+    pub images: Vec<image::RgbImage>,
     pub params: GenerateParams,
 }
 
@@ -59,6 +62,7 @@ impl Default for Request {
             model_id: None,
             prompt: Prompt::Ids(Vec::new()),
             assistant_prefill: None,
+            images: Vec::new(),
             params: GenerateParams::default(),
         }
     }
@@ -501,6 +505,13 @@ impl EngineThread {
             .constraint(&request.params.response_format)?;
         let resident = &self.models[&key];
         let tokenizer = &resident.tokenizer;
+        // Before rendering: a text-only template may not even accept image parts.
+        if !request.images.is_empty() && resident.loaded.model.as_vision().is_none() {
+            return Err(EngineError::InvalidRequest(format!(
+                "this model ({}) has no vision: send text only",
+                resident.loaded.info.model_type
+            )));
+        }
         let prefill = request.assistant_prefill.as_deref().unwrap_or("");
         let prompt_ids = match &request.prompt {
             Prompt::Chat { messages, options } => {
@@ -518,10 +529,24 @@ impl EngineThread {
                 "token id {bad} is outside the vocabulary ({vocab})"
             )));
         }
+        let (prompt_ids, images) = if request.images.is_empty() {
+            (prompt_ids, None)
+        } else {
+            let prepared = prepare_images(&resident.loaded, tokenizer, prompt_ids, request)?;
+            (prepared.0, Some(prepared.1))
+        };
         let max_ctx = generate::effective_context(model, &request.params, prompt_ids.len())?;
-        let reuse = self.prefix.lookup(&key, &prompt_ids);
-        self.metrics
-            .record_prefix_lookup(&model_id, reuse.is_some());
+        // Image soft tokens are one id for every image: their KV is not reusable by ids.
+        let reuse = match images {
+            Some(_) => None,
+            None => self.prefix.lookup(&key, &prompt_ids),
+        };
+        if images.is_none() {
+            self.metrics
+                .record_prefix_lookup(&model_id, reuse.is_some());
+        }
+        let has_images = images.is_some();
+        let images = images.map(|pending| pending.encode()).transpose()?;
         let _ = events.send(Event::Started {
             prompt_tokens: prompt_ids.len(),
             max_ctx,
@@ -534,6 +559,7 @@ impl EngineThread {
             &request.params,
             reuse,
             constraint,
+            images,
             cancel,
             |delta| {
                 metrics.set_in_flight(1, delta.kv_bytes);
@@ -545,11 +571,116 @@ impl EngineThread {
             },
         )?;
         self.metrics.record_completion(&model_id, &completion);
-        if completion.finish_reason != FinishReason::Cancelled {
+        if completion.finish_reason != FinishReason::Cancelled && !has_images {
             let evicted = self.prefix.insert(&key, sequence.tokens, sequence.caches);
             self.metrics.record_prefix_evictions(&model_id, evicted);
         }
         self.metrics.set_prefix_cache_bytes(self.prefix.bytes());
         Ok(completion)
     }
+}
+
+/// Images preprocessed and placed, waiting for the vision tower (which runs only after the
+/// expanded prompt has been checked against the context).
+struct PendingImages<'a> {
+    model: &'a dyn crate::models::VisionLanguageModel,
+    input: crate::models::ImageInput,
+    spans: Vec<std::ops::Range<usize>>,
+    blocks: Vec<std::ops::Range<usize>>,
+}
+
+impl<'a> PendingImages<'a> {
+    fn encode(self) -> Result<crate::multimodal::ImagePrefill<'a>> {
+        Ok(crate::multimodal::ImagePrefill {
+            model: self.model,
+            features: self.model.encode_images(&self.input)?,
+            spans: self.spans,
+            blocks: self.blocks,
+        })
+    }
+}
+
+/// Preprocesses the request's images for the model's family and expands their blocks in the
+/// prompt: where the template put placeholders, else by the one splice fallback.
+fn prepare_images<'a>(
+    loaded: &'a LoadedModel,
+    tokenizer: &ChatTokenizer,
+    prompt_ids: Vec<u32>,
+    request: &Request,
+) -> Result<(Vec<u32>, PendingImages<'a>)> {
+    use crate::chat::images::{expand_image_placeholders, splice_image_block, ImageTokens};
+    let model = loaded.model.as_vision().ok_or_else(|| {
+        EngineError::InvalidRequest(format!(
+            "this model ({}) has no vision: send text only",
+            loaded.info.model_type
+        ))
+    })?;
+    if loaded.info.model_type != "qwen3_vl" {
+        return Err(EngineError::InvalidRequest(format!(
+            "image input for {} is not supported yet",
+            loaded.info.model_type
+        )));
+    }
+    let config = crate::vision::preprocess::QwenPreprocessorConfig::load(&loaded.info.path)
+        .map_err(|error| EngineError::Config {
+            path: loaded.info.path.join("preprocessor_config.json"),
+            message: error.to_string(),
+        })?;
+    let mut rows = Vec::new();
+    let mut grids = Vec::new();
+    let mut counts = Vec::new();
+    let mut row_len = 0;
+    for (index, image) in request.images.iter().enumerate() {
+        let processed = config.preprocess(image).map_err(|error| {
+            EngineError::InvalidRequest(format!("image {}: {error}", index + 1))
+        })?;
+        row_len = processed.row_len;
+        rows.extend_from_slice(&processed.pixel_values);
+        let [t, h, w] = processed.grid_thw;
+        grids.push([t as i32, h as i32, w as i32]);
+        counts.push(processed.num_tokens);
+    }
+    let token = |text: &str| tokenizer.token_id(text);
+    let tokens = ImageTokens {
+        open: token("<|vision_start|>"),
+        pad: token("<|image_pad|>").ok_or_else(|| {
+            EngineError::InvalidRequest("the tokenizer has no <|image_pad|> token".into())
+        })?,
+        close: token("<|vision_end|>"),
+    };
+    let placeholders = prompt_ids.iter().filter(|&&id| id == tokens.pad).count();
+    let placed = if placeholders > 0 {
+        expand_image_placeholders(&prompt_ids, &tokens, &counts)
+    } else {
+        let opener = tokenizer.encode("<|im_start|>user\n", false)?;
+        splice_image_block(&prompt_ids, &tokens, &counts, &opener, None)
+    }
+    .map_err(|error| EngineError::InvalidRequest(error.to_string()))?;
+    // Widen each span by its frame tokens: chunking keeps whole blocks together.
+    let blocks = placed
+        .image_spans
+        .iter()
+        .map(|span| {
+            let framed = |at: Option<usize>, id: Option<u32>| {
+                at.and_then(|at| placed.ids.get(at)).copied() == id && id.is_some()
+            };
+            let start = span.start - usize::from(framed(span.start.checked_sub(1), tokens.open));
+            let end = span.end + usize::from(framed(Some(span.end), tokens.close));
+            start..end
+        })
+        .collect();
+    let patches = (rows.len() / row_len.max(1)) as i32;
+    let input = crate::models::ImageInput {
+        pixel_values: mlx_rs::Array::from_slice(&rows, &[patches, row_len as i32]),
+        grid_thw: grids,
+    };
+    Ok((
+        placed.ids,
+        PendingImages {
+            model,
+            input,
+            spans: placed.image_spans,
+            blocks,
+        },
+    ))
 }

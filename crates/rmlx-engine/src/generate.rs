@@ -15,6 +15,7 @@ use crate::{
     constrain::{self, Constraint, ResponseFormat},
     error::{EngineError, Result},
     models::{LanguageModel, Logits},
+    multimodal::{self, ImagePrefill},
     prefix_cache::Reuse,
     sample::{Sampler, SamplingParams},
 };
@@ -233,7 +234,7 @@ pub fn generate(
     on_delta: impl FnMut(Delta),
 ) -> Result<Completion> {
     generate_reusing(
-        model, tokenizer, prompt_ids, params, None, None, cancel, on_delta,
+        model, tokenizer, prompt_ids, params, None, None, None, cancel, on_delta,
     )
     .map(|(completion, _)| completion)
 }
@@ -250,6 +251,7 @@ pub fn generate_reusing(
     params: &GenerateParams,
     reuse: Option<Reuse>,
     constraint: Option<Constraint>,
+    images: Option<ImagePrefill>,
     cancel: &AtomicBool,
     mut on_delta: impl FnMut(Delta),
 ) -> Result<(Completion, CachedSequence)> {
@@ -277,7 +279,21 @@ pub fn generate_reusing(
     // Prefill all but the last prompt token, evaluating the cache between chunks so no single
     // graph grows with the prompt (the Metal watchdog kills command buffers past ~10 s).
     let (body, last) = prompt_ids.split_at(prompt_ids.len() - 1);
-    for piece in body[cached_tokens..].chunks(chunk) {
+    if let Some(images) = &images {
+        multimodal::prefill(
+            images,
+            prompt_ids,
+            cached_tokens..body.len(),
+            chunk,
+            &mut caches,
+        )?;
+    }
+    let text_body = if images.is_some() {
+        &[][..]
+    } else {
+        &body[cached_tokens..]
+    };
+    for piece in text_body.chunks(chunk) {
         if cancel.load(Ordering::Relaxed) {
             let sequence = CachedSequence::new(prompt_ids, &[], caches);
             return Ok((cancelled(prompt_ids, cached_tokens, started), sequence));

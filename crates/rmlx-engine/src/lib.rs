@@ -10,6 +10,7 @@ pub mod error;
 pub mod generate;
 pub mod metrics;
 pub mod models;
+pub mod multimodal;
 pub mod nn;
 pub mod prefix_cache;
 pub mod quant;

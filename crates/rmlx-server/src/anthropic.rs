@@ -55,6 +55,7 @@ pub struct MessagesRequest {
 struct Prepared {
     entry: ModelEntry,
     messages: Vec<Value>,
+    images: convert::Images,
     options: TemplateOptions,
     tools: bool,
     /// The client's assistant prefill (a last assistant message of text).
@@ -66,7 +67,8 @@ fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError
     let entry = state.registry.resolve(&fields.model)?;
     let system = convert::anthropic_system(fields.system.as_ref())?;
     let (turns, prefill) = convert::anthropic_prefill(&fields.messages);
-    let messages = convert::anthropic_messages(system, turns, &entry.id)?;
+    let (messages, images) = convert::anthropic_messages(system, turns, &entry.id)?;
+    convert::check_vision(&entry.path, &entry.id, &images)?;
     let tools = convert::anthropic_tools(fields.tools.as_deref(), fields.tool_choice.as_ref())?;
     let forced = ForcedCall::new(
         forced::anthropic_requires_call(fields.tool_choice.as_ref()),
@@ -85,6 +87,7 @@ fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError
     Ok(Prepared {
         entry,
         messages,
+        images,
         tools: tools.is_some(),
         prefill,
         forced,
@@ -182,6 +185,7 @@ pub async fn messages(
     let Prepared {
         entry,
         messages,
+        images,
         options,
         tools,
         forced,
@@ -198,6 +202,7 @@ pub async fn messages(
         model: entry.path.clone(),
         prompt: Prompt::Chat { messages, options },
         assistant_prefill,
+        images,
         params,
         ..Request::default()
     };

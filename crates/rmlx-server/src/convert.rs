@@ -13,8 +13,26 @@ fn bad(message: impl Into<String>) -> ApiError {
     ApiError::BadRequest(message.into())
 }
 
+/// Images found in a request, decoded, in prompt order.
+pub type Images = Vec<rmlx_engine::vision::RgbImage>;
+
+/// Decodes an inline image (data URI or bare base64); remote and file references are refused
+/// clearly, undecodable data is a bad image. Whether the model can see it is the engine's call.
+pub fn inline_image(reference: &str) -> Result<rmlx_engine::vision::RgbImage, ApiError> {
+    let error = refuse_image(reference, "");
+    if !error.to_string().contains("has no vision") {
+        return Err(error);
+    }
+    rmlx_engine::vision::decode_image_source(
+        reference,
+        rmlx_engine::vision::SourcePolicy::InlineOnly,
+        &rmlx_engine::vision::ImageLimits::default(),
+    )
+    .map_err(|error| bad(format!("bad image: {error}")))
+}
+
 /// Refuses an image: remote and file references clearly, undecodable data as a bad image, and
-/// valid inline images because no served model has vision yet.
+/// valid inline images as "no vision" (for callers that cannot take images).
 pub fn refuse_image(reference: &str, model: &str) -> ApiError {
     let reference = reference.trim();
     let lower = reference.to_ascii_lowercase();
@@ -45,33 +63,67 @@ pub fn refuse_image(reference: &str, model: &str) -> ApiError {
     no_vision(model)
 }
 
+/// Refuses images for a model without a vision tower before any template sees image parts
+/// (a text template may not even accept them). The checkpoint's config says which it is.
+pub fn check_vision(
+    model_dir: &std::path::Path,
+    model: &str,
+    images: &Images,
+) -> Result<(), ApiError> {
+    if images.is_empty() {
+        return Ok(());
+    }
+    let config = std::fs::read_to_string(model_dir.join("config.json")).unwrap_or_default();
+    let config: Value = serde_json::from_str(&config).unwrap_or(Value::Null);
+    if config.get("vision_config").is_some() {
+        Ok(())
+    } else {
+        Err(no_vision(model))
+    }
+}
+
 pub fn no_vision(model: &str) -> ApiError {
     bad(format!(
         "model `{model}` has no vision: it cannot read images; send text only or use a vision model"
     ))
 }
 
-/// OpenAI content: a string, null, or parts (`text` joined; `image_url` refused).
-fn openai_text(content: Option<&Value>, model: &str) -> Result<String, ApiError> {
+/// Template content from text and image parts: a plain string when there is no image (what
+/// every template takes), else parts in order with `{"type":"image"}` where each image was.
+fn template_content(text: String, parts: Vec<Value>) -> Value {
+    if parts.iter().any(|part| part["type"] == "image") {
+        Value::Array(parts)
+    } else {
+        Value::String(text)
+    }
+}
+
+/// OpenAI content: a string, null, or parts (`text`, and `image_url` decoded into `images`).
+fn openai_text(content: Option<&Value>, images: &mut Images) -> Result<Value, ApiError> {
     match content {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(text)) => Ok(text.clone()),
+        None | Some(Value::Null) => Ok(Value::String(String::new())),
+        Some(Value::String(text)) => Ok(Value::String(text.clone())),
         Some(Value::Array(parts)) => {
             let mut text = String::new();
+            let mut out = Vec::new();
             for part in parts {
                 match part.get("type").and_then(Value::as_str) {
-                    Some("text") => text.push_str(
-                        part.get("text")
+                    Some("text") => {
+                        let piece = part
+                            .get("text")
                             .and_then(Value::as_str)
-                            .ok_or_else(|| bad("a `text` content part needs a string `text`"))?,
-                    ),
+                            .ok_or_else(|| bad("a `text` content part needs a string `text`"))?;
+                        text.push_str(piece);
+                        out.push(json!({"type": "text", "text": piece}));
+                    }
                     Some("image_url") => {
                         let url = part
                             .get("image_url")
                             .and_then(|image| image.get("url").or(Some(image)))
                             .and_then(Value::as_str)
                             .ok_or_else(|| bad("an `image_url` part needs `image_url.url`"))?;
-                        return Err(refuse_image(url, model));
+                        images.push(inline_image(url)?);
+                        out.push(json!({"type": "image"}));
                     }
                     Some(other) => {
                         return Err(bad(format!("unsupported content part type `{other}`")))
@@ -79,7 +131,7 @@ fn openai_text(content: Option<&Value>, model: &str) -> Result<String, ApiError>
                     None => return Err(bad("each content part needs a `type`")),
                 }
             }
-            Ok(text)
+            Ok(template_content(text, out))
         }
         Some(_) => Err(bad(
             "`content` must be a string, an array of parts, or null",
@@ -120,19 +172,20 @@ fn template_tool_calls(calls: &Value) -> Result<Value, ApiError> {
     Ok(Value::Array(converted))
 }
 
-/// OpenAI chat messages into template messages.
-pub fn openai_messages(messages: &[Value], model: &str) -> Result<Vec<Value>, ApiError> {
+/// OpenAI chat messages into template messages, with their images decoded in order.
+pub fn openai_messages(messages: &[Value], _model: &str) -> Result<(Vec<Value>, Images), ApiError> {
     if messages.is_empty() {
         return Err(bad("`messages` must not be empty"));
     }
-    messages
+    let mut images = Images::new();
+    let converted = messages
         .iter()
         .map(|message| {
             let role = message
                 .get("role")
                 .and_then(Value::as_str)
                 .ok_or_else(|| bad("each message needs a string `role`"))?;
-            let content = openai_text(message.get("content"), model)?;
+            let content = openai_text(message.get("content"), &mut images)?;
             Ok(match role {
                 "system" | "developer" => json!({"role": "system", "content": content}),
                 "user" => json!({"role": "user", "content": content}),
@@ -158,7 +211,8 @@ pub fn openai_messages(messages: &[Value], model: &str) -> Result<Vec<Value>, Ap
                 other => return Err(bad(format!("unknown message role `{other}`"))),
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    Ok((converted, images))
 }
 
 /// OpenAI `tools` after `tool_choice`: `none` hides them, a named function keeps only it.
@@ -267,11 +321,12 @@ pub fn anthropic_messages(
     system: Option<String>,
     messages: &[Value],
     model: &str,
-) -> Result<Vec<Value>, ApiError> {
+) -> Result<(Vec<Value>, Images), ApiError> {
     if messages.is_empty() {
         return Err(bad("`messages` must not be empty"));
     }
     let mut out = Vec::new();
+    let mut images = Images::new();
     if let Some(system) = system {
         out.push(json!({"role": "system", "content": system}));
     }
@@ -291,14 +346,21 @@ pub fn anthropic_messages(
             _ => return Err(bad("`content` must be a string or an array of blocks")),
         };
         let (mut text, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
+        let mut parts = Vec::new();
         for block in &blocks {
             match block.get("type").and_then(Value::as_str) {
-                Some("text") => text.push_str(
-                    block
+                Some("text") => {
+                    let piece = block
                         .get("text")
                         .and_then(Value::as_str)
-                        .ok_or_else(|| bad("a text block needs `text`"))?,
-                ),
+                        .ok_or_else(|| bad("a text block needs `text`"))?;
+                    text.push_str(piece);
+                    parts.push(json!({"type": "text", "text": piece}));
+                }
+                Some("image") if role == "user" => {
+                    images.push(anthropic_image_decode(block)?);
+                    parts.push(json!({"type": "image"}));
+                }
                 Some("image") => return Err(anthropic_image(block, model)),
                 Some("thinking") => {
                     reasoning.push_str(block.get("thinking").and_then(Value::as_str).unwrap_or(""))
@@ -344,10 +406,25 @@ pub fn anthropic_messages(
                 .iter()
                 .any(|b| b.get("type").and_then(Value::as_str) == Some("tool_result"))
         {
-            out.push(json!({"role": "user", "content": text}));
+            out.push(json!({"role": "user", "content": template_content(text, parts)}));
         }
     }
-    Ok(out)
+    Ok((out, images))
+}
+
+/// An Anthropic `image` block's pixels (`source.type` base64 only).
+fn anthropic_image_decode(block: &Value) -> Result<rmlx_engine::vision::RgbImage, ApiError> {
+    let source = block.get("source");
+    match source.and_then(|s| s.get("type")).and_then(Value::as_str) {
+        Some("base64") => inline_image(
+            source
+                .and_then(|s| s.get("data"))
+                .and_then(Value::as_str)
+                .unwrap_or(""),
+        ),
+        Some("url") => Err(refuse_image("http://", "")),
+        _ => Err(bad("an `image` block needs `source` of type `base64`")),
+    }
 }
 
 /// Anthropic's assistant prefill: a last message from the assistant holding only text is the
@@ -434,7 +511,7 @@ mod tests {
             json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\":1}"}}]}),
             json!({"role": "tool", "tool_call_id": "c1", "content": "42"}),
         ];
-        let out = openai_messages(&messages, "m").unwrap();
+        let (out, _) = openai_messages(&messages, "m").unwrap();
         assert_eq!(out[0], json!({"role": "system", "content": "be brief"}));
         assert_eq!(out[1]["content"], "ab");
         assert_eq!(
@@ -491,7 +568,7 @@ mod tests {
             json!({"role": "assistant", "content": [{"type": "text", "text": "checking"}, {"type": "tool_use", "id": "t1", "name": "w", "input": {"city": "Paris"}}]}),
             json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "sunny"}]}]}),
         ];
-        let out = anthropic_messages(Some("sys".into()), &messages, "m").unwrap();
+        let (out, _) = anthropic_messages(Some("sys".into()), &messages, "m").unwrap();
         assert_eq!(out.len(), 4);
         assert_eq!(
             out[2]["tool_calls"][0]["function"],

@@ -194,7 +194,8 @@ pub async fn chat_completions(
         Some(format) => serde_json::from_value(format.clone())
             .map_err(|error| ApiError::BadRequest(format!("invalid response_format: {error}")))?,
     };
-    let messages = convert::openai_messages(&request.messages, &entry.id)?;
+    let (messages, images) = convert::openai_messages(&request.messages, &entry.id)?;
+    convert::check_vision(&entry.path, &entry.id, &images)?;
     let tools = convert::openai_tools(request.tools.as_deref(), request.tool_choice.as_ref())?;
     let forced = ForcedCall::new(
         forced::openai_requires_call(request.tool_choice.as_ref()),
@@ -233,6 +234,7 @@ pub async fn chat_completions(
         model: entry.path.clone(),
         prompt: Prompt::Chat { messages, options },
         assistant_prefill,
+        images,
         params,
         ..Request::default()
     };

@@ -172,11 +172,15 @@ async fn errors_have_anthropic_shape() {
     assert_eq!(unknown.status, StatusCode::NOT_FOUND);
     assert_eq!(anthropic_error(&unknown).0, "not_found_error");
     let image = message(json!({"messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgoAAAANSUhEUgAAAAIAAAABCAIAAAB7QOjdAAAADUlEQVR4nGP4zwAE/wEHAAH/4iOeWQAAAABJRU5ErkJggg=="}},
         {"type": "text", "text": "what is this?"}]}]}));
     let reply = post(&app, "/v1/messages", &image).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);
-    assert!(anthropic_error(&reply).1.contains("has no vision"));
+    assert!(
+        anthropic_error(&reply).1.contains("has no vision"),
+        "{:?}",
+        anthropic_error(&reply)
+    );
     let overflow = post(
         &app,
         "/v1/messages",

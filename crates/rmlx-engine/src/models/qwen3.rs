@@ -80,13 +80,22 @@ fn config_error(path: &Path, message: &str) -> EngineError {
     }
 }
 
-struct Attention {
+/// Head geometry of a Qwen3 attention layer (the text model's and Qwen3-VL's decoder share it).
+pub(crate) struct AttentionShape {
+    pub hidden: i32,
+    pub heads: i32,
+    pub kv_heads: i32,
+    pub head_dim: i32,
+    pub eps: f32,
+}
+
+/// GQA attention with per-head q/k RMSNorm; the rotary step is the caller's (plain RoPE for
+/// Qwen3, interleaved MRoPE for Qwen3-VL), so both decoders share everything else.
+pub(crate) struct Attention {
     n_heads: i32,
     n_kv_heads: i32,
     head_dim: i32,
     scale: f32,
-    rope_base: f32,
-    rope_scale: f32,
     q_proj: Linear,
     k_proj: Linear,
     v_proj: Linear,
@@ -96,74 +105,50 @@ struct Attention {
 }
 
 impl Attention {
-    fn load(
+    pub(crate) fn load(
         store: &mut WeightStore,
         quant: Option<&QuantizationConfig>,
         prefix: &str,
-        args: &Config,
-        rope: (f32, f32),
+        shape: AttentionShape,
     ) -> Result<Self> {
-        let (dim, heads, kv_heads, head_dim) = (
-            args.hidden_size,
-            args.num_attention_heads,
-            args.num_key_value_heads,
-            args.head_dim,
-        );
+        let AttentionShape {
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            eps,
+        } = shape;
+        let linear = |store: &mut WeightStore, name: &str, inputs: i32, outputs: i32| {
+            Linear::load(
+                store,
+                quant,
+                &format!("{prefix}.{name}"),
+                inputs,
+                outputs,
+                false,
+            )
+        };
         Ok(Self {
             n_heads: heads,
             n_kv_heads: kv_heads,
             head_dim,
             scale: (head_dim as f32).powf(-0.5),
-            rope_base: rope.0,
-            rope_scale: rope.1,
-            q_proj: Linear::load(
-                store,
-                quant,
-                &format!("{prefix}.q_proj"),
-                dim,
-                heads * head_dim,
-                false,
-            )?,
-            k_proj: Linear::load(
-                store,
-                quant,
-                &format!("{prefix}.k_proj"),
-                dim,
-                kv_heads * head_dim,
-                false,
-            )?,
-            v_proj: Linear::load(
-                store,
-                quant,
-                &format!("{prefix}.v_proj"),
-                dim,
-                kv_heads * head_dim,
-                false,
-            )?,
-            o_proj: Linear::load(
-                store,
-                quant,
-                &format!("{prefix}.o_proj"),
-                heads * head_dim,
-                dim,
-                false,
-            )?,
-            q_norm: RmsNorm::load(
-                store,
-                &format!("{prefix}.q_norm"),
-                head_dim,
-                args.rms_norm_eps,
-            )?,
-            k_norm: RmsNorm::load(
-                store,
-                &format!("{prefix}.k_norm"),
-                head_dim,
-                args.rms_norm_eps,
-            )?,
+            q_proj: linear(store, "q_proj", hidden, heads * head_dim)?,
+            k_proj: linear(store, "k_proj", hidden, kv_heads * head_dim)?,
+            v_proj: linear(store, "v_proj", hidden, kv_heads * head_dim)?,
+            o_proj: linear(store, "o_proj", heads * head_dim, hidden)?,
+            q_norm: RmsNorm::load(store, &format!("{prefix}.q_norm"), head_dim, eps)?,
+            k_norm: RmsNorm::load(store, &format!("{prefix}.k_norm"), head_dim, eps)?,
         })
     }
 
-    fn forward(&self, x: &Array, cache: &mut KvCache) -> Result<Array> {
+    /// `rotate(x, offset)` positions `[B, heads, L, dim]` queries/keys starting at `offset`.
+    pub(crate) fn forward(
+        &self,
+        x: &Array,
+        cache: &mut KvCache,
+        rotate: impl Fn(&Array, i32) -> Result<Array>,
+    ) -> Result<Array> {
         let (batch, len) = (x.shape()[0], x.shape()[1]);
         let heads =
             |projected: Array, count: i32| projected.reshape(&[batch, len, count, self.head_dim]);
@@ -179,24 +164,8 @@ impl Attention {
             heads(self.v_proj.forward(x)?, self.n_kv_heads)?.transpose_axes(&[0, 2, 1, 3])?;
 
         let offset = cache.offset();
-        let queries = fast::rope(
-            &queries,
-            self.head_dim,
-            false,
-            self.rope_base,
-            self.rope_scale,
-            offset,
-            None,
-        )?;
-        let keys = fast::rope(
-            &keys,
-            self.head_dim,
-            false,
-            self.rope_base,
-            self.rope_scale,
-            offset,
-            None,
-        )?;
+        let queries = rotate(&queries, offset)?;
+        let keys = rotate(&keys, offset)?;
         let (keys, values) = cache.update_and_fetch(&keys, &values)?;
 
         // One query needs no mask; a chunk is causal against everything cached before it.
@@ -263,6 +232,8 @@ impl Mlp {
 
 struct TransformerBlock {
     self_attn: Attention,
+    /// RoPE base and position scale.
+    rope: (f32, f32),
     mlp: Mlp,
     input_layernorm: RmsNorm,
     post_attention_layernorm: RmsNorm,
@@ -277,7 +248,19 @@ impl TransformerBlock {
         rope: (f32, f32),
     ) -> Result<Self> {
         Ok(Self {
-            self_attn: Attention::load(store, quant, &format!("{prefix}.self_attn"), args, rope)?,
+            self_attn: Attention::load(
+                store,
+                quant,
+                &format!("{prefix}.self_attn"),
+                AttentionShape {
+                    hidden: args.hidden_size,
+                    heads: args.num_attention_heads,
+                    kv_heads: args.num_key_value_heads,
+                    head_dim: args.head_dim,
+                    eps: args.rms_norm_eps,
+                },
+            )?,
+            rope,
             mlp: Mlp::load(
                 store,
                 quant,
@@ -301,10 +284,14 @@ impl TransformerBlock {
     }
 
     fn forward(&self, x: &Array, cache: &mut KvCache) -> Result<Array> {
+        let (base, scale) = self.rope;
+        let dims = self.self_attn.head_dim;
+        let rotate =
+            |x: &Array, offset: i32| Ok(fast::rope(x, dims, false, base, scale, offset, None)?);
         let h = ops::add(
             x,
             self.self_attn
-                .forward(&self.input_layernorm.forward(x)?, cache)?,
+                .forward(&self.input_layernorm.forward(x)?, cache, rotate)?,
         )?;
         Ok(ops::add(
             &h,

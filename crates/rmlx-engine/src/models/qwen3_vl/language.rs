@@ -3,7 +3,7 @@
 //! first layers, and `get_rope_index` for text+image prompts. Reference: mlx-vlm
 //! `models/qwen3_vl/language.py` and `rope_utils.py` (`MRoPERotaryEmbedding`, interleaved).
 
-use mlx_rs::{fast, fast::ScaledDotProductAttentionMask, ops, ops::indexing::IndexOp, Array};
+use mlx_rs::{ops, ops::indexing::IndexOp, Array};
 
 use super::{
     config::{Config, Rope, TextConfig},
@@ -13,7 +13,10 @@ use crate::{
     cache::KvCache,
     config::QuantizationConfig,
     error::Result,
-    models::{qwen3::Mlp, Logits},
+    models::{
+        qwen3::{Attention, AttentionShape, Mlp},
+        Logits,
+    },
     nn::{Embedding, Linear, RmsNorm},
     weights::WeightStore,
 };
@@ -139,86 +142,6 @@ impl RotaryAngles {
     }
 }
 
-struct Attention {
-    n_heads: i32,
-    n_kv_heads: i32,
-    head_dim: i32,
-    scale: f32,
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
-    q_norm: RmsNorm,
-    k_norm: RmsNorm,
-}
-
-impl Attention {
-    fn load(
-        store: &mut WeightStore,
-        quant: Option<&QuantizationConfig>,
-        prefix: &str,
-        args: &TextConfig,
-    ) -> Result<Self> {
-        let (dim, heads, kv_heads, head_dim) = (
-            args.hidden_size,
-            args.num_attention_heads,
-            args.num_key_value_heads,
-            args.head_dim,
-        );
-        let linear = |store: &mut WeightStore, name: &str, i: i32, o: i32| {
-            Linear::load(store, quant, &format!("{prefix}.{name}"), i, o, false)
-        };
-        Ok(Self {
-            n_heads: heads,
-            n_kv_heads: kv_heads,
-            head_dim,
-            scale: (head_dim as f32).powf(-0.5),
-            q_proj: linear(store, "q_proj", dim, heads * head_dim)?,
-            k_proj: linear(store, "k_proj", dim, kv_heads * head_dim)?,
-            v_proj: linear(store, "v_proj", dim, kv_heads * head_dim)?,
-            o_proj: linear(store, "o_proj", heads * head_dim, dim)?,
-            q_norm: RmsNorm::load(
-                store,
-                &format!("{prefix}.q_norm"),
-                head_dim,
-                args.rms_norm_eps,
-            )?,
-            k_norm: RmsNorm::load(
-                store,
-                &format!("{prefix}.k_norm"),
-                head_dim,
-                args.rms_norm_eps,
-            )?,
-        })
-    }
-
-    fn forward(&self, x: &Array, rotary: &RotaryAngles, cache: &mut KvCache) -> Result<Array> {
-        let (batch, len) = (x.shape()[0], x.shape()[1]);
-        let heads =
-            |projected: Array, count: i32| projected.reshape(&[batch, len, count, self.head_dim]);
-        let queries = self
-            .q_norm
-            .forward(&heads(self.q_proj.forward(x)?, self.n_heads)?)?
-            .transpose_axes(&[0, 2, 1, 3])?;
-        let keys = self
-            .k_norm
-            .forward(&heads(self.k_proj.forward(x)?, self.n_kv_heads)?)?
-            .transpose_axes(&[0, 2, 1, 3])?;
-        let values =
-            heads(self.v_proj.forward(x)?, self.n_kv_heads)?.transpose_axes(&[0, 2, 1, 3])?;
-        let queries = rotary.apply(&queries)?;
-        let keys = rotary.apply(&keys)?;
-        let (keys, values) = cache.update_and_fetch(&keys, &values)?;
-        let mask = (len > 1).then_some(ScaledDotProductAttentionMask::Causal);
-        let output =
-            fast::scaled_dot_product_attention(&queries, &keys, &values, self.scale, mask, None)?;
-        let output = output
-            .transpose_axes(&[0, 2, 1, 3])?
-            .reshape(&[batch, len, -1])?;
-        self.o_proj.forward(&output)
-    }
-}
-
 struct DecoderLayer {
     self_attn: Attention,
     mlp: Mlp,
@@ -242,7 +165,18 @@ impl DecoderLayer {
             )
         };
         Ok(Self {
-            self_attn: Attention::load(store, quant, &format!("{prefix}.self_attn"), args)?,
+            self_attn: Attention::load(
+                store,
+                quant,
+                &format!("{prefix}.self_attn"),
+                AttentionShape {
+                    hidden: args.hidden_size,
+                    heads: args.num_attention_heads,
+                    kv_heads: args.num_key_value_heads,
+                    head_dim: args.head_dim,
+                    eps: args.rms_norm_eps,
+                },
+            )?,
             mlp: Mlp::load(
                 store,
                 quant,
@@ -259,7 +193,9 @@ impl DecoderLayer {
         let h = ops::add(
             x,
             self.self_attn
-                .forward(&self.input_layernorm.forward(x)?, rotary, cache)?,
+                .forward(&self.input_layernorm.forward(x)?, cache, |x, _| {
+                    rotary.apply(x)
+                })?,
         )?;
         Ok(ops::add(
             &h,

@@ -89,6 +89,9 @@ struct GenerateArgs {
     /// An image file to ask about (repeatable; vision models only).
     #[arg(long = "image", value_name = "PATH")]
     images: Vec<PathBuf>,
+    /// Gemma 4: soft tokens per image (70, 140, 280, 560 or 1120; more sees finer detail).
+    #[arg(long, value_name = "N")]
+    image_soft_tokens: Option<usize>,
     /// Turn the template's thinking mode on or off (Qwen3).
     #[arg(long)]
     enable_thinking: Option<bool>,
@@ -206,6 +209,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         model: args.model,
         prompt,
         images,
+        image_soft_tokens: args.image_soft_tokens,
         params: GenerateParams {
             max_tokens: args.max_tokens,
             sampling,

@@ -52,6 +52,9 @@ pub struct Request {
     /// Decoded images, in the order their content parts appear (or, with no parts, placed by
     /// the splice fallback inside the final user turn).
     pub images: Vec<image::RgbImage>,
+    /// Gemma 4's soft-token budget per image for this request (70, 140, 280, 560 or 1120);
+    /// None uses the checkpoint's processor setting.
+    pub image_soft_tokens: Option<usize>,
     pub params: GenerateParams,
 }
 
@@ -63,6 +66,7 @@ impl Default for Request {
             prompt: Prompt::Ids(Vec::new()),
             assistant_prefill: None,
             images: Vec::new(),
+            image_soft_tokens: None,
             params: GenerateParams::default(),
         }
     }
@@ -600,6 +604,13 @@ impl<'a> PendingImages<'a> {
     }
 }
 
+fn preprocessor_error(dir: &std::path::Path, error: &dyn std::fmt::Display) -> EngineError {
+    EngineError::Config {
+        path: dir.join("preprocessor_config.json"),
+        message: error.to_string(),
+    }
+}
+
 /// Preprocesses the request's images for the model's family and expands their blocks in the
 /// prompt: where the template put placeholders, else by the one splice fallback.
 fn prepare_images<'a>(
@@ -615,45 +626,74 @@ fn prepare_images<'a>(
             loaded.info.model_type
         ))
     })?;
-    if loaded.info.model_type != "qwen3_vl" {
-        return Err(EngineError::InvalidRequest(format!(
-            "image input for {} is not supported yet",
-            loaded.info.model_type
-        )));
-    }
-    let config = crate::vision::preprocess::QwenPreprocessorConfig::load(&loaded.info.path)
-        .map_err(|error| EngineError::Config {
-            path: loaded.info.path.join("preprocessor_config.json"),
-            message: error.to_string(),
-        })?;
+    let dir = &loaded.info.path;
+    let bad_image = |index: usize, error: &dyn std::fmt::Display| {
+        EngineError::InvalidRequest(format!("image {}: {error}", index + 1))
+    };
     let mut rows = Vec::new();
     let mut grids = Vec::new();
     let mut counts = Vec::new();
     let mut row_len = 0;
-    for (index, image) in request.images.iter().enumerate() {
-        let processed = config.preprocess(image).map_err(|error| {
-            EngineError::InvalidRequest(format!("image {}: {error}", index + 1))
-        })?;
-        row_len = processed.row_len;
-        rows.extend_from_slice(&processed.pixel_values);
-        let [t, h, w] = processed.grid_thw;
-        grids.push([t as i32, h as i32, w as i32]);
-        counts.push(processed.num_tokens);
-    }
+    // Each family's preprocessing, image tokens and the turn opener the splice fallback uses.
+    let (names, opener, bos) = match loaded.info.model_type.as_str() {
+        "qwen3_vl" => {
+            let config = crate::vision::preprocess::QwenPreprocessorConfig::load(dir)
+                .map_err(|error| preprocessor_error(dir, &error))?;
+            for (index, image) in request.images.iter().enumerate() {
+                let processed = config
+                    .preprocess(image)
+                    .map_err(|error| bad_image(index, &error))?;
+                row_len = processed.row_len;
+                rows.extend_from_slice(&processed.pixel_values);
+                let [t, h, w] = processed.grid_thw;
+                grids.push([t as i32, h as i32, w as i32]);
+                counts.push(processed.num_tokens);
+            }
+            (
+                ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
+                "<|im_start|>user\n",
+                None,
+            )
+        }
+        "gemma4" => {
+            let config = crate::vision::preprocess::Gemma4ImageConfig::load(dir)
+                .map_err(|error| preprocessor_error(dir, &error))?;
+            for (index, image) in request.images.iter().enumerate() {
+                let processed = config
+                    .preprocess(image, request.image_soft_tokens)
+                    .map_err(|error| bad_image(index, &error))?;
+                row_len = 3 * config.patch_size * config.patch_size;
+                rows.extend(processed.patch_rows(config.patch_size));
+                let [h, w] = processed.patch_grid_hw;
+                grids.push([1, h as i32, w as i32]);
+                counts.push(processed.num_soft_tokens);
+            }
+            (
+                ["<|image>", "<|image|>", "<image|>"],
+                "<|turn>user\n",
+                tokenizer.token_id("<bos>"),
+            )
+        }
+        other => {
+            return Err(EngineError::InvalidRequest(format!(
+                "image input for {other} is not supported yet"
+            )))
+        }
+    };
     let token = |text: &str| tokenizer.token_id(text);
     let tokens = ImageTokens {
-        open: token("<|vision_start|>"),
-        pad: token("<|image_pad|>").ok_or_else(|| {
-            EngineError::InvalidRequest("the tokenizer has no <|image_pad|> token".into())
+        open: token(names[0]),
+        pad: token(names[1]).ok_or_else(|| {
+            EngineError::InvalidRequest(format!("the tokenizer has no {} token", names[1]))
         })?,
-        close: token("<|vision_end|>"),
+        close: token(names[2]),
     };
     let placeholders = prompt_ids.iter().filter(|&&id| id == tokens.pad).count();
     let placed = if placeholders > 0 {
         expand_image_placeholders(&prompt_ids, &tokens, &counts)
     } else {
-        let opener = tokenizer.encode("<|im_start|>user\n", false)?;
-        splice_image_block(&prompt_ids, &tokens, &counts, &opener, None)
+        let opener = tokenizer.encode(opener, false)?;
+        splice_image_block(&prompt_ids, &tokens, &counts, &opener, bos)
     }
     .map_err(|error| EngineError::InvalidRequest(error.to_string()))?;
     // Widen each span by its frame tokens: chunking keeps whole blocks together.

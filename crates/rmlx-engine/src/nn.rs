@@ -1,7 +1,7 @@
 //! Layers shared by every family: Linear and Embedding (dense or quantized in any mode) and
 //! RMSNorm. Reference: mlx `nn/layers/{linear,embedding,quantized,normalization}.py`.
 
-use mlx_rs::{fast, ops, Array};
+use mlx_rs::{fast, ops, ops::indexing::IndexOp, Array};
 
 use crate::{
     config::QuantizationConfig,
@@ -241,4 +241,40 @@ impl LayerNorm {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(fast::layer_norm(x, &self.weight, &self.bias, self.eps)?)
     }
+}
+
+/// A Python float in an mlx expression is a weak scalar: it takes the array's dtype. (mlx-rs's
+/// `nn::gelu*` use f32 constants, which lift a bf16 tower to f32 and moved the 4-bit
+/// checkpoint's logits by ~0.5 against mlx-vlm.)
+pub fn scalar(value: f64, like: &Array) -> Result<Array> {
+    Ok(Array::from_f32(value as f32).as_dtype(like.dtype())?)
+}
+
+/// mlx `nn.gelu`: `x * (1 + erf(x / sqrt(2))) / 2`.
+pub fn gelu(x: &Array) -> Result<Array> {
+    let inner = ops::erf(ops::divide(x, scalar(std::f64::consts::SQRT_2, x)?)?)?;
+    let out = ops::multiply(x, ops::add(scalar(1.0, x)?, &inner)?)?;
+    Ok(ops::divide(&out, scalar(2.0, x)?)?)
+}
+
+/// mlx `nn.gelu_approx`: `0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))`.
+pub fn gelu_approx(x: &Array) -> Result<Array> {
+    let cubic = ops::multiply(scalar(0.044715, x)?, ops::power(x, scalar(3.0, x)?)?)?;
+    let inner = ops::multiply(
+        scalar((2.0 / std::f64::consts::PI).sqrt(), x)?,
+        ops::add(x, &cubic)?,
+    )?;
+    let half_x = ops::multiply(scalar(0.5, x)?, x)?;
+    Ok(ops::multiply(
+        &half_x,
+        ops::add(scalar(1.0, x)?, ops::tanh(&inner)?)?,
+    )?)
+}
+
+/// `concat(-x2, x1)` over the last axis (the non-interleaved rotary pairing).
+pub fn rotate_half(x: &Array) -> Result<Array> {
+    let half = x.shape()[x.ndim() - 1] / 2;
+    let x1 = x.index((.., .., .., ..half));
+    let x2 = x.index((.., .., .., half..));
+    Ok(ops::concatenate(&[ops::negative(&x2)?, x1], -1)?)
 }

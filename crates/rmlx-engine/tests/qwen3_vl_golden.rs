@@ -3,9 +3,12 @@
 //! position ids, step-0 logits and teacher-forced log-probs, the KV-cache decode path (rope
 //! delta), the mirrored-image logit shift, text-only prompts and the token/feature count check.
 
-use std::{collections::HashMap, path::PathBuf};
+use std::collections::HashMap;
 
-use mlx_rs::{ops, Array, Dtype};
+mod common;
+
+use common::{fixture, ids_array, log_softmax_rows, max_diff, rows, Tolerance};
+use mlx_rs::Array;
 use rmlx_engine::{
     models::{
         load_model, qwen3_vl::config::Config, qwen3_vl::language::rope_index, ImageInput,
@@ -13,12 +16,6 @@ use rmlx_engine::{
     },
     EngineError,
 };
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
 
 #[derive(serde::Deserialize)]
 struct Golden {
@@ -64,8 +61,7 @@ struct Case {
 }
 
 fn golden(dir: &str) -> Golden {
-    let text = std::fs::read_to_string(fixture(dir).join("golden.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
+    common::golden(dir)
 }
 
 /// The README's formula: `(f32(u8) * f32(1/255) - 0.5) / 0.5`, CHW, patches in merge-block
@@ -116,37 +112,6 @@ fn image_input(golden: &Golden, names: &[String]) -> ImageInput {
     }
 }
 
-fn ids_array(ids: &[u32]) -> Array {
-    let ids: Vec<i32> = ids.iter().map(|&id| id as i32).collect();
-    Array::from_slice(&ids, &[1, ids.len() as i32])
-}
-
-/// Log-softmax rows of `[1, L, V]` logits, as f32 vectors.
-fn log_softmax_rows(logits: &Array) -> Vec<Vec<f32>> {
-    let logits = logits.as_dtype(Dtype::Float32).unwrap();
-    let out = ops::subtract(&logits, ops::logsumexp_axis(&logits, -1, true).unwrap()).unwrap();
-    rows(&out)
-}
-
-fn rows(array: &Array) -> Vec<Vec<f32>> {
-    let array = array.as_dtype(Dtype::Float32).unwrap();
-    array.eval().unwrap();
-    let vocab = array.shape()[2] as usize;
-    array
-        .as_slice::<f32>()
-        .chunks(vocab)
-        .map(<[f32]>::to_vec)
-        .collect()
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn pixel_rows_rebuilt_from_the_resized_pngs_equal_the_reference() {
     let golden = golden("qwen3-vl-tiny");
@@ -188,11 +153,6 @@ fn mrope_position_ids_equal_get_rope_index() {
             case.name
         );
     }
-}
-
-struct Tolerance {
-    logits: f32,
-    logprobs: f32,
 }
 
 /// One forward over prompt + greedy ids[..15] with the case's images: step-0 logits and the

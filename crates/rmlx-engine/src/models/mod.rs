@@ -1,11 +1,12 @@
 //! Model families by config.json `model_type`, one file each, behind one trait.
 
+pub mod gemma4;
 pub mod qwen3;
 pub mod qwen3_vl;
 
 use std::path::{Path, PathBuf};
 
-use mlx_rs::Array;
+use mlx_rs::{ops, Array};
 
 use crate::{
     cache::KvCache,
@@ -75,6 +76,71 @@ pub trait VisionLanguageModel: LanguageModel {
     ) -> Result<Array>;
 }
 
+/// The prompt ids on the host (they are small; image features never leave the device).
+pub(crate) fn host_ids(inputs: &Array) -> Result<Vec<u32>> {
+    let shape = inputs.shape();
+    if shape.len() != 2 || shape[0] != 1 {
+        return Err(EngineError::InvalidRequest(format!(
+            "image prompts run one sequence at a time, got ids of shape {shape:?}"
+        )));
+    }
+    let ids = inputs.as_type::<u32>()?;
+    ids.eval()?;
+    Ok(ids.as_slice::<u32>().to_vec())
+}
+
+/// Where a chunk's image soft tokens take their features: `gather[pos]` is 0 for text and
+/// 1 + the feature row for an image token, so placing them is one gather and select on
+/// device (never a seq × seq product).
+pub(crate) struct ImageScatter {
+    pub gather: Array,
+    pub count: usize,
+}
+
+impl ImageScatter {
+    pub fn new(ids: &[u32], image_token: u32) -> Self {
+        let mut next = 0;
+        let gather: Vec<i32> = ids
+            .iter()
+            .map(|&id| {
+                if id == image_token {
+                    next += 1;
+                    next
+                } else {
+                    0
+                }
+            })
+            .collect();
+        Self {
+            gather: Array::from_slice(&gather, &[ids.len() as i32]),
+            count: next as usize,
+        }
+    }
+
+    /// `h` `[1, L, hidden]` with the image positions replaced by `features` `[count, hidden]`;
+    /// the counts must agree exactly.
+    pub fn apply(&self, h: &Array, features: &Array) -> Result<Array> {
+        let rows = features.shape()[0] as usize;
+        if rows != self.count {
+            return Err(EngineError::ImageTokenMismatch {
+                tokens: self.count,
+                features: rows,
+            });
+        }
+        let len = self.gather.shape()[0];
+        let is_image = ops::gt(&self.gather, Array::from_int(0))?.reshape(&[1, len, 1])?;
+        let feature_rows = ops::maximum(
+            ops::subtract(&self.gather, Array::from_int(1))?,
+            Array::from_int(0),
+        )?;
+        let scattered = features
+            .as_dtype(h.dtype())?
+            .take_axis(&feature_rows, 0)?
+            .reshape(h.shape())?;
+        Ok(ops::select(&is_image, &scattered, h)?)
+    }
+}
+
 /// What `rmlx info` and `/v1/models` report about a checkpoint.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ModelInfo {
@@ -100,13 +166,14 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
     let config = ConfigFile::read(dir)?;
     let model_type = config.base.model_type.clone();
     // Refuse an unknown family before reading any weights.
-    if !matches!(model_type.as_str(), "qwen3" | "qwen3_vl") {
+    if !matches!(model_type.as_str(), "qwen3" | "qwen3_vl" | "gemma4") {
         return Err(EngineError::UnknownModelType(model_type));
     }
     let mut store = WeightStore::open(dir)?;
     let model: Box<dyn LanguageModel> = match model_type.as_str() {
         "qwen3" => Box::new(qwen3::Model::load(dir, &config, &mut store)?),
         "qwen3_vl" => Box::new(qwen3_vl::Model::load(dir, &config, &mut store)?),
+        "gemma4" => Box::new(gemma4::Model::load(dir, &config, &mut store)?),
         _ => unreachable!("checked above"),
     };
     let summary = store.finish()?;

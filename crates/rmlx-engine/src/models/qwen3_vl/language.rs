@@ -7,7 +7,7 @@ use mlx_rs::{ops, ops::indexing::IndexOp, Array};
 
 use super::{
     config::{Config, Rope, TextConfig},
-    vision::{inv_freq, rotate_half},
+    vision::inv_freq,
 };
 use crate::{
     cache::KvCache,
@@ -17,7 +17,7 @@ use crate::{
         qwen3::{Attention, AttentionShape, Mlp},
         Logits,
     },
-    nn::{Embedding, Linear, RmsNorm},
+    nn::{rotate_half, Embedding, Linear, RmsNorm},
     weights::WeightStore,
 };
 

@@ -9,14 +9,16 @@ pub mod vision;
 
 use std::path::Path;
 
-use mlx_rs::{ops, Array};
+use mlx_rs::Array;
 
 use self::{
     config::Config,
     language::{rope_index, Deepstack, LanguageModel as TextModel},
     vision::VisionModel,
 };
-use super::{ImageInput, LanguageModel, Logits, VisionFeatures, VisionLanguageModel};
+use super::{
+    host_ids, ImageInput, ImageScatter, LanguageModel, Logits, VisionFeatures, VisionLanguageModel,
+};
 use crate::{
     cache::KvCache,
     config::ConfigFile,
@@ -56,19 +58,6 @@ impl Model {
     pub fn rope_index(&self, ids: &[u32], grids: &[[i32; 3]]) -> MropePositions {
         rope_index(ids, grids, &self.config)
     }
-}
-
-/// The prompt ids on the host (they are small; the features never leave the device).
-fn host_ids(inputs: &Array) -> Result<Vec<u32>> {
-    let shape = inputs.shape();
-    if shape.len() != 2 || shape[0] != 1 {
-        return Err(EngineError::InvalidRequest(format!(
-            "image prompts run one sequence at a time, got ids of shape {shape:?}"
-        )));
-    }
-    let ids = inputs.as_type::<u32>()?;
-    ids.eval()?;
-    Ok(ids.as_slice::<u32>().to_vec())
 }
 
 impl LanguageModel for Model {
@@ -121,45 +110,18 @@ impl VisionLanguageModel for Model {
                 .forward_embeddings(h, &rows, None, caches, logits);
         };
         let ids = host_ids(inputs)?;
-        let image_token = self.config.image_token_id;
-        let tokens = ids.iter().filter(|&&id| id == image_token).count();
-        let rows_given = features.embeds.shape()[0] as usize;
-        if tokens != rows_given
-            || features
-                .deepstack
-                .iter()
-                .any(|d| d.shape()[0] as usize != rows_given)
+        let scatter = ImageScatter::new(&ids, self.config.image_token_id);
+        h = scatter.apply(&h, &features.embeds)?;
+        if let Some(bad) = features
+            .deepstack
+            .iter()
+            .find(|d| d.shape()[0] != features.embeds.shape()[0])
         {
             return Err(EngineError::ImageTokenMismatch {
-                tokens,
-                features: rows_given,
+                tokens: scatter.count,
+                features: bad.shape()[0] as usize,
             });
         }
-        // gather[pos]: 0 for text, 1 + feature row for an image token. Selecting from
-        // [text embedding | features] by a mask keeps the scatter a device-side gather.
-        let mut gather = Vec::with_capacity(ids.len());
-        let mut next = 0;
-        for &id in &ids {
-            if id == image_token {
-                next += 1;
-                gather.push(next);
-            } else {
-                gather.push(0);
-            }
-        }
-        let len = ids.len() as i32;
-        let gather = Array::from_slice(&gather, &[len]);
-        let is_image = ops::gt(&gather, Array::from_int(0))?.reshape(&[1, len, 1])?;
-        let feature_rows = ops::maximum(
-            ops::subtract(&gather, Array::from_int(1))?,
-            Array::from_int(0),
-        )?;
-        let scattered = features
-            .embeds
-            .as_dtype(h.dtype())?
-            .take_axis(&feature_rows, 0)?
-            .reshape(h.shape())?;
-        h = ops::select(&is_image, &scattered, &h)?;
 
         let positions = rope_index(&ids, &features.grid_thw, &self.config);
         let shifted: Vec<Vec<i32>> = positions
@@ -169,7 +131,7 @@ impl VisionLanguageModel for Model {
             .collect();
         let rows = [&shifted[0][..], &shifted[1][..], &shifted[2][..]];
         let deepstack = Deepstack {
-            gather: &gather,
+            gather: &scatter.gather,
             features: &features.deepstack,
         };
         let out = self

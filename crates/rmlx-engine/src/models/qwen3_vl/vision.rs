@@ -11,20 +11,12 @@ use crate::{
     attention::{vision_attention, TileConfig},
     error::{EngineError, Result},
     models::{ImageInput, VisionFeatures},
-    nn::{LayerNorm, Linear},
+    nn::{gelu, gelu_approx, rotate_half, LayerNorm, Linear},
     weights::{DtypeKind, WeightStore},
 };
 
 const NORM_EPS: f32 = 1e-6;
 const ROTARY_THETA: f32 = 10000.0;
-
-/// `concat(-x2, x1)` over the last axis (the non-interleaved rotary pairing).
-pub(super) fn rotate_half(x: &Array) -> Result<Array> {
-    let half = x.shape()[x.ndim() - 1] / 2;
-    let x1 = x.index((.., .., .., ..half));
-    let x2 = x.index((.., .., .., half..));
-    Ok(ops::concatenate(&[ops::negative(&x2)?, x1], -1)?)
-}
 
 /// `1 / theta^(arange(0, dim, 2) / dim)`, with mlx's op order so the angles match bit for bit.
 pub(super) fn inv_freq(dim: i32, theta: f32) -> Result<Array> {
@@ -34,34 +26,6 @@ pub(super) fn inv_freq(dim: i32, theta: f32) -> Result<Array> {
     )?;
     let powers = ops::power(Array::from_f32(theta), &exponents)?;
     Ok(ops::divide(Array::from_f32(1.0), &powers)?)
-}
-
-/// A Python float in an mlx expression is a weak scalar: it takes the array's dtype. (mlx-rs's
-/// `nn::gelu*` use f32 constants, which lift a bf16 tower to f32 and moved the 4-bit
-/// checkpoint's logits by ~0.5 against mlx-vlm.)
-fn scalar(value: f64, like: &Array) -> Result<Array> {
-    Ok(Array::from_f32(value as f32).as_dtype(like.dtype())?)
-}
-
-/// mlx `nn.gelu`: `x * (1 + erf(x / sqrt(2))) / 2`.
-fn gelu(x: &Array) -> Result<Array> {
-    let inner = ops::erf(ops::divide(x, scalar(std::f64::consts::SQRT_2, x)?)?)?;
-    let out = ops::multiply(x, ops::add(scalar(1.0, x)?, &inner)?)?;
-    Ok(ops::divide(&out, scalar(2.0, x)?)?)
-}
-
-/// mlx `nn.gelu_approx`: `0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))`.
-fn gelu_tanh(x: &Array) -> Result<Array> {
-    let cubic = ops::multiply(scalar(0.044715, x)?, ops::power(x, scalar(3.0, x)?)?)?;
-    let inner = ops::multiply(
-        scalar((2.0 / std::f64::consts::PI).sqrt(), x)?,
-        ops::add(x, &cubic)?,
-    )?;
-    let half_x = ops::multiply(scalar(0.5, x)?, x)?;
-    Ok(ops::multiply(
-        &half_x,
-        ops::add(scalar(1.0, x)?, ops::tanh(&inner)?)?,
-    )?)
 }
 
 /// Conv3d with kernel = stride = (T, P, P) over each patch, in mlx's channels-last layout:
@@ -282,7 +246,7 @@ impl Block {
         )?;
         let mlp = self
             .fc2
-            .forward(&gelu_tanh(&self.fc1.forward(&self.norm2.forward(&h)?)?)?)?;
+            .forward(&gelu_approx(&self.fc1.forward(&self.norm2.forward(&h)?)?)?)?;
         Ok(ops::add(&h, &mlp)?)
     }
 }

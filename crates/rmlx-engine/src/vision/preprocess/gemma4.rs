@@ -236,6 +236,27 @@ impl GemmaImage {
             .flat_map(|y| (0..gw).map(move |x| [x as i32, y as i32]))
             .collect()
     }
+
+    /// `[patches, patch * patch * 3]` rows in the tower's patchify order: patches row by row,
+    /// each row `[y][x][channel]` (mlx-vlm's `transpose(0, 2, 4, 3, 5, 1)`).
+    pub fn patch_rows(&self, patch: usize) -> Vec<f32> {
+        let [gh, gw] = self.patch_grid_hw;
+        let plane = self.height * self.width;
+        let mut rows = Vec::with_capacity(3 * plane);
+        for py in 0..gh {
+            for px in 0..gw {
+                for y in 0..patch {
+                    let row = (py * patch + y) * self.width + px * patch;
+                    for x in 0..patch {
+                        for c in 0..3 {
+                            rows.push(self.pixel_values[c * plane + row + x]);
+                        }
+                    }
+                }
+            }
+        }
+        rows
+    }
 }
 
 #[cfg(test)]

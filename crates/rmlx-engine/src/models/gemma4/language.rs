@@ -1,0 +1,666 @@
+//! Gemma 4 text decoder: sliding-window and full-attention layers (own head sizes and RoPE),
+//! q/k/v norms with attention scale 1, KV-shared layers that reuse the last earlier layer of
+//! their type, per-layer input embeddings gated into every layer, a learned layer scalar, and
+//! tanh logit softcapping. Image soft tokens attend to their whole image both ways during
+//! prefill when the config asks for it. Reference: mlx-vlm `models/gemma4/language.py` (same
+//! order: norms, MLP, attention, decoder layer, model).
+
+use std::ops::Range;
+
+use mlx_rs::{fast, fast::ScaledDotProductAttentionMask, ops, ops::indexing::IndexOp, Array};
+
+use super::config::{Config, LayerRope, TextConfig};
+use crate::{
+    cache::KvCache,
+    config::QuantizationConfig,
+    error::{EngineError, Result},
+    models::Logits,
+    nn::{gelu_approx, scalar, Embedding, Linear, RmsNorm},
+    weights::{DtypeKind, WeightStore},
+};
+
+/// GeGLU MLP; KV-shared layers are twice as wide when `use_double_wide_mlp` is set.
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    fn load(
+        store: &mut WeightStore,
+        quant: Option<&QuantizationConfig>,
+        prefix: &str,
+        dim: i32,
+        hidden: i32,
+    ) -> Result<Self> {
+        let linear = |store: &mut WeightStore, name: &str, i: i32, o: i32| {
+            Linear::load(store, quant, &format!("{prefix}.{name}"), i, o, false)
+        };
+        Ok(Self {
+            gate_proj: linear(store, "gate_proj", dim, hidden)?,
+            up_proj: linear(store, "up_proj", dim, hidden)?,
+            down_proj: linear(store, "down_proj", hidden, dim)?,
+        })
+    }
+
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let gated = ops::multiply(
+            gelu_approx(&self.gate_proj.forward(x)?)?,
+            self.up_proj.forward(x)?,
+        )?;
+        self.down_proj.forward(&gated)
+    }
+}
+
+/// RoPE of one layer type: plain for sliding layers; `proportional` rotates the first
+/// `partial_rotary_factor` of the pairs (frequencies over the whole head) and leaves the rest
+/// (infinite period) as they are.
+enum Rotary {
+    Plain { dims: i32, theta: f32 },
+    Proportional { dims: i32, freqs: Array },
+}
+
+impl Rotary {
+    fn new(rope: &LayerRope, head_dim: i32) -> Result<Self> {
+        if !rope.proportional {
+            return Ok(Rotary::Plain {
+                dims: head_dim,
+                theta: rope.theta,
+            });
+        }
+        let rotated = 2 * ((rope.partial_rotary_factor * head_dim as f32) as i32 / 2);
+        let angles = rotated / 2;
+        let exponents = ops::divide(
+            &ops::arange::<_, f32>(0, 2 * angles, 2)?,
+            Array::from_f32(head_dim as f32),
+        )?;
+        let rotating = ops::power(Array::from_f32(rope.theta), &exponents)?;
+        let still = ops::full::<f32>(&[head_dim / 2 - angles], Array::from_f32(f32::INFINITY))?;
+        let freqs = ops::concatenate(&[rotating, still], 0)?;
+        freqs.eval()?;
+        Ok(Rotary::Proportional {
+            dims: head_dim,
+            freqs,
+        })
+    }
+
+    fn apply(&self, x: &Array, offset: i32) -> Result<Array> {
+        Ok(match self {
+            Rotary::Plain { dims, theta } => {
+                fast::rope(x, *dims, false, *theta, 1.0, offset, None)?
+            }
+            Rotary::Proportional { dims, freqs } => {
+                fast::rope(x, *dims, false, None, 1.0, offset, freqs)?
+            }
+        })
+    }
+}
+
+/// The attention mask of one layer type for the current chunk.
+enum Mask {
+    None,
+    Causal,
+    Array(Array),
+}
+
+impl Mask {
+    fn as_sdpa(&self) -> Option<ScaledDotProductAttentionMask<'_>> {
+        match self {
+            Mask::None => None,
+            Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
+            Mask::Array(mask) => Some(ScaledDotProductAttentionMask::Array(mask)),
+        }
+    }
+}
+
+/// Masks and key windows of one forward: full layers see every cached key; sliding layers
+/// see the last `window` positions, so decode slices the keys instead of masking them.
+struct ChunkMasks {
+    full: Mask,
+    sliding: Mask,
+    /// First cached key a sliding layer can see from this chunk.
+    sliding_start: i32,
+}
+
+impl ChunkMasks {
+    /// `images`: soft-token spans inside this chunk (chunk-relative) that attend both ways.
+    fn new(offset: i32, len: i32, window: i32, images: &[Range<usize>]) -> Result<Self> {
+        let sliding_start = (offset - window + 1).max(0);
+        if len == 1 {
+            return Ok(Self {
+                full: Mask::None,
+                sliding: Mask::None,
+                sliding_start,
+            });
+        }
+        let full = if images.is_empty() {
+            Mask::Causal
+        } else {
+            Mask::Array(Self::array(offset, len, 0, None, images)?)
+        };
+        let sliding = if images.is_empty() && sliding_start == 0 && offset + len <= window {
+            Mask::Causal
+        } else {
+            Mask::Array(Self::array(
+                offset,
+                len,
+                sliding_start,
+                Some(window),
+                images,
+            )?)
+        };
+        Ok(Self {
+            full,
+            sliding,
+            sliding_start,
+        })
+    }
+
+    /// `[1, 1, len, keys]` booleans: key k is visible from query q when k <= q (within the
+    /// window), or when both sit in the same image span. Built on device: O(len × keys).
+    fn array(
+        offset: i32,
+        len: i32,
+        key_start: i32,
+        window: Option<i32>,
+        images: &[Range<usize>],
+    ) -> Result<Array> {
+        let end = offset + len;
+        let queries = ops::arange::<_, i32>(offset, end, 1)?.reshape(&[len, 1])?;
+        let keys = ops::arange::<_, i32>(key_start, end, 1)?.reshape(&[1, end - key_start])?;
+        let mut visible = ops::le(&keys, &queries)?;
+        if let Some(window) = window {
+            let near = ops::lt(&ops::subtract(&queries, &keys)?, Array::from_int(window))?;
+            visible = ops::logical_and(&visible, &near)?;
+        }
+        if !images.is_empty() {
+            // Block id per chunk position (-1 for text); keys before the chunk are text.
+            let mut blocks = vec![-1i32; len as usize];
+            for (id, span) in images.iter().enumerate() {
+                for slot in &mut blocks[span.clone()] {
+                    *slot = id as i32;
+                }
+            }
+            let query_blocks = Array::from_slice(&blocks, &[len, 1]);
+            let before = (offset - key_start) as usize;
+            let key_blocks: Vec<i32> = std::iter::repeat(-1)
+                .take(before)
+                .chain(blocks.iter().copied())
+                .collect();
+            let key_blocks = Array::from_slice(&key_blocks, &[1, end - key_start]);
+            let same = ops::logical_and(
+                &ops::ne(&query_blocks, Array::from_int(-1))?,
+                &ops::eq(&query_blocks, &key_blocks)?,
+            )?;
+            visible = ops::logical_or(&visible, &same)?;
+        }
+        Ok(visible.reshape(&[1, 1, len, end - key_start])?)
+    }
+}
+
+struct Attention {
+    n_heads: i32,
+    n_kv_heads: i32,
+    head_dim: i32,
+    sliding: bool,
+    q_proj: Linear,
+    /// None on KV-shared layers: they reuse an earlier layer's keys and values.
+    kv: Option<(Linear, Linear, RmsNorm)>,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    eps: f32,
+    rotary: Rotary,
+}
+
+impl Attention {
+    fn load(
+        store: &mut WeightStore,
+        quant: Option<&QuantizationConfig>,
+        prefix: &str,
+        args: &TextConfig,
+        layer_type: &str,
+        rope: &LayerRope,
+        shared: bool,
+    ) -> Result<Self> {
+        let sliding = layer_type == "sliding_attention";
+        let head_dim = match args.global_head_dim {
+            Some(global) if !sliding && global > 0 => global,
+            _ => args.head_dim,
+        };
+        let (heads, kv_heads, dim) = (
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.hidden_size,
+        );
+        let linear = |store: &mut WeightStore, name: &str, i: i32, o: i32| {
+            Linear::load(store, quant, &format!("{prefix}.{name}"), i, o, false)
+        };
+        let q_proj = linear(store, "q_proj", dim, heads * head_dim)?;
+        let kv = if shared {
+            None
+        } else {
+            Some((
+                linear(store, "k_proj", dim, kv_heads * head_dim)?,
+                linear(store, "v_proj", dim, kv_heads * head_dim)?,
+                RmsNorm::load(
+                    store,
+                    &format!("{prefix}.k_norm"),
+                    head_dim,
+                    args.rms_norm_eps,
+                )?,
+            ))
+        };
+        Ok(Self {
+            n_heads: heads,
+            n_kv_heads: kv_heads,
+            head_dim,
+            sliding,
+            q_proj,
+            kv,
+            o_proj: linear(store, "o_proj", heads * head_dim, dim)?,
+            q_norm: RmsNorm::load(
+                store,
+                &format!("{prefix}.q_norm"),
+                head_dim,
+                args.rms_norm_eps,
+            )?,
+            eps: args.rms_norm_eps,
+            rotary: Rotary::new(rope, head_dim)?,
+        })
+    }
+
+    /// Returns the output and the keys/values it attended to (for the layers sharing them).
+    fn forward(
+        &self,
+        x: &Array,
+        cache: Option<&mut KvCache>,
+        shared: Option<&(Array, Array)>,
+        offset: i32,
+        masks: &ChunkMasks,
+    ) -> Result<(Array, (Array, Array))> {
+        let (batch, len) = (x.shape()[0], x.shape()[1]);
+        let split =
+            |projected: Array, heads: i32| projected.reshape(&[batch, len, heads, self.head_dim]);
+        let queries = self
+            .q_norm
+            .forward(&split(self.q_proj.forward(x)?, self.n_heads)?)?
+            .transpose_axes(&[0, 2, 1, 3])?;
+        let queries = self.rotary.apply(&queries, offset)?;
+        let (keys, values) = match (shared, &self.kv) {
+            (Some(shared), _) => shared.clone(),
+            (None, Some((k_proj, v_proj, k_norm))) => {
+                let keys = k_norm
+                    .forward(&split(k_proj.forward(x)?, self.n_kv_heads)?)?
+                    .transpose_axes(&[0, 2, 1, 3])?;
+                let keys = self.rotary.apply(&keys, offset)?;
+                let values =
+                    fast::rms_norm(split(v_proj.forward(x)?, self.n_kv_heads)?, None, self.eps)?
+                        .transpose_axes(&[0, 2, 1, 3])?;
+                let cache = cache.ok_or_else(|| {
+                    EngineError::InvalidRequest("a Gemma 4 attention layer has no cache".into())
+                })?;
+                let (keys, values) = cache.update_and_fetch(&keys, &values)?;
+                if self.sliding && masks.sliding_start > 0 {
+                    let start = masks.sliding_start;
+                    (
+                        keys.index((.., .., start.., ..)),
+                        values.index((.., .., start.., ..)),
+                    )
+                } else {
+                    (keys, values)
+                }
+            }
+            (None, None) => {
+                return Err(EngineError::InvalidRequest(
+                    "a KV-shared Gemma 4 layer ran before the layer it shares".into(),
+                ))
+            }
+        };
+        let mask = if self.sliding {
+            &masks.sliding
+        } else {
+            &masks.full
+        };
+        let output = fast::scaled_dot_product_attention(
+            &queries,
+            &keys,
+            &values,
+            1.0,
+            mask.as_sdpa(),
+            None,
+        )?
+        .transpose_axes(&[0, 2, 1, 3])?
+        .reshape(&[batch, len, -1])?;
+        Ok((self.o_proj.forward(&output)?, (keys, values)))
+    }
+}
+
+/// What the per-layer input embeddings add to a layer (2B/4B-style checkpoints).
+struct PerLayerGate {
+    input_gate: Linear,
+    projection: Linear,
+    post_norm: RmsNorm,
+}
+
+struct DecoderLayer {
+    self_attn: Attention,
+    mlp: Mlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+    pre_feedforward_layernorm: RmsNorm,
+    post_feedforward_layernorm: RmsNorm,
+    per_layer: Option<PerLayerGate>,
+    layer_scalar: Array,
+}
+
+impl DecoderLayer {
+    fn load(
+        store: &mut WeightStore,
+        quant: Option<&QuantizationConfig>,
+        prefix: &str,
+        config: &Config,
+        index: usize,
+        dir: &std::path::Path,
+    ) -> Result<Self> {
+        let args = &config.text_config;
+        let layer_type = &args.layer_types[index];
+        let shared = index >= config.first_kv_shared_layer();
+        let norm = |store: &mut WeightStore, name: &str, dim: i32| {
+            RmsNorm::load(store, &format!("{prefix}.{name}"), dim, args.rms_norm_eps)
+        };
+        let wide = if shared && args.use_double_wide_mlp {
+            2
+        } else {
+            1
+        };
+        let per_layer = if args.hidden_size_per_layer_input > 0 {
+            let width = args.hidden_size_per_layer_input;
+            Some(PerLayerGate {
+                input_gate: Linear::load(
+                    store,
+                    quant,
+                    &format!("{prefix}.per_layer_input_gate"),
+                    args.hidden_size,
+                    width,
+                    false,
+                )?,
+                projection: Linear::load(
+                    store,
+                    quant,
+                    &format!("{prefix}.per_layer_projection"),
+                    width,
+                    args.hidden_size,
+                    false,
+                )?,
+                post_norm: norm(store, "post_per_layer_input_norm", args.hidden_size)?,
+            })
+        } else {
+            None
+        };
+        Ok(Self {
+            self_attn: Attention::load(
+                store,
+                quant,
+                &format!("{prefix}.self_attn"),
+                args,
+                layer_type,
+                &config.rope(layer_type, dir)?,
+                shared,
+            )?,
+            mlp: Mlp::load(
+                store,
+                quant,
+                &format!("{prefix}.mlp"),
+                args.hidden_size,
+                args.intermediate_size * wide,
+            )?,
+            input_layernorm: norm(store, "input_layernorm", args.hidden_size)?,
+            post_attention_layernorm: norm(store, "post_attention_layernorm", args.hidden_size)?,
+            pre_feedforward_layernorm: norm(store, "pre_feedforward_layernorm", args.hidden_size)?,
+            post_feedforward_layernorm: norm(
+                store,
+                "post_feedforward_layernorm",
+                args.hidden_size,
+            )?,
+            per_layer,
+            layer_scalar: store.take(&format!("{prefix}.layer_scalar"), &[1], DtypeKind::Float)?,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: &Array,
+        cache: Option<&mut KvCache>,
+        shared: Option<&(Array, Array)>,
+        per_layer_input: Option<&Array>,
+        offset: i32,
+        masks: &ChunkMasks,
+    ) -> Result<(Array, (Array, Array))> {
+        let (attended, kv) = self.self_attn.forward(
+            &self.input_layernorm.forward(x)?,
+            cache,
+            shared,
+            offset,
+            masks,
+        )?;
+        let h = ops::add(x, self.post_attention_layernorm.forward(&attended)?)?;
+        let fed = self
+            .mlp
+            .forward(&self.pre_feedforward_layernorm.forward(&h)?)?;
+        let mut h = ops::add(&h, self.post_feedforward_layernorm.forward(&fed)?)?;
+        if let (Some(gate), Some(input)) = (&self.per_layer, per_layer_input) {
+            let gated = ops::multiply(gelu_approx(&gate.input_gate.forward(&h)?)?, input)?;
+            let projected = gate.post_norm.forward(&gate.projection.forward(&gated)?)?;
+            h = ops::add(&h, &projected)?;
+        }
+        Ok((ops::multiply(&h, &self.layer_scalar)?, kv))
+    }
+}
+
+/// The per-layer input embedding table and the projection of the hidden state that joins it.
+struct PerLayerInputs {
+    embed_tokens_per_layer: Embedding,
+    model_projection: Linear,
+    projection_norm: RmsNorm,
+    width: i32,
+}
+
+pub struct LanguageModel {
+    pub(super) args: TextConfig,
+    pub(super) embed_tokens: Embedding,
+    per_layer: Option<PerLayerInputs>,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    /// Layer whose keys/values each layer attends to (itself unless KV-shared).
+    kv_source: Vec<usize>,
+    first_shared: usize,
+}
+
+impl LanguageModel {
+    pub fn load(
+        store: &mut WeightStore,
+        quant: Option<&QuantizationConfig>,
+        config: &Config,
+        dir: &std::path::Path,
+    ) -> Result<Self> {
+        let args = config.text_config.clone();
+        if !args.tie_word_embeddings {
+            return Err(super::config::config_error(
+                dir,
+                "Gemma 4 with an untied lm_head is not supported",
+            ));
+        }
+        let prefix = "language_model.model";
+        let embed_tokens = Embedding::load(
+            store,
+            quant,
+            &format!("{prefix}.embed_tokens"),
+            args.vocab_size,
+            args.hidden_size,
+        )?;
+        let per_layer = if args.hidden_size_per_layer_input > 0 {
+            let width = args.hidden_size_per_layer_input;
+            let total = args.num_hidden_layers * width;
+            Some(PerLayerInputs {
+                embed_tokens_per_layer: Embedding::load(
+                    store,
+                    quant,
+                    &format!("{prefix}.embed_tokens_per_layer"),
+                    args.vocab_size_per_layer_input.unwrap_or(args.vocab_size),
+                    total,
+                )?,
+                model_projection: Linear::load(
+                    store,
+                    quant,
+                    &format!("{prefix}.per_layer_model_projection"),
+                    args.hidden_size,
+                    total,
+                    false,
+                )?,
+                projection_norm: RmsNorm::load(
+                    store,
+                    &format!("{prefix}.per_layer_projection_norm"),
+                    width,
+                    args.rms_norm_eps,
+                )?,
+                width,
+            })
+        } else {
+            None
+        };
+        let layers = (0..args.num_hidden_layers as usize)
+            .map(|i| {
+                DecoderLayer::load(
+                    store,
+                    quant,
+                    &format!("{prefix}.layers.{i}"),
+                    config,
+                    i,
+                    dir,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(
+            store,
+            &format!("{prefix}.norm"),
+            args.hidden_size,
+            args.rms_norm_eps,
+        )?;
+        let first_shared = config.first_kv_shared_layer();
+        let kv_source = (0..layers.len())
+            .map(|i| {
+                if i < first_shared {
+                    return i;
+                }
+                let kind = &args.layer_types[i];
+                (0..first_shared)
+                    .rev()
+                    .find(|&j| &args.layer_types[j] == kind)
+                    .expect("validated: every shared layer has a source")
+            })
+            .collect();
+        Ok(Self {
+            args,
+            embed_tokens,
+            per_layer,
+            layers,
+            norm,
+            kv_source,
+            first_shared,
+        })
+    }
+
+    /// Layers that keep a KV cache (the KV-shared ones keep none).
+    pub fn cached_layers(&self) -> usize {
+        self.first_shared
+    }
+
+    /// `embed_tokens(ids) * sqrt(hidden)`, the scale in the table's dtype.
+    pub(super) fn embed(&self, ids: &Array) -> Result<Array> {
+        let h = self.embed_tokens.forward(ids)?;
+        let scale = scalar((self.args.hidden_size as f64).sqrt(), &h)?;
+        Ok(ops::multiply(&h, &scale)?)
+    }
+
+    /// Per-layer inputs `[B, L, layers, width]`: the token's per-layer embedding (image and
+    /// audio tokens use id 0, as the reference does) joined with a projection of `h`.
+    fn per_layer_inputs(&self, per_layer_ids: &Array, h: &Array) -> Result<Option<Array>> {
+        let Some(p) = &self.per_layer else {
+            return Ok(None);
+        };
+        let (batch, len) = (h.shape()[0], h.shape()[1]);
+        let layers = self.layers.len() as i32;
+        let shape = [batch, len, layers, p.width];
+        let tokens = p.embed_tokens_per_layer.forward(per_layer_ids)?;
+        let tokens =
+            ops::multiply(&tokens, scalar((p.width as f64).sqrt(), &tokens)?)?.reshape(&shape)?;
+        let projected = p.model_projection.forward(h)?;
+        let projected = ops::multiply(
+            &projected,
+            scalar((self.args.hidden_size as f64).powf(-0.5), &projected)?,
+        )?
+        .reshape(&shape)?;
+        let projected = p.projection_norm.forward(&projected)?;
+        let joined = ops::add(&projected, &tokens)?;
+        Ok(Some(ops::multiply(
+            &joined,
+            scalar(0.5f64.sqrt(), &joined)?,
+        )?))
+    }
+
+    /// Embeddings `h` `[1, L, hidden]` (images already in place) through the decoder.
+    /// `images` are the chunk-relative soft-token spans that attend both ways.
+    pub(super) fn forward_embeddings(
+        &self,
+        mut h: Array,
+        per_layer_ids: &Array,
+        images: &[Range<usize>],
+        caches: &mut [KvCache],
+        logits: Logits,
+    ) -> Result<Array> {
+        if caches.len() != self.first_shared {
+            return Err(EngineError::InvalidRequest(format!(
+                "Gemma 4 needs {} layer caches, got {}",
+                self.first_shared,
+                caches.len()
+            )));
+        }
+        let per_layer = self.per_layer_inputs(per_layer_ids, &h)?;
+        let len = h.shape()[1];
+        let offset = caches.first().map_or(0, KvCache::offset);
+        let masks = ChunkMasks::new(offset, len, self.args.sliding_window, images)?;
+        let mut shared: Vec<Option<(Array, Array)>> = vec![None; self.layers.len()];
+        for (index, layer) in self.layers.iter().enumerate() {
+            let source = self.kv_source[index];
+            let input = per_layer
+                .as_ref()
+                .map(|all| all.index((.., .., index as i32, ..)));
+            let (cache, reused) = if index < self.first_shared {
+                (Some(&mut caches[index]), None)
+            } else {
+                (None, shared[source].as_ref())
+            };
+            let (out, kv) = layer.forward(&h, cache, reused, input.as_ref(), offset, &masks)?;
+            h = out;
+            if index < self.first_shared {
+                shared[index] = Some(kv);
+            }
+        }
+        if logits == Logits::Last && len > 1 {
+            h = h.index((.., (len - 1)..));
+        }
+        let h = self.norm.forward(&h)?;
+        let out = self.embed_tokens.as_linear(&h)?;
+        match self.args.final_logit_softcapping {
+            Some(cap) if cap > 0.0 => {
+                let cap_array = scalar(cap as f64, &out)?;
+                Ok(ops::multiply(
+                    ops::tanh(&ops::divide(&out, &cap_array)?)?,
+                    &cap_array,
+                )?)
+            }
+            _ => Ok(out),
+        }
+    }
+}

@@ -1,0 +1,128 @@
+//! Gemma 4 (`model_type: gemma4`): the vision tower's pooled features replace the prompt's
+//! `<|image|>` soft tokens (count checked, scattered on device); per-layer input embeddings
+//! see those positions as token 0; image soft tokens attend to their whole image during
+//! prefill. Audio towers are refused at load. Reference: mlx-vlm `models/gemma4/gemma4.py`.
+
+pub mod config;
+pub mod language;
+pub mod vision;
+
+use std::{ops::Range, path::Path};
+
+use mlx_rs::{ops, Array};
+
+use self::{config::Config, language::LanguageModel as TextModel, vision::VisionModel};
+use super::{
+    host_ids, ImageInput, ImageScatter, LanguageModel, Logits, VisionFeatures, VisionLanguageModel,
+};
+use crate::{cache::KvCache, config::ConfigFile, error::Result, weights::WeightStore};
+
+pub struct Model {
+    config: Config,
+    vision: VisionModel,
+    language: TextModel,
+}
+
+impl Model {
+    pub fn load(dir: &Path, config: &ConfigFile, store: &mut WeightStore) -> Result<Self> {
+        let args: Config = config.family(dir)?;
+        args.validate(dir)?;
+        let quant = config.base.quantization.as_ref();
+        // The tower and embedder stay dense in mlx-vlm's conversions (QAT fp4 included);
+        // loading them dense makes a stray quantized tower a strict-loading error.
+        let vision = VisionModel::load(store, &args.vision_config, args.text_config.hidden_size)?;
+        let language = TextModel::load(store, quant, &args, dir)?;
+        Ok(Self {
+            config: args,
+            vision,
+            language,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Runs of image soft tokens (chunk-relative): each attends to itself both ways.
+    fn image_runs(&self, ids: &[u32]) -> Vec<Range<usize>> {
+        let mut runs: Vec<Range<usize>> = Vec::new();
+        for (at, &id) in ids.iter().enumerate() {
+            if id != self.config.image_token_id {
+                continue;
+            }
+            match runs.last_mut() {
+                Some(run) if run.end == at => run.end = at + 1,
+                _ => runs.push(at..at + 1),
+            }
+        }
+        runs
+    }
+}
+
+impl LanguageModel for Model {
+    fn forward(&self, inputs: &Array, caches: &mut [KvCache], logits: Logits) -> Result<Array> {
+        self.forward_with_images(inputs, None, caches, logits)
+    }
+
+    fn num_layers(&self) -> usize {
+        self.config.text_config.num_hidden_layers as usize
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config.text_config.vocab_size as usize
+    }
+
+    fn max_position_embeddings(&self) -> usize {
+        self.config.text_config.max_position_embeddings
+    }
+
+    /// KV-shared layers keep no cache of their own.
+    fn new_cache(&self, max_ctx: usize) -> Vec<KvCache> {
+        (0..self.language.cached_layers())
+            .map(|_| KvCache::new(max_ctx))
+            .collect()
+    }
+
+    fn as_vision(&self) -> Option<&dyn VisionLanguageModel> {
+        Some(self)
+    }
+}
+
+impl VisionLanguageModel for Model {
+    fn encode_images(&self, images: &ImageInput) -> Result<VisionFeatures> {
+        Ok(VisionFeatures {
+            embeds: self.vision.forward(images)?,
+            deepstack: Vec::new(),
+            grid_thw: images.grid_thw.clone(),
+        })
+    }
+
+    fn forward_with_images(
+        &self,
+        inputs: &Array,
+        features: Option<&VisionFeatures>,
+        caches: &mut [KvCache],
+        logits: Logits,
+    ) -> Result<Array> {
+        let mut h = self.language.embed(inputs)?;
+        let mut bidirectional = Vec::new();
+        if let Some(features) = features {
+            let ids = host_ids(inputs)?;
+            h = ImageScatter::new(&ids, self.config.image_token_id).apply(&h, &features.embeds)?;
+            if self.config.bidirectional_images() {
+                bidirectional = self.image_runs(&ids);
+            }
+        }
+        // On device: decode steps must not wait for their ids on the host.
+        let mut media = ops::eq(inputs, Array::from_int(self.config.image_token_id as i32))?;
+        for id in [self.config.audio_token_id, self.config.video_token_id]
+            .into_iter()
+            .flatten()
+        {
+            media = ops::logical_or(&media, ops::eq(inputs, Array::from_int(id as i32))?)?;
+        }
+        let per_layer_ids = ops::select(&media, ops::zeros_like(inputs)?, inputs)?;
+        self.language
+            .forward_embeddings(h, &per_layer_ids, &bidirectional, caches, logits)
+    }
+}

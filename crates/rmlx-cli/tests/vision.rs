@@ -1,6 +1,7 @@
-//! Images through the whole CLI path (decode → Qwen3-VL preprocessing → in-place placement →
+//! Images through the whole CLI path (decode → family preprocessing → in-place placement →
 //! vision tower → chunked prefill that never splits an image block → decode), against the
-//! mlx-vlm 0.7.6 goldens in tests/fixtures/qwen3-vl-tiny (scripts/fixtures/make_vision.py).
+//! mlx-vlm 0.7.6 goldens in tests/fixtures/{qwen3-vl-tiny,gemma4-tiny}
+//! (scripts/fixtures/make_vision.py).
 
 use std::{path::PathBuf, process::Command};
 
@@ -10,8 +11,10 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-fn golden_case(name: &str) -> serde_json::Value {
-    let path = fixture("qwen3-vl-tiny").join("golden.json");
+const FAMILIES: [&str; 2] = ["qwen3-vl-tiny", "gemma4-tiny"];
+
+fn golden_case(model: &str, name: &str) -> serde_json::Value {
+    let path = fixture(model).join("golden.json");
     let golden: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     golden["cases"]
@@ -23,8 +26,8 @@ fn golden_case(name: &str) -> serde_json::Value {
         .clone()
 }
 
-fn generate(image: &str, extra: &[&str]) -> serde_json::Value {
-    let model = fixture("qwen3-vl-tiny");
+fn generate(model: &str, image: &str, extra: &[&str]) -> serde_json::Value {
+    let model = fixture(model);
     let image = fixture("vision-images").join(image);
     let mut args = vec![
         "generate".to_string(),
@@ -54,27 +57,66 @@ fn generate(image: &str, extra: &[&str]) -> serde_json::Value {
 
 #[test]
 fn image_prompt_reproduces_the_mlx_vlm_golden() {
-    for (image, case) in [
-        ("gradient_64x48.png", "single_image"),
-        ("gradient_64x48_mirror.png", "single_image_mirrored"),
-    ] {
-        let golden = golden_case(case);
-        let out = generate(image, &[]);
-        assert_eq!(out["prompt_ids"], golden["input_ids"], "{case}");
-        assert_eq!(out["token_ids"], golden["greedy_ids"], "{case}");
+    for model in FAMILIES {
+        for (image, case) in [
+            ("gradient_64x48.png", "single_image"),
+            ("gradient_64x48_mirror.png", "single_image_mirrored"),
+        ] {
+            let golden = golden_case(model, case);
+            let out = generate(model, image, &[]);
+            assert_eq!(out["prompt_ids"], golden["input_ids"], "{model}/{case}");
+            assert_eq!(out["token_ids"], golden["greedy_ids"], "{model}/{case}");
+        }
     }
 }
 
 #[test]
 fn prefill_chunks_never_split_an_image_and_change_nothing() {
-    let whole = generate("gradient_64x48.png", &["--prefill-chunk", "4096"]);
-    for chunk in ["1", "7", "40"] {
-        let chunked = generate("gradient_64x48.png", &["--prefill-chunk", chunk]);
-        assert_eq!(chunked["token_ids"], whole["token_ids"], "chunk {chunk}");
+    for model in FAMILIES {
+        let whole = generate(model, "gradient_64x48.png", &["--prefill-chunk", "4096"]);
+        for chunk in ["1", "7", "40"] {
+            let chunked = generate(model, "gradient_64x48.png", &["--prefill-chunk", chunk]);
+            assert_eq!(
+                chunked["token_ids"], whole["token_ids"],
+                "{model} chunk {chunk}"
+            );
+        }
+        // The mirror is a different picture: the answer changes.
+        let mirrored = generate(model, "gradient_64x48_mirror.png", &[]);
+        assert_ne!(mirrored["token_ids"], whole["token_ids"], "{model}");
     }
-    // The mirror is a different picture: the answer changes.
-    let mirrored = generate("gradient_64x48_mirror.png", &[]);
-    assert_ne!(mirrored["token_ids"], whole["token_ids"]);
+}
+
+#[test]
+fn gemma_soft_token_budget_is_per_request() {
+    let default = generate("gemma4-tiny", "noise_80x100.png", &[]);
+    let finer = generate(
+        "gemma4-tiny",
+        "noise_80x100.png",
+        &["--image-soft-tokens", "140"],
+    );
+    let images = |out: &serde_json::Value| {
+        out["prompt_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|id| **id == 995)
+            .count()
+    };
+    // The fixture's processor budget is 70; 140 lets the 80x100 image keep more detail.
+    assert_eq!(images(&default), 63);
+    assert!(images(&finer) > 100, "{}", images(&finer));
+    let output = Command::new(env!("CARGO_BIN_EXE_rmlx"))
+        .args(["generate", "--model"])
+        .arg(fixture("gemma4-tiny"))
+        .arg("--image")
+        .arg(fixture("vision-images/noise_80x100.png"))
+        .args(["--prompt", "hi", "--image-soft-tokens", "99"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("99"), "{stderr}");
 }
 
 #[test]

@@ -536,6 +536,18 @@ impl EngineThread {
         let (prompt_ids, images) = if request.images.is_empty() {
             (prompt_ids, None)
         } else {
+            // Count the image tokens from the image sizes alone: a prompt over the context is
+            // refused before any resize, vision tower or prefill work.
+            let counted = crate::multimodal::place_images(
+                &resident.loaded.info.path,
+                &resident.loaded.info.model_type,
+                tokenizer,
+                prompt_ids.clone(),
+                &request.images,
+                request.image_soft_tokens,
+                false,
+            )?;
+            generate::effective_context(model, &request.params, counted.ids.len())?;
             let prepared = prepare_images(&resident.loaded, tokenizer, prompt_ids, request)?;
             (prepared.0, Some(prepared.1))
         };
@@ -604,123 +616,36 @@ impl<'a> PendingImages<'a> {
     }
 }
 
-fn preprocessor_error(dir: &std::path::Path, error: &dyn std::fmt::Display) -> EngineError {
-    EngineError::Config {
-        path: dir.join("preprocessor_config.json"),
-        message: error.to_string(),
-    }
-}
-
 /// Preprocesses the request's images for the model's family and expands their blocks in the
-/// prompt: where the template put placeholders, else by the one splice fallback.
+/// prompt (see [`crate::multimodal::place_images`]); the tower runs later.
 fn prepare_images<'a>(
     loaded: &'a LoadedModel,
     tokenizer: &ChatTokenizer,
     prompt_ids: Vec<u32>,
     request: &Request,
 ) -> Result<(Vec<u32>, PendingImages<'a>)> {
-    use crate::chat::images::{expand_image_placeholders, splice_image_block, ImageTokens};
     let model = loaded.model.as_vision().ok_or_else(|| {
         EngineError::InvalidRequest(format!(
             "this model ({}) has no vision: send text only",
             loaded.info.model_type
         ))
     })?;
-    let dir = &loaded.info.path;
-    let bad_image = |index: usize, error: &dyn std::fmt::Display| {
-        EngineError::InvalidRequest(format!("image {}: {error}", index + 1))
-    };
-    let mut rows = Vec::new();
-    let mut grids = Vec::new();
-    let mut counts = Vec::new();
-    let mut row_len = 0;
-    // Each family's preprocessing, image tokens and the turn opener the splice fallback uses.
-    let (names, opener, bos) = match loaded.info.model_type.as_str() {
-        "qwen3_vl" => {
-            let config = crate::vision::preprocess::QwenPreprocessorConfig::load(dir)
-                .map_err(|error| preprocessor_error(dir, &error))?;
-            for (index, image) in request.images.iter().enumerate() {
-                let processed = config
-                    .preprocess(image)
-                    .map_err(|error| bad_image(index, &error))?;
-                row_len = processed.row_len;
-                rows.extend_from_slice(&processed.pixel_values);
-                let [t, h, w] = processed.grid_thw;
-                grids.push([t as i32, h as i32, w as i32]);
-                counts.push(processed.num_tokens);
-            }
-            (
-                ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
-                "<|im_start|>user\n",
-                None,
-            )
-        }
-        "gemma4" => {
-            let config = crate::vision::preprocess::Gemma4ImageConfig::load(dir)
-                .map_err(|error| preprocessor_error(dir, &error))?;
-            for (index, image) in request.images.iter().enumerate() {
-                let processed = config
-                    .preprocess(image, request.image_soft_tokens)
-                    .map_err(|error| bad_image(index, &error))?;
-                row_len = 3 * config.patch_size * config.patch_size;
-                rows.extend(processed.patch_rows(config.patch_size));
-                let [h, w] = processed.patch_grid_hw;
-                grids.push([1, h as i32, w as i32]);
-                counts.push(processed.num_soft_tokens);
-            }
-            (
-                ["<|image>", "<|image|>", "<image|>"],
-                "<|turn>user\n",
-                tokenizer.token_id("<bos>"),
-            )
-        }
-        other => {
-            return Err(EngineError::InvalidRequest(format!(
-                "image input for {other} is not supported yet"
-            )))
-        }
-    };
-    let token = |text: &str| tokenizer.token_id(text);
-    let tokens = ImageTokens {
-        open: token(names[0]),
-        pad: token(names[1]).ok_or_else(|| {
-            EngineError::InvalidRequest(format!("the tokenizer has no {} token", names[1]))
-        })?,
-        close: token(names[2]),
-    };
-    let placeholders = prompt_ids.iter().filter(|&&id| id == tokens.pad).count();
-    let placed = if placeholders > 0 {
-        expand_image_placeholders(&prompt_ids, &tokens, &counts)
-    } else {
-        let opener = tokenizer.encode(opener, false)?;
-        splice_image_block(&prompt_ids, &tokens, &counts, &opener, bos)
-    }
-    .map_err(|error| EngineError::InvalidRequest(error.to_string()))?;
-    // Widen each span by its frame tokens: chunking keeps whole blocks together.
-    let blocks = placed
-        .image_spans
-        .iter()
-        .map(|span| {
-            let framed = |at: Option<usize>, id: Option<u32>| {
-                at.and_then(|at| placed.ids.get(at)).copied() == id && id.is_some()
-            };
-            let start = span.start - usize::from(framed(span.start.checked_sub(1), tokens.open));
-            let end = span.end + usize::from(framed(Some(span.end), tokens.close));
-            start..end
-        })
-        .collect();
-    let patches = (rows.len() / row_len.max(1)) as i32;
-    let input = crate::models::ImageInput {
-        pixel_values: mlx_rs::Array::from_slice(&rows, &[patches, row_len as i32]),
-        grid_thw: grids,
-    };
+    let placed = crate::multimodal::place_images(
+        &loaded.info.path,
+        &loaded.info.model_type,
+        tokenizer,
+        prompt_ids,
+        &request.images,
+        request.image_soft_tokens,
+        true,
+    )?;
     Ok((
         placed.ids,
         PendingImages {
             model,
-            input,
-            spans: placed.image_spans,
-            blocks,
+            input: placed.input.expect("pixels were asked for"),
+            spans: placed.spans,
+            blocks: placed.blocks,
         },
     ))
 }

@@ -3,14 +3,19 @@
 //! bidirectional image span) is ever split. Reference: mlx-vlm `generate.py` (one prefill of
 //! the whole embedded prompt), which chunked prefill must equal.
 
-use std::ops::Range;
+use std::{ops::Range, path::Path};
 
+use image::RgbImage;
 use mlx_rs::{ops::indexing::IndexOp, transforms, Array};
 
 use crate::{
     cache::KvCache,
+    chat::{
+        images::{expand_image_placeholders, splice_image_block, ImageTokens},
+        ChatTokenizer,
+    },
     error::{EngineError, Result},
-    models::{Logits, VisionFeatures, VisionLanguageModel},
+    models::{ImageInput, Logits, VisionFeatures, VisionLanguageModel},
 };
 
 /// A prompt's images, ready for prefill.
@@ -94,6 +99,145 @@ pub fn prefill(
         transforms::eval(caches.iter().flat_map(|cache| cache.state()))?;
     }
     Ok(())
+}
+
+/// A prompt with its images' blocks expanded, and (when asked for) their pixels.
+pub struct PlacedImages {
+    pub ids: Vec<u32>,
+    /// Each image's soft tokens, in image order.
+    pub spans: Vec<Range<usize>>,
+    /// Each image's whole block (frame tokens included), the unit chunking keeps together.
+    pub blocks: Vec<Range<usize>>,
+    pub input: Option<ImageInput>,
+}
+
+fn preprocessor_error(dir: &Path, error: &dyn std::fmt::Display) -> EngineError {
+    EngineError::Config {
+        path: dir.join("preprocessor_config.json"),
+        message: error.to_string(),
+    }
+}
+
+/// Preprocesses `images` for the family of the checkpoint in `dir` and expands their blocks in
+/// `prompt_ids`: where the template put placeholders, else by the one splice fallback (final
+/// user turn, else after BOS). With `pixels` false only the token counts are computed (what
+/// `count_tokens` needs), without resizing anything.
+pub fn place_images(
+    dir: &Path,
+    model_type: &str,
+    tokenizer: &ChatTokenizer,
+    prompt_ids: Vec<u32>,
+    images: &[RgbImage],
+    soft_tokens: Option<usize>,
+    pixels: bool,
+) -> Result<PlacedImages> {
+    let bad_image = |index: usize, error: &dyn std::fmt::Display| {
+        EngineError::InvalidRequest(format!("image {}: {error}", index + 1))
+    };
+    let mut rows = Vec::new();
+    let mut grids = Vec::new();
+    let mut counts = Vec::new();
+    let mut row_len = 0;
+    // Each family's preprocessing, image tokens and the turn opener the splice fallback uses.
+    let (names, opener, bos) = match model_type {
+        "qwen3_vl" => {
+            let config = crate::vision::preprocess::QwenPreprocessorConfig::load(dir)
+                .map_err(|error| preprocessor_error(dir, &error))?;
+            for (index, image) in images.iter().enumerate() {
+                if !pixels {
+                    let (h, w) = (image.height() as usize, image.width() as usize);
+                    let count = config.num_image_tokens(h, w);
+                    counts.push(count.map_err(|error| bad_image(index, &error))?);
+                    continue;
+                }
+                let processed = config
+                    .preprocess(image)
+                    .map_err(|error| bad_image(index, &error))?;
+                row_len = processed.row_len;
+                rows.extend_from_slice(&processed.pixel_values);
+                let [t, h, w] = processed.grid_thw;
+                grids.push([t as i32, h as i32, w as i32]);
+                counts.push(processed.num_tokens);
+            }
+            (
+                ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
+                "<|im_start|>user\n",
+                None,
+            )
+        }
+        "gemma4" => {
+            let config = crate::vision::preprocess::Gemma4ImageConfig::load(dir)
+                .map_err(|error| preprocessor_error(dir, &error))?;
+            for (index, image) in images.iter().enumerate() {
+                if !pixels {
+                    let (h, w) = (image.height() as usize, image.width() as usize);
+                    let count = config.num_soft_tokens(h, w, soft_tokens);
+                    counts.push(count.map_err(|error| bad_image(index, &error))?);
+                    continue;
+                }
+                let processed = config
+                    .preprocess(image, soft_tokens)
+                    .map_err(|error| bad_image(index, &error))?;
+                row_len = 3 * config.patch_size * config.patch_size;
+                rows.extend(processed.patch_rows(config.patch_size));
+                let [h, w] = processed.patch_grid_hw;
+                grids.push([1, h as i32, w as i32]);
+                counts.push(processed.num_soft_tokens);
+            }
+            (
+                ["<|image>", "<|image|>", "<image|>"],
+                "<|turn>user\n",
+                tokenizer.token_id("<bos>"),
+            )
+        }
+        other => {
+            return Err(EngineError::InvalidRequest(format!(
+                "image input for {other} is not supported yet"
+            )))
+        }
+    };
+    let token = |text: &str| tokenizer.token_id(text);
+    let tokens = ImageTokens {
+        open: token(names[0]),
+        pad: token(names[1]).ok_or_else(|| {
+            EngineError::InvalidRequest(format!("the tokenizer has no {} token", names[1]))
+        })?,
+        close: token(names[2]),
+    };
+    let placeholders = prompt_ids.iter().filter(|&&id| id == tokens.pad).count();
+    let placed = if placeholders > 0 {
+        expand_image_placeholders(&prompt_ids, &tokens, &counts)
+    } else {
+        let opener = tokenizer.encode(opener, false)?;
+        splice_image_block(&prompt_ids, &tokens, &counts, &opener, bos)
+    }
+    .map_err(|error| EngineError::InvalidRequest(error.to_string()))?;
+    // Widen each span by its frame tokens: chunking keeps whole blocks together.
+    let blocks = placed
+        .image_spans
+        .iter()
+        .map(|span| {
+            let framed = |at: Option<usize>, id: Option<u32>| {
+                at.and_then(|at| placed.ids.get(at)).copied() == id && id.is_some()
+            };
+            let start = span.start - usize::from(framed(span.start.checked_sub(1), tokens.open));
+            let end = span.end + usize::from(framed(Some(span.end), tokens.close));
+            start..end
+        })
+        .collect();
+    let input = pixels.then(|| {
+        let patches = (rows.len() / row_len.max(1)) as i32;
+        ImageInput {
+            pixel_values: Array::from_slice(&rows, &[patches, row_len as i32]),
+            grid_thw: grids,
+        }
+    });
+    Ok(PlacedImages {
+        ids: placed.ids,
+        spans: placed.image_spans,
+        blocks,
+        input,
+    })
 }
 
 #[cfg(test)]

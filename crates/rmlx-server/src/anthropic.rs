@@ -125,10 +125,24 @@ pub async fn count_tokens(
     let count = tokio::task::spawn_blocking(move || {
         let tokenizer = registry.tokenizer(&prepared.entry.path)?;
         let prefill = prefill.as_deref().unwrap_or("");
-        tokenizer
+        let (_, ids) = tokenizer
             .encode_chat_prefilled(&prepared.messages, &prepared.options, prefill)
-            .map(|(_, ids)| ids.len())
-            .map_err(|error| ApiError::from(EngineError::Chat(error)))
+            .map_err(|error| ApiError::from(EngineError::Chat(error)))?;
+        if prepared.images.is_empty() {
+            return Ok(ids.len());
+        }
+        // Each image counts as its whole block, sized from the image alone (no resize).
+        let model_type = convert::model_type(&prepared.entry.path);
+        let placed = rmlx_engine::multimodal::place_images(
+            &prepared.entry.path,
+            &model_type,
+            &tokenizer,
+            ids,
+            &prepared.images,
+            None,
+            false,
+        )?;
+        Ok::<_, ApiError>(placed.ids.len())
     })
     .await
     .map_err(|error| ApiError::Internal(error.to_string()))??;

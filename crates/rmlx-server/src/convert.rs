@@ -73,13 +73,24 @@ pub fn check_vision(
     if images.is_empty() {
         return Ok(());
     }
-    let config = std::fs::read_to_string(model_dir.join("config.json")).unwrap_or_default();
-    let config: Value = serde_json::from_str(&config).unwrap_or(Value::Null);
-    if config.get("vision_config").is_some() {
+    if read_config(model_dir).get("vision_config").is_some() {
         Ok(())
     } else {
         Err(no_vision(model))
     }
+}
+
+fn read_config(model_dir: &std::path::Path) -> Value {
+    let config = std::fs::read_to_string(model_dir.join("config.json")).unwrap_or_default();
+    serde_json::from_str(&config).unwrap_or(Value::Null)
+}
+
+/// The checkpoint's `model_type` ("" when config.json is unreadable: loading reports that).
+pub fn model_type(model_dir: &std::path::Path) -> String {
+    read_config(model_dir)["model_type"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
 }
 
 pub fn no_vision(model: &str) -> ApiError {

@@ -184,8 +184,7 @@ impl ChunkMasks {
             }
             let query_blocks = Array::from_slice(&blocks, &[len, 1]);
             let before = (offset - key_start) as usize;
-            let key_blocks: Vec<i32> = std::iter::repeat(-1)
-                .take(before)
+            let key_blocks: Vec<i32> = std::iter::repeat_n(-1, before)
                 .chain(blocks.iter().copied())
                 .collect();
             let key_blocks = Array::from_slice(&key_blocks, &[1, end - key_start]);

@@ -40,6 +40,9 @@ pub struct ServeArgs {
     /// Largest request body, in MB (images arrive inline as base64).
     #[arg(long, default_value_t = 64)]
     max_body_mb: usize,
+    /// Serve a built web UI (ui/dist) at `/`.
+    #[arg(long)]
+    ui_dir: Option<PathBuf>,
 }
 
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -55,6 +58,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         cors_origins: args.cors_origins,
         max_queue: args.max_queue,
         max_body_mb: args.max_body_mb,
+        ui_dir: args.ui_dir,
     };
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -52,6 +52,8 @@ pub struct Request {
     /// Decoded images, in the order their content parts appear (or, with no parts, placed by
     /// the splice fallback inside the final user turn).
     pub images: Vec<image::RgbImage>,
+    /// The caller's id for this request (the server's response id): metrics list it.
+    pub request_id: Option<String>,
     /// Gemma 4's soft-token budget per image for this request (70, 140, 280, 560 or 1120);
     /// None uses the checkpoint's processor setting.
     pub image_soft_tokens: Option<usize>,
@@ -66,6 +68,7 @@ impl Default for Request {
             prompt: Prompt::Ids(Vec::new()),
             assistant_prefill: None,
             images: Vec::new(),
+            request_id: None,
             image_soft_tokens: None,
             params: GenerateParams::default(),
         }
@@ -586,7 +589,8 @@ impl EngineThread {
                 });
             },
         )?;
-        self.metrics.record_completion(&model_id, &completion);
+        self.metrics
+            .record_completion(&model_id, request.request_id.as_deref(), &completion);
         if completion.finish_reason != FinishReason::Cancelled && !has_images {
             let evicted = self.prefix.insert(&key, sequence.tokens, sequence.caches);
             self.metrics.record_prefix_evictions(&model_id, evicted);

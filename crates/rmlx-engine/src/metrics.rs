@@ -18,6 +18,9 @@ use crate::generate::{Completion, FinishReason};
 /// Samples kept per model for TTFT, and for ITL (tokens are many, so more).
 const TTFT_RING: usize = 1024;
 const ITL_RING: usize = 16384;
+/// Inter-token gaps kept per `recent` entry.
+pub const RECENT_ITL: usize = 4096;
+
 /// Requests listed in `recent`.
 const RECENT: usize = 64;
 
@@ -121,9 +124,13 @@ pub struct Summary {
 /// One finished request, as listed in `recent`.
 #[derive(Debug, Clone, Serialize)]
 pub struct RequestRecord {
+    /// The caller's id for the request (the server's response id), when it gave one.
+    pub id: Option<String>,
     pub model: String,
     pub ttft_ms: f64,
     pub itl_p50_ms: f64,
+    /// Every inter-token gap, in order (capped at [`RECENT_ITL`] entries) for sparklines.
+    pub itl_ms: Vec<f64>,
     pub tokens_in: usize,
     pub tokens_out: usize,
     pub cached_tokens: usize,
@@ -232,9 +239,12 @@ impl Metrics {
 
     /// The one place a finished request is counted: one TTFT sample when a token came out,
     /// one ITL sample per later token, tokens as in the usage the client sees.
-    pub fn record_completion(&self, model: &str, completion: &Completion) {
+    pub fn record_completion(&self, model: &str, id: Option<&str>, completion: &Completion) {
+        let gaps = &completion.timings.itl_ms;
         let record = RequestRecord {
+            id: id.map(str::to_string),
             model: model.to_string(),
+            itl_ms: gaps[..gaps.len().min(RECENT_ITL)].to_vec(),
             ttft_ms: completion.timings.ttft_ms,
             itl_p50_ms: {
                 let mut itl = completion.timings.itl_ms.clone();
@@ -507,9 +517,9 @@ mod tests {
     #[test]
     fn one_ttft_and_n_minus_one_itl_per_request() {
         let metrics = Metrics::default();
-        metrics.record_completion("m", &completion(5, 10.0));
-        metrics.record_completion("m", &completion(1, 30.0));
-        metrics.record_completion("m", &completion(0, 0.0));
+        metrics.record_completion("m", None, &completion(5, 10.0));
+        metrics.record_completion("m", None, &completion(1, 30.0));
+        metrics.record_completion("m", None, &completion(0, 0.0));
         let snapshot = metrics.snapshot();
         let model = &snapshot.models[0];
         assert_eq!(model.requests, 3);
@@ -523,7 +533,7 @@ mod tests {
     #[test]
     fn prometheus_text_has_histograms_and_counters() {
         let metrics = Metrics::default();
-        metrics.record_completion("org/m\"x", &completion(3, 12.0));
+        metrics.record_completion("org/m\"x", None, &completion(3, 12.0));
         metrics.record_error("queue_full");
         let text = metrics.snapshot().to_prometheus();
         let label = "model=\"org/m\\\"x\"";

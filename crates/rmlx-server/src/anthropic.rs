@@ -212,17 +212,18 @@ pub async fn messages(
         }
         None => OutputParser::new(in_reasoning, tools),
     };
+    let id = new_id("msg_");
     let engine_request = Request {
         model: entry.path.clone(),
         prompt: Prompt::Chat { messages, options },
         assistant_prefill,
         images,
         params,
+        request_id: Some(id.clone()),
         ..Request::default()
     };
     let generation = Generation::start(&state, &entry, engine_request).await?;
-    let message =
-        json!({"id": new_id("msg_"), "type": "message", "role": "assistant", "model": entry.id});
+    let message = json!({"id": id, "type": "message", "role": "assistant", "model": entry.id});
     if request.stream.unwrap_or(false) {
         return Ok(sse::respond(MessageStream {
             generation,

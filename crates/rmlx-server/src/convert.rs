@@ -73,7 +73,7 @@ pub fn check_vision(
     if images.is_empty() {
         return Ok(());
     }
-    if read_config(model_dir).get("vision_config").is_some() {
+    if has_vision(model_dir) {
         Ok(())
     } else {
         Err(no_vision(model))
@@ -83,6 +83,11 @@ pub fn check_vision(
 fn read_config(model_dir: &std::path::Path) -> Value {
     let config = std::fs::read_to_string(model_dir.join("config.json")).unwrap_or_default();
     serde_json::from_str(&config).unwrap_or(Value::Null)
+}
+
+/// Whether the checkpoint's config declares a vision tower.
+pub fn has_vision(model_dir: &std::path::Path) -> bool {
+    read_config(model_dir).get("vision_config").is_some()
 }
 
 /// The checkpoint's `model_type` ("" when config.json is unreadable: loading reports that).

@@ -49,6 +49,9 @@ pub struct ServerConfig {
     pub cors_origins: Vec<String>,
     pub max_queue: usize,
     pub max_body_mb: usize,
+    /// A built web UI to serve at `/` (no API key needed for its files; its API calls still
+    /// send one).
+    pub ui_dir: Option<PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -64,6 +67,7 @@ impl Default for ServerConfig {
             api_key: None,
             cors_origins: Vec::new(),
             max_queue: 64,
+            ui_dir: None,
             // A 2560x2560 RGBA PNG is at most ~26 MB, ~35 MB as base64 in a data URI.
             max_body_mb: 64,
         }
@@ -126,8 +130,13 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/metrics/cache", get(metrics::cache))
-        .route("/metrics", get(metrics::prometheus))
-        .fallback(models::not_found)
+        .route("/metrics", get(metrics::prometheus));
+    // Without a UI, unknown paths get the API's JSON 404 behind the key like every route.
+    let routes = match &state.config.ui_dir {
+        Some(_) => routes,
+        None => routes.fallback(models::not_found),
+    };
+    let routes = routes
         .layer(DefaultBodyLimit::max(
             body_limit.saturating_mul(1024 * 1024),
         ))
@@ -136,6 +145,13 @@ pub fn app(state: AppState) -> Router {
             state.clone(),
             guard::require_key,
         ));
+    // Added after the key layer, so the page and its assets load without the key.
+    let routes = match &state.config.ui_dir {
+        Some(dir) => routes.fallback_service(
+            tower_http::services::ServeDir::new(dir).append_index_html_on_directories(true),
+        ),
+        None => routes,
+    };
     let routes = match guard::cors(&state.config.cors_origins) {
         Some(cors) => routes.layer(cors),
         None => routes,

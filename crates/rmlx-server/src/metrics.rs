@@ -77,8 +77,9 @@ pub fn cache_json(snapshot: &MetricsSnapshot) -> Value {
         .recent
         .iter()
         .map(|record| {
-            json!({"model": record.model, "ttft_ms": record.ttft_ms,
-                   "itl_p50_ms": record.itl_p50_ms, "tokens_in": record.tokens_in,
+            json!({"id": record.id, "model": record.model, "ttft_ms": record.ttft_ms,
+                   "itl_p50_ms": record.itl_p50_ms, "itl_ms": record.itl_ms,
+                   "tokens_in": record.tokens_in,
                    "tokens_out": record.tokens_out, "ended": record.ended})
         })
         .collect();

@@ -31,8 +31,8 @@ fn model_json(state: &AppState, entry: &ModelEntry, resident: &[PathBuf]) -> Val
         "owned_by": entry.owned_by,
         "context_length": state.registry.context_length(entry),
         "loaded": resident.contains(&canonical(&entry.path)),
-        // The engine reads no images yet; a loaded model's own report wins once it does.
-        "vision": info.is_some_and(|info| info.vision),
+        // Before a model is loaded its config says whether it has a vision tower.
+        "vision": info.map_or_else(|| crate::convert::has_vision(&entry.path), |info| info.vision),
     })
 }
 

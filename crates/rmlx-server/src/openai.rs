@@ -230,16 +230,17 @@ pub async fn chat_completions(
         }
         None => (OutputParser::new(in_reasoning, tools.is_some()), None),
     };
+    let (id, created) = (new_id("chatcmpl-"), unix_now());
     let engine_request = Request {
         model: entry.path.clone(),
         prompt: Prompt::Chat { messages, options },
         assistant_prefill,
         images,
         params,
+        request_id: Some(id.clone()),
         ..Request::default()
     };
     let generation = Generation::start(&state, &entry, engine_request).await?;
-    let (id, created) = (new_id("chatcmpl-"), unix_now());
     if request.sampling.stream.unwrap_or(false) {
         return Ok(sse::respond(ChatStream {
             generation,
@@ -410,14 +411,17 @@ pub async fn completions(
     let params = request
         .sampling
         .params(&state, request.max_tokens.unwrap_or(16), logprobs)?;
+    let id = new_id("cmpl-");
     let engine_request = Request {
         model: entry.path.clone(),
         prompt,
         params,
+        request_id: Some(id.clone()),
         ..Request::default()
     };
     let generation = Generation::start(&state, &entry, engine_request).await?;
-    let head = json!({"id": new_id("cmpl-"), "object": "text_completion", "created": unix_now(), "model": entry.id});
+    let head =
+        json!({"id": id, "object": "text_completion", "created": unix_now(), "model": entry.id});
     if request.sampling.stream.unwrap_or(false) {
         return Ok(sse::respond(TextStream {
             generation,

@@ -1,7 +1,8 @@
 //! Metrics through the server: `/metrics/cache` and `/metrics` after real requests, every
 //! entry point (chat, completions, messages; streaming and not) feeding exactly one TTFT
 //! sample, n-1 ITL samples and usage-equal token counts, prefix-cache hits on a repeated
-//! multi-turn chat, and errors counted once (by the server or by the engine, never both).
+//! multi-turn chat, each request's `recent` entry found by its response id, and errors counted
+//! once (by the server or by the engine, never both).
 
 mod common;
 
@@ -102,6 +103,24 @@ async fn every_entry_point_feeds_the_metrics_once() {
                 added,
                 [1, completion - 1, prompt, completion],
                 "{path} stream={stream}"
+            );
+            // The request's own entry: found by its response id, with every gap listed.
+            let metrics = cache_metrics(&app).await;
+            let last = metrics["recent"]
+                .as_array()
+                .unwrap()
+                .last()
+                .unwrap()
+                .clone();
+            let id = last["id"].as_str().unwrap();
+            if stream {
+                assert!(reply.text.contains(id), "{path}: {id}");
+            } else {
+                assert_eq!(reply.json()["id"], id, "{path}");
+            }
+            assert_eq!(
+                last["itl_ms"].as_array().unwrap().len() as u64,
+                completion - 1
             );
         }
     }

@@ -100,10 +100,14 @@ export class ChatSession {
         signal: controller.signal,
         onEvent: (event) => {
           if (event.kind === 'delta') {
-            patch((m) => (m.text += event.text));
+            patch((m) => {
+              m.text += event.text;
+            });
             this.liveText += event.text;
           } else if (event.kind === 'reasoning') {
-            patch((m) => (m.reasoning += event.text));
+            patch((m) => {
+              m.reasoning += event.text;
+            });
           }
         },
       });
@@ -137,13 +141,17 @@ export class ChatSession {
       try {
         const stats = findRequestStats(await this.transport.metrics(), completionId);
         if (stats) {
-          this.store.patchAnswer(threadId, messageId, (m) => (m.stats = stats));
+          this.store.patchAnswer(threadId, messageId, (m) => {
+            m.stats = stats;
+          });
           return;
         }
       } catch {
         // metrics are a nicety: an unreachable endpoint must not turn the answer into an error
       }
     }
-    this.store.patchAnswer(threadId, messageId, (m) => (m.stats = null));
+    this.store.patchAnswer(threadId, messageId, (m) => {
+      m.stats = null;
+    });
   }
 }

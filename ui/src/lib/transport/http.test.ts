@@ -29,7 +29,7 @@ function sseResponse(text: string, size = 7, status = 200): Response {
 }
 
 function transportWith(response: Response | (() => Promise<Response>), options = {}) {
-  const fetch = vi.fn(typeof response === 'function' ? response : async () => response);
+  const fetch = vi.fn<(url: string, init?: RequestInit) => Promise<Response>>(typeof response === 'function' ? response : async () => response);
   return { transport: new HttpTransport({ fetch: fetch as unknown as typeof globalThis.fetch, ...options }), fetch };
 }
 
@@ -50,7 +50,7 @@ describe('HttpTransport.chat', () => {
     expect(events.filter((e) => e.kind === 'delta').map((e) => (e as { text: string }).text).join('')).toBe('Hello');
     expect(events.at(-1)).toMatchObject({ kind: 'done', id: 'chatcmpl-abc', finish_reason: 'stop' });
 
-    const [url, init] = fetch.mock.calls[0] as unknown as [string, RequestInit];
+    const [url, init] = fetch.mock.calls[0] as [string, RequestInit];
     expect(url).toBe('http://127.0.0.1:8080/v1/chat/completions');
     expect(init.method).toBe('POST');
     expect((init.headers as Record<string, string>).authorization).toBe('Bearer k');

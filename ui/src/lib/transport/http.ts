@@ -47,6 +47,16 @@ function isAbort(error: unknown): boolean {
     : (error as { name?: string } | null)?.name === 'AbortError';
 }
 
+async function drain(reader: ReadableStreamDefaultReader<Uint8Array>): Promise<void> {
+  try {
+    while (!(await reader.read()).done) {
+      // nothing follows [DONE] that matters
+    }
+  } catch {
+    // the connection went away: nothing left to read
+  }
+}
+
 export class HttpTransport implements Transport {
   readonly kind = 'http' as const;
   private readonly baseUrl: string;
@@ -170,8 +180,9 @@ export class HttpTransport implements Transport {
         }
         if (done) break;
       }
-      // Stop reading: the engine is already done, this just releases the connection.
-      if (finished) await reader.cancel().catch(() => undefined);
+      // The server closes right after [DONE]; read that close in the background rather than
+      // cancelling, which would abort the request (and lose its body in the browser's dev tools).
+      if (finished) void drain(reader);
     } catch (error) {
       if (isAbort(error) || signal?.aborted) return { status: 'cancelled', id: seen.id };
       const failure =

@@ -66,24 +66,28 @@ export async function waitForStatus(page: Page, status: 'done' | 'stopped' | 'st
 export interface StreamSummary {
   id: string;
   usage: { prompt_tokens: number; completion_tokens: number };
-  text: string;
 }
 
-/** Reads the SSE body the server sent for a chat request (after it finished). */
+/**
+ * The id and usage from the SSE body the server sent (after it finished). Not the text: Chrome
+ * keeps a charset-less text/event-stream body as Windows-1252, so read answers from the page.
+ */
 export async function readStream(response: Response): Promise<StreamSummary> {
-  // Bytes, decoded here: text/event-stream has no charset and would be read as Latin-1.
-  const body = new TextDecoder().decode(await response.body());
+  const body = await response.text();
   let id = '';
   let usage = { prompt_tokens: -1, completion_tokens: -1 };
-  let text = '';
   for (const line of body.split('\n')) {
     if (!line.startsWith('data: ') || line === 'data: [DONE]') continue;
     const chunk = JSON.parse(line.slice(6));
     id ||= chunk.id;
     if (chunk.usage) usage = chunk.usage;
-    text += chunk.choices?.[0]?.delta?.content ?? '';
   }
-  return { id, usage, text };
+  return { id, usage };
+}
+
+/** The streamed answer as text, from the aria-live region (raw text, not rendered markdown). */
+export async function liveAnswer(page: Page): Promise<string> {
+  return (await page.getByTestId('live-answer').textContent()) ?? '';
 }
 
 function filePayload(file: string, mime: string) {

@@ -62,12 +62,12 @@ const contentTypes: Record<string, string> = {
   '.map': 'application/json',
 };
 
-/** Static dist/ plus a streaming pass-through of the API routes to rmlx. */
-function startFallbackHost(apiUrl: string): Promise<http.Server> {
-  const api = new URL(apiUrl);
+/** Static dist/ plus, given an rmlx URL, a streaming pass-through of the API routes to it. */
+export function hostDist(apiUrl: string | null): Promise<http.Server> {
+  const api = apiUrl ? new URL(apiUrl) : null;
   const server = http.createServer((request, response) => {
     const url = new URL(request.url ?? '/', 'http://localhost');
-    if (/^\/(v1|metrics|health)(\/|$)/.test(url.pathname)) {
+    if (api && /^\/(v1|metrics|health)(\/|$)/.test(url.pathname)) {
       const upstream = http.request(
         { host: api.hostname, port: api.port, path: request.url, method: request.method, headers: { ...request.headers, host: api.host } },
         (answer) => {
@@ -108,7 +108,7 @@ export async function startServer(): Promise<RunningServer> {
   let url = apiUrl;
   if (!withUiDir) {
     process.stderr.write(`e2e: ${rmlxBin} has no --ui-dir yet; hosting ui/dist from Node and proxying the API to ${apiUrl}\n`);
-    host = await startFallbackHost(apiUrl);
+    host = await hostDist(apiUrl);
     url = `http://127.0.0.1:${(host.address() as AddressInfo).port}`;
   }
   return {

@@ -19,6 +19,7 @@ export default defineConfig({
     },
   },
   build: { target: 'es2022', sourcemap: true },
+  // Under vitest (Node), resolve Svelte's client runtime as the browser would get it.
   resolve: process.env.VITEST ? { conditions: ['browser'] } : undefined,
   test: {
     environment: 'jsdom',

@@ -136,6 +136,7 @@ describe.skipIf(skipReason !== null)('rMLX UI against rmlx serve', () => {
     await dropImage(page, gradient);
     await page.locator('ul[aria-label="Attached images"] img').first().waitFor();
     expect(await attachedCount(page)).toBe(1);
+    await shot(page, 'image-attached');
     const dropResponse = await ask(page, question);
     await waitForStatus(page, 'done');
     const dropped = { ...(await readStream(dropResponse)), text: await liveAnswer(page) };
@@ -144,6 +145,7 @@ describe.skipIf(skipReason !== null)('rMLX UI against rmlx serve', () => {
     expect(sent.temperature).toBe(0);
     expect(JSON.stringify(sent.messages.at(-1)?.content)).toContain(`data:image/png;base64,${readFileSync(gradient).toString('base64')}`);
     await page.locator('li.message.user img').first().waitFor();
+    await page.waitForFunction(() => !document.querySelector('[data-testid=metrics]')?.textContent?.includes('measuring'));
     await shot(page, 'chat-with-image');
 
     // Pasted mirror image, in another chat.

@@ -88,6 +88,54 @@ describe('rMLX UI against a scripted server', () => {
     });
   }
 
+  it('edits, regenerates, renames, deletes, and keeps threads across a reload', async () => {
+    const context = await browser.newContext({ viewport: { width: 1100, height: 700 } });
+    const page = await context.newPage();
+    await scriptServer(page);
+    const sent: { messages: { role: string; content: unknown }[] }[] = [];
+    page.on('request', (request) => {
+      if (request.url().endsWith('/v1/chat/completions')) sent.push(request.postDataJSON());
+    });
+    await page.goto(url);
+    await page.waitForSelector('[data-testid=model-picker] option[value="qwen3-tiny"]', { state: 'attached' });
+    await ask(page, 'First question');
+    await waitForStatus(page, 'done');
+
+    await page.getByRole('button', { name: 'Regenerate answer' }).click();
+    await page.waitForFunction(() => document.querySelectorAll('li.message').length === 2 && document.querySelector('li.message.assistant[data-status="done"]'));
+    expect(sent).toHaveLength(2);
+    expect(sent[1].messages).toEqual(sent[0].messages);
+
+    await page.locator('li.message.user').hover();
+    await page.getByRole('button', { name: 'Edit and resend' }).click();
+    await page.getByLabel('Edit message').fill('Second version');
+    await page.getByLabel('Edit message').press('Enter');
+    await page.waitForFunction(() => document.querySelector('li.message.user .bubble')?.textContent === 'Second version');
+    await waitForStatus(page, 'done');
+    expect(await page.locator('li.message').count()).toBe(2);
+    expect(sent[2].messages.at(-1)).toEqual({ role: 'user', content: 'Second version' });
+
+    // The title followed the edited first question; rename it with the pencil, then add a chat and delete it.
+    await page.getByRole('button', { name: 'Rename Second version' }).click();
+    await page.getByLabel('New name for Second version').fill('Renamed chat');
+    await page.getByLabel('New name for Second version').press('Enter');
+    expect(await page.locator('.thread-title').allInnerTexts()).toEqual(['Renamed chat']);
+    await page.getByRole('button', { name: 'New chat' }).click();
+    await ask(page, 'Throwaway');
+    await waitForStatus(page, 'done');
+    await page.getByRole('button', { name: 'Delete Throwaway' }).click();
+    await page.getByRole('group', { name: 'Delete Throwaway?' }).getByRole('button', { name: 'Delete' }).click();
+    expect(await page.locator('.thread-title').allInnerTexts()).toEqual(['Renamed chat']);
+
+    // Saved (debounced) to localStorage: a reload brings the conversation back.
+    await page.waitForFunction(() => (localStorage.getItem('rmlx.threads') ?? '').includes('Renamed chat') && !(localStorage.getItem('rmlx.threads') ?? '').includes('Throwaway'));
+    await page.reload();
+    await page.locator('li.message.user .bubble').waitFor();
+    expect(await page.locator('li.message.user .bubble').innerText()).toBe('Second version');
+    expect(await page.locator('.chat-title').innerText()).toBe('Renamed chat');
+    await context.close();
+  });
+
   it('shows a server error under the question, with its code', async () => {
     const context = await browser.newContext({ viewport: { width: 1000, height: 600 } });
     const page = await context.newPage();

@@ -22,7 +22,8 @@ export default defineConfig({
   // Under vitest (Node), resolve Svelte's client runtime as the browser would get it.
   resolve: process.env.VITEST ? { conditions: ['browser'] } : undefined,
   test: {
-    environment: 'jsdom',
+    // Node by default (fast); files that need a DOM say `@vitest-environment jsdom`.
+    environment: 'node',
     include: ['src/**/*.test.ts'],
     // One worker: the build machine is small and shared.
     pool: 'threads',

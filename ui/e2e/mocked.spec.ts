@@ -8,8 +8,8 @@ import type { AddressInfo } from 'node:net';
 import path from 'node:path';
 import type { Browser, Page } from 'playwright-core';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { artifactsDir, ask, lastAnswer, launchBrowser, waitForStatus } from './browser';
-import { hostDist } from './server';
+import { artifactsDir, ask, dropImage, lastAnswer, launchBrowser, waitForStatus } from './browser';
+import { fixturesDir, hostDist } from './server';
 
 const answer = [
   'Here is a **Rust** example with a `main` function:\n\n',
@@ -21,7 +21,15 @@ const entry = { id: 'chatcmpl-mock-1', model: 'qwen3-tiny', ttft_ms: 41.37, itl_
 
 async function scriptServer(page: Page, options: { fail?: boolean } = {}): Promise<void> {
   await page.route('**/v1/models', (route) =>
-    route.fulfill({ json: { object: 'list', data: [{ id: 'qwen3-tiny', object: 'model', loaded: true, vision: false, context_length: 2048 }] } }),
+    route.fulfill({
+      json: {
+        object: 'list',
+        data: [
+          { id: 'qwen3-tiny', object: 'model', loaded: true, vision: false, context_length: 2048 },
+          { id: 'qwen3-vl-tiny', object: 'model', loaded: true, vision: true, context_length: 262144 },
+        ],
+      },
+    }),
   );
   await page.route('**/metrics/cache', (route) => route.fulfill({ json: { recent: [entry], in_flight: 0, queue_depth: 0 } }));
   await page.route('**/v1/chat/completions', (route) => {
@@ -133,6 +141,35 @@ describe('rMLX UI against a scripted server', () => {
     await page.locator('li.message.user .bubble').waitFor();
     expect(await page.locator('li.message.user .bubble').innerText()).toBe('Second version');
     expect(await page.locator('.chat-title').innerText()).toBe('Renamed chat');
+    await context.close();
+  });
+
+  it('downscales a picture over the pixel budget; warns when the model cannot see', async () => {
+    const context = await browser.newContext({ viewport: { width: 1100, height: 700 } });
+    const page = await context.newPage();
+    await scriptServer(page);
+    await page.goto(url);
+    await page.waitForSelector('[data-testid=model-picker] option[value="qwen3-tiny"]', { state: 'attached' });
+    await page.getByRole('button', { name: 'Chat settings' }).click();
+    await page.getByLabel('Pixel budget').fill('1000');
+    await page.getByLabel('Pixel budget').press('Tab');
+    await page.getByRole('button', { name: 'Close settings' }).click();
+
+    // 80 x 100 = 8000 pixels > 1000: shrunk to 28 x 35 (980 pixels), same aspect ratio.
+    await dropImage(page, path.join(fixturesDir, 'vision-images', 'noise_80x100.png'));
+    await page.locator('.image-tray .thumb img').waitFor();
+    expect(await page.locator('.image-tray .thumb-size').innerText()).toContain('28×35');
+    // A loaded text model: the composer says so instead of sending.
+    expect(await page.getByRole('alert').innerText()).toContain('qwen3-tiny cannot see pictures');
+    expect(await page.getByRole('button', { name: 'Send message' }).isDisabled()).toBe(true);
+    await page.getByLabel('Model', { exact: true }).selectOption('qwen3-vl-tiny');
+    const request = page.waitForRequest((r) => r.url().endsWith('/v1/chat/completions'));
+    await page.getByLabel('Message', { exact: true }).press('Enter');
+    const body = (await request).postDataJSON() as { messages: { content: { type: string; image_url?: { url: string } }[] }[] };
+    const url64 = body.messages[0].content[0].image_url!.url;
+    expect(url64.startsWith('data:image/png;base64,')).toBe(true);
+    const png = Buffer.from(url64.split(',')[1], 'base64');
+    expect([png.readUInt32BE(16), png.readUInt32BE(20)]).toEqual([28, 35]); // IHDR width, height
     await context.close();
   });
 

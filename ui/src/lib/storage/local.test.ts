@@ -1,3 +1,4 @@
+// @vitest-environment jsdom
 import { describe, expect, it } from 'vitest';
 import type { ThreadsDocument } from '../chat/model';
 import { LocalThreadStorage, STORAGE_KEY } from './local';

@@ -173,6 +173,36 @@ describe('rMLX UI against a scripted server', () => {
     await context.close();
   });
 
+  it('works from the keyboard: Shift+Enter newline, Enter sends, Esc closes settings', async () => {
+    const context = await browser.newContext({ viewport: { width: 1100, height: 700 } });
+    const page = await context.newPage();
+    await scriptServer(page);
+    let requests = 0;
+    page.on('request', (request) => {
+      if (request.url().endsWith('/v1/chat/completions')) requests++;
+    });
+    await page.goto(url);
+    await page.waitForSelector('[data-testid=model-picker] option[value="qwen3-tiny"]', { state: 'attached' });
+    const box = page.getByLabel('Message', { exact: true });
+    await box.focus();
+    await page.keyboard.type('line one');
+    await page.keyboard.press('Shift+Enter');
+    await page.keyboard.type('line two');
+    expect(await box.inputValue()).toBe('line one\nline two');
+    expect(requests).toBe(0);
+    await page.keyboard.press('Enter');
+    await waitForStatus(page, 'done');
+    expect(requests).toBe(1);
+    expect(await page.locator('li.message.user .bubble').innerText()).toBe('line one\nline two');
+
+    await page.getByRole('button', { name: 'Chat settings' }).click();
+    expect(await page.evaluate(() => document.activeElement?.id)).toBe('system-prompt');
+    await page.keyboard.press('Escape');
+    expect(await page.locator('#chat-settings').count()).toBe(0);
+    expect(await page.evaluate(() => document.activeElement?.getAttribute('aria-label'))).toBe('Chat settings');
+    await context.close();
+  });
+
   it('shows a server error under the question, with its code', async () => {
     const context = await browser.newContext({ viewport: { width: 1000, height: 600 } });
     const page = await context.newPage();

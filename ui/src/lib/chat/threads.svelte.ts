@@ -12,8 +12,8 @@ export const DEFAULT_SAMPLING: Sampling = { temperature: 0.7, top_p: 0.95, max_t
 export class ThreadStore {
   threads = $state<Thread[]>([]);
   activeId = $state<string | null>(null);
-  /** The last save failed: the message, for the UI. */
-  saveError = $state<string | null>(null);
+  /** Loading or the last save failed: the message, for the UI. */
+  storageError = $state<string | null>(null);
 
   readonly active: Thread | null = $derived(this.threads.find((t) => t.id === this.activeId) ?? null);
   /** Most recently used first. */
@@ -28,7 +28,14 @@ export class ThreadStore {
   ) {}
 
   async load(): Promise<void> {
-    const document = await this.storage.load();
+    let document: ThreadsDocument | null;
+    try {
+      document = await this.storage.load();
+    } catch (error) {
+      // Start empty rather than not at all; nothing is saved over the old file until a change.
+      this.storageError = `Could not load conversations: ${String(error)}`;
+      return;
+    }
     if (!document) return;
     for (const thread of document.threads) {
       for (const message of thread.messages) {
@@ -133,9 +140,9 @@ export class ThreadStore {
     this.saving = this.saving.then(async () => {
       try {
         await this.storage.save(document);
-        this.saveError = null;
+        this.storageError = this.storage.notice ?? null;
       } catch (error) {
-        this.saveError = `Could not save conversations: ${String(error)}`;
+        this.storageError = `Could not save conversations: ${String(error)}`;
       }
     });
     return this.saving;

@@ -57,6 +57,17 @@ describe('ThreadStore', () => {
     expect(store.active?.messages[0]).toMatchObject({ status: 'stopped', text: 'half' });
   });
 
+  it('starts empty, with a message, when saved conversations cannot be read', async () => {
+    const storage = new MemoryThreadStorage();
+    storage.load = async () => {
+      throw new Error('disk on fire');
+    };
+    const store = new ThreadStore(storage, 0);
+    await store.load();
+    expect(store.threads).toEqual([]);
+    expect(store.storageError).toBe('Could not load conversations: Error: disk on fire');
+  });
+
   it('orders threads by last activity', () => {
     const store = new ThreadStore(new MemoryThreadStorage(), 0);
     const a = store.create();

@@ -44,6 +44,7 @@ describe('LocalThreadStorage', () => {
     const storage = new LocalThreadStorage(limitedStorage(800));
     await storage.save(document);
     expect(storage.droppedImages).toBe(true);
+    expect(storage.notice).toContain('pictures were not saved');
     const loaded = await storage.load();
     expect(loaded?.threads[0].messages[0]).toMatchObject({ text: 'what?', images: [{ name: 'x.png', dataUrl: '' }] });
   });

@@ -28,6 +28,10 @@ export class LocalThreadStorage implements ThreadStorage {
   /** Set when the last save had to drop image bytes to fit; the UI says so. */
   droppedImages = false;
 
+  get notice(): string | null {
+    return this.droppedImages ? 'Browser storage is full: pictures were not saved with the conversations (their text was).' : null;
+  }
+
   constructor(private readonly storage: Storage = globalThis.localStorage) {}
 
   async load(): Promise<ThreadsDocument | null> {

@@ -5,6 +5,8 @@ export interface ThreadStorage {
   /** The saved document, or null on first run. */
   load(): Promise<ThreadsDocument | null>;
   save(document: ThreadsDocument): Promise<void>;
+  /** Set when the last save kept less than asked (e.g. pictures dropped to fit); for the UI. */
+  readonly notice?: string | null;
 }
 
 /** A saved document from an unknown source: null unless it has the shape we write. */

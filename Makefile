@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 
-.PHONY: run test bootstrap build lint fmt-check clippy cargo-test sdk-deps clean-mlx bench
+.PHONY: run test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-test clean-mlx bench
 
 ## Provide the pinned MLX + mlx-c pair under .mlx/ (idempotent; apt packages when root).
 bootstrap:
@@ -36,9 +36,18 @@ sdk-deps:
 cargo-test: bootstrap sdk-deps
 	RMLX_REQUIRE_SDK=1 $(CARGO) test --workspace
 
+## The web UI (ui/): lint, unit tests, then the browser suite in headless Chromium against a
+## real `rmlx serve` on the tiny fixtures (the debug binary cargo-test built).
+ui-deps:
+	@scripts/ui-deps
+
+ui-test: ui-deps
+	$(CARGO) build --bin rmlx
+	cd ui && npm run lint && npm test && RMLX_BIN=$(CURDIR)/target/debug/rmlx npm run e2e
+
 lint: fmt-check clippy
 
-test: fmt-check clippy cargo-test
+test: fmt-check clippy cargo-test ui-test
 
 ## rmlx vs mlx-lm on benchmark-sized random checkpoints (not part of `make test`).
 bench:

@@ -113,3 +113,80 @@ fn lookup_memory_is_linear_in_sequence_length() {
         "lookup peaked at {large} bytes; a seq x seq f32 identity alone is {identity_bytes}"
     );
 }
+
+/// The quantized tables the vision-language fixtures ship, loaded as the models load them:
+/// Qwen3-VL's 4-bit `embed_tokens`, Gemma 4's mxfp4 `embed_tokens` and its per-layer table.
+fn checkpoint_tables() -> Vec<(String, Embedding, i32)> {
+    let fixtures =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let mut tables = Vec::new();
+    for (dir, name, vocab, dim) in [
+        (
+            "qwen3-vl-tiny-4bit",
+            "language_model.model.embed_tokens",
+            1024,
+            64,
+        ),
+        (
+            "gemma4-tiny-mxfp4",
+            "language_model.model.embed_tokens",
+            1024,
+            64,
+        ),
+        (
+            "gemma4-tiny-mxfp4",
+            "language_model.model.embed_tokens_per_layer",
+            1024,
+            96,
+        ),
+    ] {
+        let path = fixtures.join(dir);
+        let config = rmlx_engine::config::ConfigFile::read(&path).unwrap();
+        let mut store = rmlx_engine::weights::WeightStore::open(&path).unwrap();
+        let quant = config.base.quantization.as_ref();
+        let table = Embedding::load(&mut store, quant, name, vocab, dim).unwrap();
+        assert!(matches!(table, Embedding::Quantized { .. }), "{dir} {name}");
+        tables.push((format!("{dir} {name}"), table, vocab));
+    }
+    tables
+}
+
+#[test]
+fn vision_checkpoint_tables_look_up_on_device_like_dequantize_then_take() {
+    let _turn = SERIAL.lock().unwrap_or_else(|poison| poison.into_inner());
+    for (name, table, vocab) in checkpoint_tables() {
+        let Embedding::Quantized { packed } = &table else {
+            unreachable!()
+        };
+        let dense = quant::dequantize(
+            &packed.weight,
+            &packed.scales,
+            packed.biases.as_ref(),
+            packed.spec,
+        )
+        .unwrap();
+        let ids = ids(700, vocab);
+        let looked_up = table.forward(&ids).unwrap();
+        let reference = dense.take_axis(&ids, 0).unwrap();
+        let equal = mlx_rs::ops::array_eq(&looked_up, &reference, None).unwrap();
+        assert!(equal.item_exact::<bool>(), "{name} differs");
+        // A 16384-token prompt (a 2560² image and more) costs O(seq) memory, far below the
+        // seq × seq identity the 0.2.4 lookup multiplied by.
+        let long = ids_in(16384, vocab);
+        unsafe { mlx_sys::mlx_reset_peak_memory() };
+        let before = peak_memory();
+        table.forward(&long).unwrap().eval().unwrap();
+        let peak = peak_memory().saturating_sub(before);
+        let identity_bytes = 16384usize.pow(2) * 4;
+        assert!(
+            peak < identity_bytes / 20,
+            "{name}: lookup peaked at {peak} bytes (identity: {identity_bytes})"
+        );
+    }
+}
+
+fn ids_in(count: i32, vocab: i32) -> Array {
+    let array = ids(count, vocab);
+    array.eval().unwrap();
+    array
+}

@@ -539,6 +539,7 @@ impl EngineThread {
         let (prompt_ids, images) = if request.images.is_empty() {
             (prompt_ids, None)
         } else {
+            let started = std::time::Instant::now();
             // Count the image tokens from the image sizes alone: a prompt over the context is
             // refused before any resize, vision tower or prefill work.
             let counted = crate::multimodal::place_images(
@@ -551,7 +552,8 @@ impl EngineThread {
                 false,
             )?;
             generate::effective_context(model, &request.params, counted.ids.len())?;
-            let prepared = prepare_images(&resident.loaded, tokenizer, prompt_ids, request)?;
+            let prepared =
+                prepare_images(&resident.loaded, tokenizer, prompt_ids, request, started)?;
             (prepared.0, Some(prepared.1))
         };
         let max_ctx = generate::effective_context(model, &request.params, prompt_ids.len())?;
@@ -607,6 +609,8 @@ struct PendingImages<'a> {
     input: crate::models::ImageInput,
     spans: Vec<std::ops::Range<usize>>,
     blocks: Vec<std::ops::Range<usize>>,
+    /// When image work began: the request's TTFT counts from here.
+    started: std::time::Instant,
 }
 
 impl<'a> PendingImages<'a> {
@@ -616,6 +620,7 @@ impl<'a> PendingImages<'a> {
             features: self.model.encode_images(&self.input)?,
             spans: self.spans,
             blocks: self.blocks,
+            started: Some(self.started),
         })
     }
 }
@@ -627,6 +632,7 @@ fn prepare_images<'a>(
     tokenizer: &ChatTokenizer,
     prompt_ids: Vec<u32>,
     request: &Request,
+    started: std::time::Instant,
 ) -> Result<(Vec<u32>, PendingImages<'a>)> {
     let model = loaded.model.as_vision().ok_or_else(|| {
         EngineError::InvalidRequest(format!(
@@ -650,6 +656,7 @@ fn prepare_images<'a>(
             input: placed.input.expect("pixels were asked for"),
             spans: placed.spans,
             blocks: placed.blocks,
+            started,
         },
     ))
 }

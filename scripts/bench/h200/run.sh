@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Image prefill on an NVIDIA H200 (MLX CUDA backend): rmlx vs mlx-vlm 0.7.6 on a random-weight
+# Qwen3-VL-4B-shaped bf16 checkpoint with the real Qwen vocabulary, made here on the GPU.
+# The machine has Python 3.12 with PyTorch's CUDA 13 libraries (`nvidia` namespace) and no
+# registry: everything else comes from scripts/bench/h200/pack.sh's two carry folders.
+# Usage, through the device tool, calls back to back (the machine stays warm ~30 s):
+#   1. carry .bench/h200/a:  bash scripts/bench/h200/run.sh stage-a     (copies it to /tmp, unpacks)
+#   2. carry .bench/h200/b:  SIZES=2560 bash scripts/bench/h200/run.sh  (libmlx.so, model, bench)
+#   3. (optional, still warm) SIZES=512 bash scripts/bench/h200/run.sh  (done steps are skipped)
+# Env: SIZES (default 2560,512), RUNS (3), LIMIT (seconds from the start by which the bench must
+# end, 575: the tool's limit is 600 and what is under $OUT comes back), OUT.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../../.." && pwd)
+cd "$root"
+OUT=${OUT:-/tmp/h200-out}
+A=${A:-/tmp/h2/a}
+B=${B:-.bench/h200/b}
+SITE=/tmp/site
+BENCH=/tmp/bench
+SIZES=${SIZES:-2560,512}
+RUNS=${RUNS:-3}
+LIMIT=${LIMIT:-575}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/run.log") 2>&1
+step() { echo "== $(date +%T) +${SECONDS}s $*"; }
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+# Stage a: copy the first carry folder out of the tree and unpack it.
+if [[ ! -f $SITE/.stage-a ]]; then
+  step "unpack a"
+  if [[ ! -f $A/rmlx.xz ]]; then mkdir -p "$(dirname "$A")" && cp -r .bench/h200/a "$A" || exit 1; fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$A"/mlx-0.32.2-*.whl "$A"/mlx_vlm-0.7.6-*.whl || exit 1
+  mkdir -p "$SITE/mlx/lib" /tmp/rmlx
+  tar -C "$SITE/mlx" -xJf "$A/mlx-include.tar.xz" || exit 1
+  tar -C "$SITE" -xJf "$A/mlx_cuda_13.libs.tar.xz" || exit 1
+  cp "$A/libmlxc.so" "$SITE/mlx/lib/"
+  xz -dc "$A/rmlx.xz" > /tmp/rmlx/rmlx && chmod +x /tmp/rmlx/rmlx
+  touch "$SITE/.stage-a"
+fi
+NV=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])') || exit 1
+# Every folder of the CUDA 13 libraries (nvidia/cu13/lib, nvidia/cudnn/lib, nvidia/nccl/lib, ...).
+LD_LIBRARY_PATH=$(find "$NV" -name 'lib*.so*' -printf '%h\n' | sort -u | paste -sd:)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export LD_LIBRARY_PATH
+CUDA_HOME=$NV/cu13
+[[ -d $CUDA_HOME ]] || CUDA_HOME=$(dirname "$(dirname "$(find "$NV" -name cuda_runtime.h | head -1)")")
+export CUDA_HOME PYTHONPATH=$SITE
+if [[ ${1:-} == stage-a ]]; then
+  echo "NV=$NV CUDA_HOME=$CUDA_HOME"
+  ls "$NV"
+  python3 --version
+  df -h /tmp | tail -1
+  python3 -c "import pynvml; pynvml.nvmlInit(); h = pynvml.nvmlDeviceGetHandleByIndex(0); print(pynvml.nvmlDeviceGetName(h), pynvml.nvmlDeviceGetMemoryInfo(h).used)"
+  step "stage a done"
+  exit 0
+fi
+
+# Stage b: the other half of libmlx.so.
+if [[ ! -f $SITE/mlx/lib/libmlx.so ]]; then
+  step "unpack b"
+  cat "$A/libmlx.so.xz.part0" "$B/libmlx.so.xz.part1" > /tmp/libmlx.so.xz || exit 1
+  echo "$(cat "$A/libmlx.so.xz.sha256")  /tmp/libmlx.so.xz" | sha256sum -c - || exit 1
+  xz -dc -T0 /tmp/libmlx.so.xz > "$SITE/mlx/lib/libmlx.so.partial" || exit 1
+  mv "$SITE/mlx/lib/libmlx.so.partial" "$SITE/mlx/lib/libmlx.so"
+fi
+
+step check
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import sys, mlx.core as mx, transformers; print(sys.version.split()[0], 'mlx', mx.__version__, mx.default_device(), 'transformers', transformers.__version__, (mx.ones((64, 64)) @ mx.ones((64, 64))).sum().item())" || exit 1
+RMLX_MLX_LIB_DIR=$SITE/mlx/lib /tmp/rmlx/rmlx doctor || exit 1
+# `run.sh stage-b CMD...`: set up, then run CMD in this environment instead of the benchmark.
+if [[ ${1:-} == stage-b ]]; then shift; "$@"; exit; fi
+
+if [[ ! -f $BENCH/qwen3-vl-4b-bf16/config.json ]]; then
+  step model
+  python3 scripts/bench/make_vl_bench_model.py --shape 4b --device gpu --out "$BENCH" --tiktoken "$A/qwen.tiktoken" || exit 1
+  du -sh "$BENCH/qwen3-vl-4b-bf16"
+fi
+
+bench() {  # size runs json
+  local left=$(( LIMIT - SECONDS ))
+  (( left > 30 )) || { echo "no time left for $1"; return 1; }
+  timeout "$left" python3 scripts/bench/images.py --model "$BENCH/qwen3-vl-4b-bf16" --rmlx /tmp/rmlx/rmlx \
+    --mlx-lib-dir "$SITE/mlx/lib" --sizes "$1" --runs "$2" --image-dir "$BENCH/images" --json-out "$OUT/$3"
+}
+for size in ${SIZES//,/ }; do
+  step "bench $size"
+  bench "$size" "$RUNS" "h200-$size.json"
+done
+step done

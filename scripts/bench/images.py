@@ -47,18 +47,19 @@ PROMPT = "Describe this image in detail."
 # --------------------------------------------------------------------------
 # Image
 # --------------------------------------------------------------------------
-def make_image(size, out_dir):
-    """A deterministic size x size RGB PNG: gradients, rings and seeded noise blocks."""
+def make_image(size, out_dir, variant=0):
+    """A deterministic size x size RGB PNG: gradients, rings and seeded noise blocks. Variants
+    differ in their noise blocks (warm runs use a new image each time, so no cache can help)."""
     import numpy as np
     from PIL import Image
 
-    path = Path(out_dir) / f"bench_{size}.png"
+    path = Path(out_dir) / (f"bench_{size}.png" if variant == 0 else f"bench_{size}_v{variant}.png")
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     y, x = np.mgrid[0:size, 0:size].astype(np.float32) / size
     r = np.sqrt((x - 0.5) ** 2 + (y - 0.5) ** 2)
-    rng = np.random.default_rng(size)
+    rng = np.random.default_rng(size if variant == 0 else [size, variant])
     blocks = rng.integers(0, 256, size=(size // 32 + 1, size // 32 + 1, 3)).repeat(32, 0).repeat(32, 1)[:size, :size]
     img = np.stack([255 * x, 255 * y, 127.5 * (1 + np.sin(40 * r))], axis=-1)
     img = 0.7 * img + 0.3 * blocks
@@ -102,6 +103,29 @@ def worker(args):
         "mlx_vlm": mlx_vlm.__version__,
         "mlx": mx.__version__,
     }))
+
+
+def worker_warm(args):
+    """One process, one load; each image in turn (the first ones as warm-up): time from the call
+    (image file load, preprocessing, tokenization included) to the first token."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import mlx.core as mx
+    from mlx_vlm import load, stream_generate
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model, processor = load(args.model)
+    for image in args.image.split(","):
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        prompt = apply_chat_template(processor, model.config, args.prompt, num_images=1)
+        for res in stream_generate(model, processor, prompt, image=[image], max_tokens=1, temperature=0.0,
+                                   prefill_step_size=args.prefill_chunk):
+            t1 = time.perf_counter()
+            break
+        print(json.dumps({"request_ms": (t1 - t0) * 1000.0, "ttft_ms": res.prompt_tokens / res.prompt_tps * 1000.0,
+                          "prompt_tokens": res.prompt_tokens, "token": res.token, "mlx_peak_gb": mx.get_peak_memory() / 1e9}),
+              flush=True)
 
 
 # --------------------------------------------------------------------------
@@ -196,6 +220,11 @@ def run_vlm(args, image, env):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=["cold", "warm", "both"], default="both",
+                    help="cold: a fresh process per run (rmlx generate); warm: one loaded process per "
+                         "engine (rmlx serve over HTTP, mlx-vlm in-process), a new image per request")
+    ap.add_argument("--warmups", type=int, default=2, help="warm mode: discarded requests first")
     ap.add_argument("--image", help=argparse.SUPPRESS)
     ap.add_argument("--model", required=True)
     ap.add_argument("--rmlx")
@@ -209,7 +238,7 @@ def main():
     ap.add_argument("--json-out")
     args = ap.parse_args()
     if args.worker:
-        return worker(args)
+        return worker_warm(args) if args.warm else worker(args)
     if not args.rmlx:
         ap.error("--rmlx is required")
 
@@ -222,28 +251,114 @@ def main():
 
     report = {"model": args.model, "prompt": args.prompt, "prefill_chunk": args.prefill_chunk, "runs": args.runs,
               "openblas": args.openblas, "sizes": {}}
-    for size in [int(s) for s in args.sizes.split(",")]:
-        image = make_image(size, args.image_dir)
-        print(f"== {size}x{size} ({image}); warm-up (discarded), load {loadavg():.2f}", file=sys.stderr)
-        w_r = run_rmlx(args, image, rmlx_env)
-        w_v = run_vlm(args, image, env)
-        print(f"   warm-up: rmlx {w_r['ttft_ms']:.0f} ms, mlx-vlm {w_v['ttft_ms']:.0f} ms", file=sys.stderr)
-        rows = {"rmlx": [], "mlx_vlm": []}
-        for run in range(args.runs):
-            rows["rmlx"].append(run_rmlx(args, image, rmlx_env))
-            rows["mlx_vlm"].append(run_vlm(args, image, env))
-            r, v = rows["rmlx"][-1], rows["mlx_vlm"][-1]
-            print(f"   run {run + 1}: rmlx {r['ttft_ms']:.0f} ms rss {r['rss_gb']:.2f} GB (load {r['load']:.2f}) | "
-                  f"mlx-vlm {v['ttft_ms']:.0f} ms rss {v['rss_gb']:.2f} GB mlx-peak {v['mlx_peak_gb']:.2f} GB "
-                  f"(load {v['load']:.2f})", file=sys.stderr)
-        r0, v0 = rows["rmlx"][0], rows["mlx_vlm"][0]
-        agree = {"prompt_tokens": r0["prompt_tokens"] == v0["prompt_tokens"],
-                 "greedy_token": all(r["token"] == v["token"] for r, v in zip(rows["rmlx"], rows["mlx_vlm"]))}
-        report["sizes"][size] = {"runs": rows, "agree": agree, "device": v0["device"],
-                                 "versions": {"mlx": v0["mlx"], "mlx_vlm": v0["mlx_vlm"]}}
-        print_size(size, rows, agree)
+    sizes = [int(x) for x in args.sizes.split(",")]
+    if args.mode in ("cold", "both"):
+        for size in sizes:
+            report["sizes"][size] = cold(args, size, env, rmlx_env)
+            if args.json_out:
+                Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
+    if args.mode in ("warm", "both"):
+        report["warm"] = warm(args, sizes, env, rmlx_env)
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def cold(args, size, env, rmlx_env):
+    image = make_image(size, args.image_dir)
+    print(f"== cold {size}x{size} ({image}); warm-up (discarded), load {loadavg():.2f}", file=sys.stderr)
+    w_r = run_rmlx(args, image, rmlx_env)
+    w_v = run_vlm(args, image, env)
+    print(f"   warm-up: rmlx {w_r['ttft_ms']:.0f} ms, mlx-vlm {w_v['ttft_ms']:.0f} ms", file=sys.stderr)
+    rows = {"rmlx": [], "mlx_vlm": []}
+    for run in range(args.runs):
+        rows["rmlx"].append(run_rmlx(args, image, rmlx_env))
+        rows["mlx_vlm"].append(run_vlm(args, image, env))
+        r, v = rows["rmlx"][-1], rows["mlx_vlm"][-1]
+        print(f"   run {run + 1}: rmlx {r['ttft_ms']:.0f} ms rss {r['rss_gb']:.2f} GB (load {r['load']:.2f}) | "
+              f"mlx-vlm {v['ttft_ms']:.0f} ms rss {v['rss_gb']:.2f} GB mlx-peak {v['mlx_peak_gb']:.2f} GB "
+              f"(load {v['load']:.2f})", file=sys.stderr)
+    r0, v0 = rows["rmlx"][0], rows["mlx_vlm"][0]
+    agree = {"prompt_tokens": r0["prompt_tokens"] == v0["prompt_tokens"],
+             "greedy_token": all(r["token"] == v["token"] for r, v in zip(rows["rmlx"], rows["mlx_vlm"]))}
+    print_size(size, rows, agree)
+    return {"runs": rows, "agree": agree, "device": v0["device"],
+            "versions": {"mlx": v0["mlx"], "mlx_vlm": v0["mlx_vlm"]}}
+
+
+def post_chat(port, model_name, image, prompt):
+    import base64
+    import urllib.request
+
+    data = base64.b64encode(Path(image).read_bytes()).decode()
+    body = json.dumps({"model": model_name, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}},
+        {"type": "text", "text": prompt}]}]}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        j = json.loads(r.read())
+    return (time.perf_counter() - t0) * 1000.0, j
+
+
+def warm(args, sizes, env, rmlx_env):
+    """One loaded process per engine; per size `warmups` discarded requests, then `runs` timed
+    ones, each with a new image. Timed the same way on both sides: request start (image bytes
+    in hand) to the first token: rmlx through `rmlx serve` (HTTP POST, max_tokens 1), mlx-vlm
+    in-process (stream_generate from the image path). rmlx's own timings.ttft_ms is kept too."""
+    n = args.warmups + args.runs
+    images = {size: [make_image(size, args.image_dir, 100 + k) for k in range(n)] for size in sizes}
+    print(f"== warm: sizes {sizes}, {args.warmups} warm-up + {args.runs} timed requests each, "
+          f"load {loadavg():.2f}", file=sys.stderr)
+    out = {"rmlx": {}, "mlx_vlm": {}, "load": {}}
+    # rmlx serve
+    with tempfile.TemporaryFile() as se:
+        server = subprocess.Popen([args.rmlx, "serve", "--model", args.model, "--port", "0"],
+                                  stdout=subprocess.PIPE, stderr=se, env=rmlx_env)
+        try:
+            line = server.stdout.readline().decode()  # "rmlx serve: listening on http://127.0.0.1:PORT"
+            port = int(line.strip().rsplit(":", 1)[1])
+            threading.Thread(target=server.stdout.read, daemon=True).start()  # keep the pipe drained
+            name = Path(args.model).name
+            for size in sizes:
+                rows = []
+                out["load"].setdefault(size, []).append(loadavg())
+                for k, image in enumerate(images[size]):
+                    ms, j = post_chat(port, name, image, args.prompt)
+                    if k >= args.warmups:
+                        rows.append({"request_ms": ms, "ttft_ms": j["timings"]["ttft_ms"],
+                                     "prompt_tokens": j["usage"]["prompt_tokens"], "load": loadavg()})
+                out["rmlx"][size] = rows
+                print(f"   rmlx {size}: request ms {[round(r['request_ms']) for r in rows]}, "
+                      f"own ttft ms {[round(r['ttft_ms']) for r in rows]}", file=sys.stderr)
+        finally:
+            server.terminate()
+            server.wait()
+    # mlx-vlm, one process for all sizes
+    for size in sizes:
+        out["load"].setdefault(size, []).append(loadavg())
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--warm", "--model", args.model,
+               "--image", ",".join(str(i) for i in images[size]), "--prompt", args.prompt,
+               "--prefill-chunk", str(args.prefill_chunk)]
+        stdout, _, _, _ = timed(cmd, env)
+        rows = [json.loads(l) for l in stdout.strip().splitlines() if l.startswith("{")][args.warmups:]
+        for r in rows:
+            r["load"] = loadavg()
+        out["mlx_vlm"][size] = rows
+        print(f"   mlx-vlm {size}: request ms {[round(r['request_ms']) for r in rows]}", file=sys.stderr)
+    for size in sizes:
+        R, V = out["rmlx"][size], out["mlx_vlm"][size]
+        loads = out["load"][size] + [r["load"] for r in R + V]
+        print(f"\nwarm {size}x{size}: prompt {R[0]['prompt_tokens']} tokens (mlx-vlm {V[0]['prompt_tokens']}), "
+              f"{len(R)} requests, medians, load {min(loads):.2f}-{max(loads):.2f}")
+        print(f"{'':34s}{'rmlx':>10s}{'mlx-vlm':>10s}{'ratio':>8s}")
+        a, b = med(R, "request_ms"), med(V, "request_ms")
+        print(f"{'request -> first token ms':34s}{a:10.1f}{b:10.1f}{b / a:7.2f}x")
+        print(f"{'  prompt tok/s over that':34s}{R[0]['prompt_tokens'] / a * 1000:10.1f}"
+              f"{V[0]['prompt_tokens'] / b * 1000:10.1f}{b / a:7.2f}x")
+        print(f"{'engine TTFT ms (own clocks)':34s}{med(R, 'ttft_ms'):10.1f}{med(V, 'ttft_ms'):10.1f}")
+        print(f"{'mlx-vlm mx.get_peak_memory GB':34s}{'':10s}{med(V, 'mlx_peak_gb'):10.2f}")
+    return out
 
 
 def med(rows, key):

@@ -4,11 +4,13 @@
 # The machine has Python 3.12 with PyTorch's CUDA 13 libraries (`nvidia` namespace) and no
 # registry: everything else comes from scripts/bench/h200/pack.sh's two carry folders.
 # Usage, through the device tool, calls back to back (the machine stays warm ~30 s):
-#   1. carry .bench/h200/a:  bash scripts/bench/h200/run.sh stage-a     (copies it to /tmp, unpacks)
-#   2. carry .bench/h200/b:  SIZES=2560 bash scripts/bench/h200/run.sh  (libmlx.so, model, bench)
-#   3. (optional, still warm) SIZES=512 bash scripts/bench/h200/run.sh  (done steps are skipped)
-# Env: SIZES (default 2560,512), RUNS (3), LIMIT (seconds from the start by which the bench must
-# end, 575: the tool's limit is 600 and what is under $OUT comes back), OUT.
+#   1. carry .bench/h200/a:  bash scripts/bench/h200/run.sh stage-a   (copies it to /tmp, unpacks)
+#   2. carry .bench/h200/b:  bash scripts/bench/h200/run.sh           (libmlx.so, model, bench)
+#   3. (optional, still warm) e.g. MODE=cold SIZES=512 bash scripts/bench/h200/run.sh: steps
+#      already done are skipped.
+# Env: SIZES (default 2560,512), RUNS (3), MODE (warm, cold or both: images.py --mode; default
+# both), LIMIT (seconds from the start by which the bench must end, 575: the tool's limit is 600
+# and what is under $OUT comes back), OUT.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../../.." && pwd)
 cd "$root"
@@ -20,6 +22,7 @@ BENCH=/tmp/bench
 SIZES=${SIZES:-2560,512}
 RUNS=${RUNS:-3}
 LIMIT=${LIMIT:-575}
+MODE=${MODE:-both}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 step() { echo "== $(date +%T) +${SECONDS}s $*"; }
@@ -77,14 +80,20 @@ if [[ ! -f $BENCH/qwen3-vl-4b-bf16/config.json ]]; then
   du -sh "$BENCH/qwen3-vl-4b-bf16"
 fi
 
-bench() {  # size runs json
+bench() {  # sizes mode json
   local left=$(( LIMIT - SECONDS ))
   (( left > 30 )) || { echo "no time left for $1"; return 1; }
   timeout "$left" python3 scripts/bench/images.py --model "$BENCH/qwen3-vl-4b-bf16" --rmlx /tmp/rmlx/rmlx \
-    --mlx-lib-dir "$SITE/mlx/lib" --sizes "$1" --runs "$2" --image-dir "$BENCH/images" --json-out "$OUT/$3"
+    --mlx-lib-dir "$SITE/mlx/lib" --sizes "$1" --runs "$RUNS" --mode "$2" --image-dir "$BENCH/images" \
+    --json-out "$OUT/$3"
 }
-for size in ${SIZES//,/ }; do
-  step "bench $size"
-  bench "$size" "$RUNS" "h200-$size.json"
-done
+# Warm (one loaded process per engine, rmlx through `rmlx serve`) for all sizes at once, then
+# cold (a fresh process per run) size by size.
+if [[ $MODE == warm || $MODE == both ]]; then step "bench warm $SIZES"; bench "$SIZES" warm "h200-warm.json"; fi
+if [[ $MODE == cold || $MODE == both ]]; then
+  for size in ${SIZES//,/ }; do
+    step "bench cold $size"
+    bench "$size" cold "h200-cold-$size.json"
+  done
+fi
 step done

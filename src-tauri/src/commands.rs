@@ -1,0 +1,104 @@
+//! Every IPC command the UI calls, grouped by domain; registered in one place (`lib.rs`).
+//! They stay thin: chat, models and metrics go through the engine's HTTP API in-process
+//! (`bridge`), the server toggle through `local_server`, files through `settings`.
+
+use serde_json::Value;
+use tauri::{ipc::Channel, AppHandle, State};
+
+use crate::{
+    bridge::{BridgeError, ChatEvent},
+    local_server::ServerStatus,
+    settings::write_atomically,
+    Shell,
+};
+
+// --- chat -------------------------------------------------------------------------------
+
+/// Streams an answer to `request` (an OpenAI chat body) over `on_event`; returns the id
+/// `chat_cancel` takes, at once.
+#[tauri::command]
+pub fn chat_stream(
+    shell: State<'_, Shell>,
+    request: Value,
+    on_event: Channel<ChatEvent>,
+) -> String {
+    shell.bridge.start_chat(request, move |event| {
+        // A closed window drops the channel: nothing left to tell.
+        let _ = on_event.send(event);
+    })
+}
+
+#[tauri::command]
+pub fn chat_cancel(shell: State<'_, Shell>, id: String) {
+    shell.bridge.cancel(&id);
+}
+
+// --- models and metrics -----------------------------------------------------------------
+
+#[tauri::command]
+pub async fn list_models(shell: State<'_, Shell>) -> Result<Value, BridgeError> {
+    Ok(shell.bridge.get_json("/v1/models").await?["data"].take())
+}
+
+#[tauri::command]
+pub async fn metrics_snapshot(shell: State<'_, Shell>) -> Result<Value, BridgeError> {
+    shell.bridge.get_json("/metrics/cache").await
+}
+
+// --- threads ------------------------------------------------------------------------------
+
+/// The saved threads document, or null before the first save.
+#[tauri::command]
+pub fn threads_load(shell: State<'_, Shell>) -> Result<Option<Value>, String> {
+    match std::fs::read(&shell.threads_path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|error| format!("{} is damaged: {error}", shell.threads_path.display())),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(error) => Err(format!(
+            "cannot read {}: {error}",
+            shell.threads_path.display()
+        )),
+    }
+}
+
+#[tauri::command]
+pub fn threads_save(shell: State<'_, Shell>, document: Value) -> Result<(), String> {
+    let bytes = serde_json::to_vec(&document).map_err(|error| error.to_string())?;
+    write_atomically(&shell.threads_path, &bytes)
+        .map_err(|error| format!("cannot save threads: {error}"))
+}
+
+// --- local API server ---------------------------------------------------------------------
+
+#[tauri::command]
+pub fn server_status(shell: State<'_, Shell>) -> ServerStatus {
+    shell.server.status()
+}
+
+/// Switches the local server on (on `port`, or the saved one) or off; remembered for the next
+/// launch. A busy port comes back as a `failed` status with the message to show.
+#[tauri::command]
+pub async fn server_set(
+    app: AppHandle,
+    enabled: bool,
+    port: Option<u16>,
+) -> Result<ServerStatus, String> {
+    Ok(crate::set_server(&app, enabled, port).await)
+}
+
+// --- launch at login ----------------------------------------------------------------------
+
+#[tauri::command]
+pub fn launch_at_login_set(app: AppHandle, enabled: bool) -> Result<bool, String> {
+    use tauri_plugin_autostart::ManagerExt;
+    let launcher = app.autolaunch();
+    let result = if enabled {
+        launcher.enable()
+    } else {
+        launcher.disable()
+    };
+    result.map_err(|error| error.to_string())?;
+    crate::update_settings(&app, |settings| settings.launch_at_login = enabled)?;
+    launcher.is_enabled().map_err(|error| error.to_string())
+}

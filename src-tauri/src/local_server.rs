@@ -1,0 +1,113 @@
+//! The tray's "Local API server": the same router the app uses over IPC, bound to
+//! 127.0.0.1:PORT while switched on. A busy port is a clear error the tray shows, never a
+//! crash; switching off lets in-flight requests finish.
+
+use std::{net::SocketAddr, sync::Mutex};
+
+use rmlx_server::AppState;
+use serde::Serialize;
+use tokio::sync::oneshot;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum ServerStatus {
+    Off,
+    On {
+        url: String,
+    },
+    /// Switched on but could not listen (the port is taken, say).
+    Failed {
+        message: String,
+        port: u16,
+    },
+}
+
+impl ServerStatus {
+    /// One line for the tray's status item.
+    pub fn summary(&self) -> String {
+        match self {
+            ServerStatus::Off => "Server: off".into(),
+            ServerStatus::On { url } => format!("Server: on · {url}"),
+            ServerStatus::Failed { message, .. } => format!("Server: {message}"),
+        }
+    }
+}
+
+struct Running {
+    address: SocketAddr,
+    stop: oneshot::Sender<()>,
+}
+
+pub struct LocalServer {
+    state: AppState,
+    host: String,
+    running: Mutex<Option<Running>>,
+    status: Mutex<ServerStatus>,
+}
+
+impl LocalServer {
+    pub fn new(state: AppState, host: &str) -> Self {
+        Self {
+            state,
+            host: host.to_string(),
+            running: Mutex::default(),
+            status: Mutex::new(ServerStatus::Off),
+        }
+    }
+
+    pub fn status(&self) -> ServerStatus {
+        self.status.lock().unwrap().clone()
+    }
+
+    /// Listens on `port` (0 picks a free one); a running server on another port is stopped
+    /// first. Returns the new status (also on failure, which is a status, not an error).
+    pub async fn start(&self, port: u16) -> ServerStatus {
+        let current = self.running.lock().unwrap().as_ref().map(|r| r.address);
+        if let Some(address) = current {
+            if address.port() == port || port == 0 {
+                return self.status();
+            }
+            self.stop();
+        }
+        let status = match tokio::net::TcpListener::bind((self.host.as_str(), port)).await {
+            Ok(listener) => {
+                let address = listener
+                    .local_addr()
+                    .expect("a bound listener has an address");
+                let (stop, stopped) = oneshot::channel::<()>();
+                let state = self.state.clone();
+                tokio::spawn(async move {
+                    let shutdown = async {
+                        let _ = stopped.await;
+                    };
+                    if let Err(error) = rmlx_server::serve_on(listener, state, shutdown).await {
+                        eprintln!("rmlx-app: the local server failed: {error:#}");
+                    }
+                });
+                *self.running.lock().unwrap() = Some(Running { address, stop });
+                ServerStatus::On {
+                    url: format!("http://{address}"),
+                }
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::AddrInUse => ServerStatus::Failed {
+                message: format!("port {port} is in use; choose another port"),
+                port,
+            },
+            Err(error) => ServerStatus::Failed {
+                message: format!("cannot listen on port {port}: {error}"),
+                port,
+            },
+        };
+        *self.status.lock().unwrap() = status.clone();
+        status
+    }
+
+    /// Stops listening (in-flight requests finish); a stopped server stays stopped.
+    pub fn stop(&self) -> ServerStatus {
+        if let Some(running) = self.running.lock().unwrap().take() {
+            let _ = running.stop.send(());
+        }
+        *self.status.lock().unwrap() = ServerStatus::Off;
+        ServerStatus::Off
+    }
+}

@@ -91,7 +91,7 @@ pub async fn set_server(app: &AppHandle, enabled: bool, port: Option<u16>) -> Se
     let status = if enabled {
         shell.server.start(port).await
     } else {
-        shell.server.stop()
+        shell.server.stop().await
     };
     if !matches!(status, ServerStatus::Failed { .. }) {
         if let Err(error) = update_settings(app, |settings| {

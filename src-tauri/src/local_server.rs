@@ -36,6 +36,7 @@ impl ServerStatus {
 struct Running {
     address: SocketAddr,
     stop: oneshot::Sender<()>,
+    served: tokio::task::JoinHandle<()>,
 }
 
 pub struct LocalServer {
@@ -67,7 +68,7 @@ impl LocalServer {
             if address.port() == port || port == 0 {
                 return self.status();
             }
-            self.stop();
+            self.stop().await;
         }
         let status = match tokio::net::TcpListener::bind((self.host.as_str(), port)).await {
             Ok(listener) => {
@@ -76,7 +77,7 @@ impl LocalServer {
                     .expect("a bound listener has an address");
                 let (stop, stopped) = oneshot::channel::<()>();
                 let state = self.state.clone();
-                tokio::spawn(async move {
+                let served = tokio::spawn(async move {
                     let shutdown = async {
                         let _ = stopped.await;
                     };
@@ -84,7 +85,11 @@ impl LocalServer {
                         eprintln!("rmlx-app: the local server failed: {error:#}");
                     }
                 });
-                *self.running.lock().unwrap() = Some(Running { address, stop });
+                *self.running.lock().unwrap() = Some(Running {
+                    address,
+                    stop,
+                    served,
+                });
                 ServerStatus::On {
                     url: format!("http://{address}"),
                 }
@@ -102,10 +107,13 @@ impl LocalServer {
         status
     }
 
-    /// Stops listening (in-flight requests finish); a stopped server stays stopped.
-    pub fn stop(&self) -> ServerStatus {
-        if let Some(running) = self.running.lock().unwrap().take() {
+    /// Stops listening and returns once the port is closed (in-flight requests get a few
+    /// seconds to finish); a stopped server stays stopped.
+    pub async fn stop(&self) -> ServerStatus {
+        let running = self.running.lock().unwrap().take();
+        if let Some(running) = running {
             let _ = running.stop.send(());
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), running.served).await;
         }
         *self.status.lock().unwrap() = ServerStatus::Off;
         ServerStatus::Off

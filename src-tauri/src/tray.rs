@@ -63,10 +63,8 @@ pub fn build(app: &AppHandle) -> tauri::Result<()> {
             }
             "open" => show_window(app, None),
             "dashboard" => show_window(app, Some("#dashboard")),
-            "quit" => {
-                app.state::<Shell>().server.stop();
-                app.exit(0);
-            }
+            // Exiting closes the listener with the process.
+            "quit" => app.exit(0),
             _ => {}
         })
         .build(app)?;

@@ -106,8 +106,9 @@ def worker(args):
 
 
 def worker_warm(args):
-    """One process, one load; each image in turn (the first ones as warm-up): time from the call
-    (image file load, preprocessing, tokenization included) to the first token."""
+    """One process, one load; then, per image path read from stdin (one a line), time from the
+    call (image file load, preprocessing, tokenization included) to the first token and print
+    one JSON line. Prints {"ready": true} once loaded."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import mlx.core as mx
@@ -115,7 +116,11 @@ def worker_warm(args):
     from mlx_vlm.prompt_utils import apply_chat_template
 
     model, processor = load(args.model)
-    for image in args.image.split(","):
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        image = line.strip()
+        if not image:
+            break
         mx.reset_peak_memory()
         t0 = time.perf_counter()
         prompt = apply_chat_template(processor, model.config, args.prompt, num_images=1)
@@ -302,55 +307,64 @@ def post_chat(port, model_name, image, prompt):
 
 
 def warm(args, sizes, env, rmlx_env):
-    """One loaded process per engine; per size `warmups` discarded requests, then `runs` timed
-    ones, each with a new image. Timed the same way on both sides: request start (image bytes
-    in hand) to the first token: rmlx through `rmlx serve` (HTTP POST, max_tokens 1), mlx-vlm
-    in-process (stream_generate from the image path). rmlx's own timings.ttft_ms is kept too."""
+    """One loaded process per engine, both loaded at once; per size `warmups` discarded requests,
+    then `runs` timed ones, alternating rmlx / mlx-vlm, each with a new image. Timed the same way
+    on both sides: request start (image file in hand) to the first token: rmlx through
+    `rmlx serve` (HTTP POST, max_tokens 1), mlx-vlm in-process (stream_generate from the image
+    path). Each engine's own TTFT is kept too."""
     n = args.warmups + args.runs
     images = {size: [make_image(size, args.image_dir, 100 + k) for k in range(n)] for size in sizes}
-    print(f"== warm: sizes {sizes}, {args.warmups} warm-up + {args.runs} timed requests each, "
+    print(f"== warm: sizes {sizes}, {args.warmups} warm-up + {args.runs} timed requests each, alternating, "
           f"load {loadavg():.2f}", file=sys.stderr)
-    out = {"rmlx": {}, "mlx_vlm": {}, "load": {}}
-    # rmlx serve
-    with tempfile.TemporaryFile() as se:
+    out = {"rmlx": {}, "mlx_vlm": {}}
+    with tempfile.TemporaryFile() as se, tempfile.TemporaryFile() as we:
         server = subprocess.Popen([args.rmlx, "serve", "--model", args.model, "--port", "0"],
                                   stdout=subprocess.PIPE, stderr=se, env=rmlx_env)
+        vlm = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", "--warm", "--model",
+                                args.model, "--prompt", args.prompt, "--prefill-chunk", str(args.prefill_chunk)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=we, env=env, text=True)
         try:
             line = server.stdout.readline().decode()  # "rmlx serve: listening on http://127.0.0.1:PORT"
             port = int(line.strip().rsplit(":", 1)[1])
             threading.Thread(target=server.stdout.read, daemon=True).start()  # keep the pipe drained
+            while True:
+                ready = vlm.stdout.readline()
+                if not ready:
+                    we.seek(0)
+                    raise SystemExit(f"mlx-vlm worker died:\n{we.read().decode()[-4000:]}")
+                if ready.startswith("{"):
+                    break
             name = Path(args.model).name
             for size in sizes:
-                rows = []
-                out["load"].setdefault(size, []).append(loadavg())
+                out["rmlx"][size], out["mlx_vlm"][size] = [], []
                 for k, image in enumerate(images[size]):
+                    load = loadavg()
                     ms, j = post_chat(port, name, image, args.prompt)
+                    vlm.stdin.write(f"{image}\n")
+                    vlm.stdin.flush()
+                    v = json.loads(vlm.stdout.readline())
                     if k >= args.warmups:
-                        rows.append({"request_ms": ms, "ttft_ms": j["timings"]["ttft_ms"],
-                                     "prompt_tokens": j["usage"]["prompt_tokens"], "load": loadavg()})
-                out["rmlx"][size] = rows
-                print(f"   rmlx {size}: request ms {[round(r['request_ms']) for r in rows]}, "
-                      f"own ttft ms {[round(r['ttft_ms']) for r in rows]}", file=sys.stderr)
+                        out["rmlx"][size].append({"request_ms": ms, "ttft_ms": j["timings"]["ttft_ms"],
+                                                  "prompt_tokens": j["usage"]["prompt_tokens"], "load": load})
+                        v["load"] = loadavg()
+                        out["mlx_vlm"][size].append(v)
+                R, V = out["rmlx"][size], out["mlx_vlm"][size]
+                print(f"   {size}: rmlx request ms {[round(r['request_ms']) for r in R]} (own ttft "
+                      f"{[round(r['ttft_ms']) for r in R]}) | mlx-vlm {[round(r['request_ms']) for r in V]}",
+                      file=sys.stderr)
         finally:
             server.terminate()
             server.wait()
-    # mlx-vlm, one process for all sizes
-    for size in sizes:
-        out["load"].setdefault(size, []).append(loadavg())
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--warm", "--model", args.model,
-               "--image", ",".join(str(i) for i in images[size]), "--prompt", args.prompt,
-               "--prefill-chunk", str(args.prefill_chunk)]
-        stdout, _, _, _ = timed(cmd, env)
-        rows = [json.loads(l) for l in stdout.strip().splitlines() if l.startswith("{")][args.warmups:]
-        for r in rows:
-            r["load"] = loadavg()
-        out["mlx_vlm"][size] = rows
-        print(f"   mlx-vlm {size}: request ms {[round(r['request_ms']) for r in rows]}", file=sys.stderr)
+            try:
+                vlm.stdin.close()
+            except Exception:
+                pass
+            vlm.wait()
     for size in sizes:
         R, V = out["rmlx"][size], out["mlx_vlm"][size]
-        loads = out["load"][size] + [r["load"] for r in R + V]
+        loads = [r["load"] for r in R + V]
         print(f"\nwarm {size}x{size}: prompt {R[0]['prompt_tokens']} tokens (mlx-vlm {V[0]['prompt_tokens']}), "
-              f"{len(R)} requests, medians, load {min(loads):.2f}-{max(loads):.2f}")
+              f"{len(R)} requests each, alternating, medians, load {min(loads):.2f}-{max(loads):.2f}")
         print(f"{'':34s}{'rmlx':>10s}{'mlx-vlm':>10s}{'ratio':>8s}")
         a, b = med(R, "request_ms"), med(V, "request_ms")
         print(f"{'request -> first token ms':34s}{a:10.1f}{b:10.1f}{b / a:7.2f}x")

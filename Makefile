@@ -3,12 +3,13 @@ SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 
-.PHONY: run test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-test clean-mlx bench
+.PHONY: run test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-build ui-test app-deps app-test clean-mlx bench
 
 ## Provide the pinned MLX + mlx-c pair under .mlx/ (idempotent; apt packages when root).
 bootstrap:
 	@scripts/bootstrap-toolchain
 	@scripts/bootstrap-mlx
+	@scripts/app-deps
 
 build: bootstrap
 	$(CARGO) build --release --bin rmlx
@@ -25,7 +26,7 @@ run: build
 fmt-check: bootstrap
 	$(CARGO) fmt --all -- --check
 
-clippy: bootstrap
+clippy: bootstrap ui-build
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## The official Python and TypeScript SDKs the SDK tests drive (pinned, idempotent).
@@ -33,7 +34,7 @@ sdk-deps:
 	@scripts/sdk-venv
 	@scripts/sdk-node
 
-cargo-test: bootstrap sdk-deps
+cargo-test: bootstrap sdk-deps ui-build
 	RMLX_REQUIRE_SDK=1 $(CARGO) test --workspace
 
 ## The web UI (ui/): lint, unit tests, then the browser suite in headless Chromium against a
@@ -41,13 +42,22 @@ cargo-test: bootstrap sdk-deps
 ui-deps:
 	@scripts/ui-deps
 
+## The app embeds ui/dist at compile time: it must exist before cargo builds the workspace.
+ui-build: ui-deps
+	cd ui && npm run build
+
 ui-test: ui-deps
 	$(CARGO) build --bin rmlx
 	cd ui && npm run lint && npm test && RMLX_BIN=$(CURDIR)/target/debug/rmlx npm run e2e
 
+## The real app headless (Linux): tray over D-Bus, persistence, busy port, a screenshot.
+app-test: bootstrap ui-build
+	$(CARGO) build -p rmlx-app
+	@if [ "$$(uname)" = Linux ]; then scripts/app-test; else echo "app-test: Linux only (no Xvfb on macOS)"; fi
+
 lint: fmt-check clippy
 
-test: fmt-check clippy cargo-test ui-test
+test: fmt-check clippy cargo-test ui-test app-test
 
 ## rmlx vs mlx-lm on benchmark-sized random checkpoints (not part of `make test`).
 bench:

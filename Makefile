@@ -46,13 +46,15 @@ ui-deps:
 ui-build: ui-deps
 	cd ui && npm run build
 
+# `cargo test --no-run` builds the binaries exactly as cargo-test did (same feature set), so
+# after cargo-test it does nothing; `cargo build` would resolve features anew and rebuild.
 ui-test: ui-deps
-	$(CARGO) build --bin rmlx
+	$(CARGO) test --workspace --no-run
 	cd ui && npm run lint && npm test && RMLX_BIN=$(CURDIR)/target/debug/rmlx npm run e2e
 
 ## The real app headless (Linux): tray over D-Bus, persistence, busy port, a screenshot.
 app-test: bootstrap ui-build
-	$(CARGO) build -p rmlx-app
+	$(CARGO) test --workspace --no-run
 	@if [ "$$(uname)" = Linux ]; then scripts/app-test; else echo "app-test: Linux only (no Xvfb on macOS)"; fi
 
 lint: fmt-check clippy

@@ -9,7 +9,7 @@ use rmlx_engine::{
     chat::{ChatTokenizer, TemplateOptions},
     engine::{Engine, Prompt, Request},
     generate::GenerateParams,
-    multimodal::place_images,
+    multimodal::{place_images, PlacedImages},
     vision::RgbImage,
     EngineError,
 };
@@ -27,6 +27,28 @@ fn big_image() -> RgbImage {
     RgbImage::from_fn(2560, 2560, |x, y| {
         image::Rgb([(x / 10) as u8, (y / 10) as u8, ((x + y) / 20) as u8])
     })
+}
+
+/// The request's chat prompt with the big image expanded in place (pixels only when asked).
+fn placed(dir: &std::path::Path, pixels: bool) -> PlacedImages {
+    let tokenizer = ChatTokenizer::from_dir(dir).unwrap();
+    let messages = [serde_json::json!({"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What is in this image?"}]})];
+    let options = TemplateOptions {
+        add_generation_prompt: true,
+        ..Default::default()
+    };
+    let (_, ids) = tokenizer.encode_chat(&messages, &options).unwrap();
+    place_images(
+        dir,
+        "qwen3_vl",
+        &tokenizer,
+        ids,
+        &[big_image()],
+        None,
+        pixels,
+    )
+    .unwrap()
 }
 
 fn request(max_ctx: Option<usize>) -> Request {
@@ -54,24 +76,7 @@ fn request(max_ctx: Option<usize>) -> Request {
 #[test]
 fn a_2560_square_image_is_6400_soft_tokens_with_the_real_ceiling() {
     let dir = fixture("qwen3-vl-tiny");
-    let tokenizer = ChatTokenizer::from_dir(&dir).unwrap();
-    let messages = [serde_json::json!({"role": "user", "content": [
-        {"type": "image"}, {"type": "text", "text": "What is in this image?"}]})];
-    let options = TemplateOptions {
-        add_generation_prompt: true,
-        ..Default::default()
-    };
-    let (_, ids) = tokenizer.encode_chat(&messages, &options).unwrap();
-    let placed = place_images(
-        &dir,
-        "qwen3_vl",
-        &tokenizer,
-        ids,
-        &[big_image()],
-        None,
-        false,
-    )
-    .unwrap();
+    let placed = placed(&dir, false);
     let pads = placed.ids.iter().filter(|&&id| id == IMAGE_PAD).count();
     assert_eq!(pads, 6400);
     assert_eq!(placed.spans[0].len(), 6400);
@@ -112,24 +117,7 @@ fn a_2560_square_image_matches_mlx_vlm_and_completes() {
     let golden: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("golden_2560.json")).unwrap())
             .unwrap();
-    let tokenizer = ChatTokenizer::from_dir(&dir).unwrap();
-    let messages = [serde_json::json!({"role": "user", "content": [
-        {"type": "image"}, {"type": "text", "text": "What is in this image?"}]})];
-    let options = TemplateOptions {
-        add_generation_prompt: true,
-        ..Default::default()
-    };
-    let (_, ids) = tokenizer.encode_chat(&messages, &options).unwrap();
-    let placed = place_images(
-        &dir,
-        "qwen3_vl",
-        &tokenizer,
-        ids,
-        &[big_image()],
-        None,
-        true,
-    )
-    .unwrap();
+    let placed = placed(&dir, true);
     assert_eq!(
         placed.ids.len() as u64,
         golden["prompt_tokens"].as_u64().unwrap()

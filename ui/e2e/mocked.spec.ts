@@ -54,7 +54,7 @@ describe('rMLX UI against a scripted server', () => {
 
   beforeAll(async () => {
     mkdirSync(artifactsDir, { recursive: true });
-    host = await hostDist(null);
+    host = await hostDist();
     url = `http://127.0.0.1:${(host.address() as AddressInfo).port}`;
     browser = await launchBrowser();
   });

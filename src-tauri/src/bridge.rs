@@ -135,7 +135,8 @@ impl Bridge {
         self.cancels.lock().unwrap().insert(id.clone(), cancel_tx);
         let request = self.request(Method::POST, "/v1/chat/completions", Some(&body));
         let (router, cancels, key) = (self.router.clone(), self.cancels.clone(), id.clone());
-        tokio::spawn(async move {
+        // Tauri runs sync commands on the main thread, outside any runtime: spawn on Tauri's.
+        tauri::async_runtime::spawn(async move {
             tokio::select! {
                 // Dropping the response body is a client disconnect: the engine cancels.
                 _ = cancel_rx => sink(ChatEvent::Error {

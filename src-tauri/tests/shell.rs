@@ -43,6 +43,19 @@ fn collect(bridge: &Bridge, body: Value) -> Vec<ChatEvent> {
     events
 }
 
+/// Tauri runs sync commands such as `chat_stream` on the main thread, outside any Tokio
+/// runtime: starting a chat there must work (it once panicked, which aborts the whole app).
+#[test]
+fn a_chat_starts_from_a_thread_without_a_runtime() {
+    let bridge = Bridge::new(state());
+    assert!(tokio::runtime::Handle::try_current().is_err());
+    let events = collect(&bridge, chat(4));
+    assert!(
+        matches!(events.last(), Some(ChatEvent::Done { .. })),
+        "{events:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ipc_chat_streams_the_same_answer_and_its_metrics_entry() {
     let bridge = Bridge::new(state());

@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 
-.PHONY: run test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-build ui-test app-deps app-test clean-mlx bench
+.PHONY: run generate test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-build ui-test app-deps app-test clean-mlx bench
 
 ## Provide the pinned MLX + mlx-c pair under .mlx/ (idempotent; apt packages when root).
 bootstrap:
@@ -14,12 +14,25 @@ bootstrap:
 build: bootstrap
 	$(CARGO) build --release --bin rmlx
 
-## The main job: check MLX, then generate from the bundled tiny Qwen3 (random weights, so the
-## text is gibberish; the timings are real).
+## The main job: rMLX.app on the bundled tiny models (random weights, so answers are gibberish;
+## the timings are real). With a display (or on macOS) the app starts with its window open; with
+## none, `rmlx serve` hosts the same UI and API on 127.0.0.1 and prints the URL to open.
+MODELS ?= tests/fixtures/qwen3-tiny:tests/fixtures/qwen3-vl-tiny
+PORT ?= 8080
+run: build ui-build
+	target/release/rmlx doctor
+	@if [ "$$(uname)" = Darwin ] || [ -n "$${DISPLAY:-}$${WAYLAND_DISPLAY:-}" ]; then \
+	  $(CARGO) build --release -p rmlx-app && \
+	  RMLX_APP_MODELS="$(MODELS)" RMLX_APP_SHOW=1 target/release/rmlx-app; \
+	else \
+	  echo "make run: no display, so the UI is served in the browser instead of the app window"; \
+	  target/release/rmlx serve --port $(PORT) --ui-dir ui/dist $(foreach m,$(subst :, ,$(MODELS)),--model $(m)); \
+	fi
+
+## The command-line main job of earlier sessions: one generation from the tiny Qwen3.
 MODEL ?= tests/fixtures/qwen3-tiny
 PROMPT ?= What is the capital of France?
-run: build
-	target/release/rmlx doctor
+generate: build
 	target/release/rmlx info --model $(MODEL)
 	target/release/rmlx generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 48
 

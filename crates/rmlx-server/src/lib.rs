@@ -183,6 +183,7 @@ pub async fn serve(config: ServerConfig) -> anyhow::Result<()> {
             }
         })?;
     let address = listener.local_addr()?;
+    let config_has_ui = config.ui_dir.is_some();
     let state = AppState::new(config)?;
     let models: Vec<String> = state.registry.list().into_iter().map(|m| m.id).collect();
     // The first stdout line is the address: scripts using --port 0 read the port from it.
@@ -192,6 +193,9 @@ pub async fn serve(config: ServerConfig) -> anyhow::Result<()> {
         models.len(),
         models.join(", ")
     );
+    if config_has_ui {
+        eprintln!("rmlx serve: the chat UI is at http://{address}/ (open it in a browser)");
+    }
     use std::io::Write;
     std::io::stdout().flush()?;
     serve_on(listener, state, shutdown_signal()).await?;

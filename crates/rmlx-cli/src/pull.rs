@@ -69,6 +69,9 @@ pub fn pull(args: PullArgs) -> anyhow::Result<()> {
         |job: &Job| progress.update(job),
     ));
     let model_dir = result.with_context(|| format!("cannot pull {repo}"))?;
+    // Absolute (not canonical: symlinks such as macOS's /tmp stay as the user wrote them).
+    let model_dir = std::path::absolute(&model_dir).unwrap_or(model_dir);
+    let models_dir = std::path::absolute(&models_dir).unwrap_or(models_dir);
     println!("pulled {repo} into {}", model_dir.display());
     println!(
         "model id: {repo} (serve it with: rmlx serve --models-dir {})",

@@ -104,13 +104,13 @@ pub struct HubClient {
 impl HubClient {
     pub fn new(config: HubConfig) -> Result<Self> {
         let mut endpoint = Url::parse(config.endpoint.trim_end_matches('/')).map_err(|error| {
-            HubError::BadListing {
+            HubError::InvalidEndpoint {
                 url: config.endpoint.clone(),
-                reason: format!("not a URL: {error}"),
+                reason: error.to_string(),
             }
         })?;
-        if endpoint.cannot_be_a_base() {
-            return Err(HubError::BadListing {
+        if endpoint.cannot_be_a_base() || !matches!(endpoint.scheme(), "http" | "https") {
+            return Err(HubError::InvalidEndpoint {
                 url: config.endpoint,
                 reason: "not an http(s) base URL".into(),
             });
@@ -289,6 +289,20 @@ pub(crate) fn check_status(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn endpoints_must_be_http_urls() {
+        for bad in ["", "huggingface.co", "ftp://x", "mailto:a@b"] {
+            let result = HubClient::new(HubConfig {
+                endpoint: bad.into(),
+                token: None,
+            });
+            assert!(
+                matches!(result, Err(HubError::InvalidEndpoint { .. })),
+                "{bad:?}"
+            );
+        }
+    }
 
     #[test]
     fn urls_encode_revision_and_keep_a_mirror_prefix() {

@@ -66,6 +66,9 @@ pub enum HubError {
         size: u64,
     },
 
+    #[error("invalid hub URL `{url}`: {reason}")]
+    InvalidEndpoint { url: String, reason: String },
+
     #[error("unexpected answer from {url}: {reason}")]
     BadListing { url: String, reason: String },
 

@@ -457,7 +457,7 @@ async fn hostile_names_and_paths_write_nothing() {
 /// Trickles the weights so a pause or cancel lands mid-file.
 fn slow_hub() -> TestHub {
     let hub = hub();
-    hub.set(|switches| switches.trickle = Some(Duration::from_millis(5)));
+    hub.set(|switches| switches.trickle = Some(Duration::from_millis(10)));
     hub
 }
 

@@ -23,7 +23,7 @@ fn manager(hub: &TestHub, models_dir: &std::path::Path) -> DownloadManager {
 fn slow_hub() -> TestHub {
     let hub = TestHub::start();
     hub.add_repo(REPO, fixture("qwen3-tiny"));
-    hub.set(|switches| switches.trickle = Some(Duration::from_millis(5)));
+    hub.set(|switches| switches.trickle = Some(Duration::from_millis(10)));
     hub
 }
 

@@ -1,4 +1,4 @@
-//! `rmlx`: the engine on the command line (generate, info, doctor).
+//! `rmlx`: the engine on the command line (generate, info, doctor, serve, pull).
 
 use std::{
     io::Write,
@@ -6,6 +6,7 @@ use std::{
     process::ExitCode,
 };
 
+mod pull;
 mod serve;
 
 use anyhow::Context;
@@ -40,6 +41,8 @@ enum Command {
     Bench(BenchArgs),
     /// Serve OpenAI- and Anthropic-compatible HTTP APIs on 127.0.0.1.
     Serve(serve::ServeArgs),
+    /// Download a model from the Hugging Face hub into the models folder (reruns resume).
+    Pull(pull::PullArgs),
     /// Check the MLX runtime: library, version, device, and a few real operations.
     Doctor {
         /// Print one JSON object instead of text.
@@ -133,6 +136,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench(args),
         Command::Doctor { json } => doctor(json),
         Command::Serve(args) => serve::serve(args),
+        Command::Pull(args) => pull::pull(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

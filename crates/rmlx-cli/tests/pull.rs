@@ -1,0 +1,172 @@
+//! `rmlx pull` end to end, as a subprocess against the imitation hub (`rmlx_hub::testing` on
+//! 127.0.0.1, no internet) serving tests/fixtures/qwen3-tiny: a pull, an interrupted pull that a
+//! rerun resumes with Range, a corrupted file, bad ids, and the env defaults.
+//! Reference: huggingface_hub `commands/download.py` (the CLI this mirrors).
+
+use std::{
+    path::Path,
+    process::{Command, Output},
+};
+
+use rmlx_hub::testing::{fixture, repo_files, TestHub, COMMIT};
+
+const REPO: &str = "test/qwen3-tiny";
+const WEIGHTS: &str = "model.safetensors";
+
+fn hub() -> TestHub {
+    let hub = TestHub::start();
+    hub.add_repo(REPO, fixture("qwen3-tiny"));
+    hub
+}
+
+/// `rmlx` with none of the user's hub settings leaking in.
+fn rmlx() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rmlx"));
+    for key in ["HF_TOKEN", "HF_ENDPOINT", "RMLX_MODELS_DIR"] {
+        command.env_remove(key);
+    }
+    command
+}
+
+fn pull(hub: &TestHub, models_dir: &Path, repo: &str) -> Output {
+    rmlx()
+        .args(["pull", repo, "--hub-url", hub.url(), "--models-dir"])
+        .arg(models_dir)
+        .output()
+        .unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn assert_identical(model_dir: &Path) {
+    for (name, path) in repo_files(&fixture("qwen3-tiny")) {
+        let got = std::fs::read(model_dir.join(&name)).unwrap();
+        assert!(got == std::fs::read(path).unwrap(), "{name} differs");
+        assert!(!model_dir.join(format!("{name}.partial")).exists());
+    }
+}
+
+#[test]
+fn pull_downloads_the_repository_and_says_where() {
+    let hub = hub();
+    let models = tempfile::tempdir().unwrap();
+    let output = pull(&hub, models.path(), REPO);
+    let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
+    assert!(output.status.success(), "{stderr}");
+    let model_dir = models.path().join(REPO);
+    assert_identical(&model_dir);
+    assert!(
+        stdout.contains(&format!("pulled {REPO} into {}", model_dir.display())),
+        "{stdout}"
+    );
+    assert!(stdout.contains(&format!("model id: {REPO}")), "{stdout}");
+    // Not a terminal: one progress line per file.
+    assert!(
+        stderr.contains("pulling test/qwen3-tiny (8 files, 1.1 MB)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("  model.safetensors (823.3 KB)"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn an_interrupted_pull_resumes_on_the_next_run() {
+    let hub = hub();
+    let models = tempfile::tempdir().unwrap();
+    hub.set(|switches| switches.cut = Some((WEIGHTS.into(), 400_000)));
+    let output = pull(&hub, models.path(), REPO);
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    assert!(stderr.contains("run again to resume"), "{stderr}");
+    let model_dir = models.path().join(REPO);
+    let kept = std::fs::metadata(model_dir.join(format!("{WEIGHTS}.partial")))
+        .unwrap()
+        .len();
+    assert!(kept > 0 && kept <= 400_000, "kept {kept}");
+    assert!(!model_dir.join(WEIGHTS).exists());
+
+    hub.set(|switches| switches.cut = None);
+    hub.clear_requests();
+    let output = pull(&hub, models.path(), REPO);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    assert_identical(&model_dir);
+    let weights: Vec<_> = hub
+        .requests()
+        .into_iter()
+        .filter(|request| {
+            request
+                .path
+                .ends_with(&format!("/resolve/{COMMIT}/{WEIGHTS}"))
+        })
+        .map(|request| request.range)
+        .collect();
+    assert_eq!(weights, vec![Some(format!("bytes={kept}-"))]);
+    assert!(text(&output.stderr).contains("already here"));
+}
+
+#[test]
+fn a_corrupted_file_fails_the_pull_and_is_not_kept() {
+    let hub = hub();
+    let models = tempfile::tempdir().unwrap();
+    hub.set(|switches| switches.corrupt = Some(WEIGHTS.into()));
+    let output = pull(&hub, models.path(), REPO);
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("model.safetensors: sha256 mismatch (expected "),
+        "{stderr}"
+    );
+    let model_dir = models.path().join(REPO);
+    assert!(!model_dir.join(WEIGHTS).exists());
+    assert!(!model_dir.join(format!("{WEIGHTS}.partial")).exists());
+    assert!(!model_dir.join("config.json").exists());
+}
+
+#[test]
+fn bad_and_unknown_repositories_are_clear_errors() {
+    let hub = hub();
+    let models = tempfile::tempdir().unwrap();
+    let output = pull(&hub, models.path(), "../escape");
+    assert_eq!(output.status.code(), Some(1));
+    assert!(text(&output.stderr).contains("invalid repository id `../escape`"));
+    let output = pull(&hub, models.path(), "test/missing");
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("repository not found: test/missing"),
+        "{stderr}"
+    );
+    assert!(stderr.contains(hub.url()), "{stderr}");
+    assert_eq!(std::fs::read_dir(models.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn hub_url_models_dir_and_token_come_from_the_environment() {
+    let hub = hub();
+    hub.set(|switches| switches.token = Some("hf_secret".into()));
+    let models = tempfile::tempdir().unwrap();
+    let output = rmlx()
+        .args(["pull", REPO])
+        .env("HF_ENDPOINT", hub.url())
+        .env("RMLX_MODELS_DIR", models.path())
+        .env("HF_TOKEN", "hf_secret")
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    assert_identical(&models.path().join(REPO));
+
+    let output = rmlx()
+        .args(["pull", REPO, "--hub-url", hub.url(), "--models-dir"])
+        .arg(models.path().join("other"))
+        .output()
+        .unwrap();
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("access denied (HTTP 401)"), "{stderr}");
+    assert!(stderr.contains("HF_TOKEN"), "{stderr}");
+}

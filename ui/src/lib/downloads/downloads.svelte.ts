@@ -38,6 +38,7 @@ export class DownloadsStore {
   /** A whole list: replaces the jobs, and tells `onDone` about those that just finished. */
   apply(jobs: DownloadJob[]): void {
     const finished = newlyDone(this.states, jobs);
+    // eslint-disable-next-line svelte/prefer-svelte-reactivity -- bookkeeping, never rendered
     this.states = new Map(jobs.map((job) => [job.id, job.state]));
     this.jobs = jobs;
     this.unsupported = false;
@@ -49,6 +50,7 @@ export class DownloadsStore {
     const index = this.jobs.findIndex((j) => j.id === job.id);
     const finished = job.state === 'done' && this.states?.get(job.id) !== 'done';
     this.jobs = index === -1 ? [job, ...this.jobs] : this.jobs.map((j) => (j.id === job.id ? job : j));
+    // eslint-disable-next-line svelte/prefer-svelte-reactivity -- bookkeeping, never rendered
     this.states ??= new Map();
     this.states.set(job.id, job.state);
     if (finished) this.onDone(job);

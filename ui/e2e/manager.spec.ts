@@ -144,8 +144,8 @@ describe('Models, Dashboard and Settings against a scripted server', () => {
     await new Promise((resolve) => host?.close(resolve));
   });
 
-  async function open(view: string, server: ReturnType<typeof scriptedServer>, colorScheme: 'light' | 'dark' = 'light'): Promise<Page> {
-    const context = await browser.newContext({ viewport: { width: 1280, height: 860 }, colorScheme });
+  async function open(view: string, server: ReturnType<typeof scriptedServer>, colorScheme: 'light' | 'dark' = 'light', height = 860): Promise<Page> {
+    const context = await browser.newContext({ viewport: { width: 1280, height }, colorScheme });
     const page = await context.newPage();
     page.on('pageerror', (error) => process.stderr.write(`page error: ${error.message}\n`));
     await context.route('**/*', (route) => server.handle(route));
@@ -184,22 +184,6 @@ describe('Models, Dashboard and Settings against a scripted server', () => {
       // `--model` folders cannot be deleted.
       expect(await page.getByRole('button', { name: 'Delete qwen3-tiny' }).isDisabled()).toBe(true);
 
-      if (colorScheme === 'light') {
-        // Delete asks first; Cancel sends nothing.
-        await page.getByRole('button', { name: 'Delete mlx-community/Qwen3-4B-4bit' }).click();
-        const confirm = page.getByRole('group', { name: 'Delete mlx-community/Qwen3-4B-4bit?' });
-        await confirm.getByRole('button', { name: 'Cancel' }).click();
-        expect(server.sent.filter((s) => s.method === 'DELETE')).toEqual([]);
-        await page.getByRole('button', { name: 'Delete mlx-community/Qwen3-4B-4bit' }).click();
-        await confirm.getByRole('button', { name: 'Delete' }).click();
-        await page.locator('tr[data-model-id="mlx-community/Qwen3-4B-4bit"]').waitFor({ state: 'detached' });
-        expect(server.sent.filter((s) => s.method === 'DELETE').map((s) => s.path)).toEqual(['/v1/models/mlx-community%2FQwen3-4B-4bit']);
-        // Load sends the load route.
-        await page.getByRole('button', { name: 'Load mlx-community/Qwen3-VL-32B-Instruct-8bit' }).click();
-        await page.getByRole('button', { name: 'Unload mlx-community/Qwen3-VL-32B-Instruct-8bit' }).waitFor();
-        expect(server.sent.some((s) => s.method === 'POST' && s.path === '/v1/models/mlx-community%2FQwen3-VL-32B-Instruct-8bit/load')).toBe(true);
-      }
-
       // A bad repo id is refused before any request.
       await page.getByLabel('Repository').fill('not-a-repo');
       await page.getByRole('button', { name: 'Download', exact: true }).click();
@@ -236,6 +220,19 @@ describe('Models, Dashboard and Settings against a scripted server', () => {
         'POST /admin/downloads/dl-1/resume',
         'DELETE /admin/downloads/dl-1',
       ]);
+      // Delete asks first; Cancel sends nothing.
+      await page.getByRole('button', { name: 'Delete mlx-community/Qwen3-4B-4bit' }).click();
+      const confirm = page.getByRole('group', { name: 'Delete mlx-community/Qwen3-4B-4bit?' });
+      await confirm.getByRole('button', { name: 'Cancel' }).click();
+      expect(server.sent.filter((s) => s.method === 'DELETE' && s.path.startsWith('/v1/'))).toEqual([]);
+      await page.getByRole('button', { name: 'Delete mlx-community/Qwen3-4B-4bit' }).click();
+      await confirm.getByRole('button', { name: 'Delete' }).click();
+      await page.locator('tr[data-model-id="mlx-community/Qwen3-4B-4bit"]').waitFor({ state: 'detached' });
+      expect(server.sent.filter((s) => s.method === 'DELETE' && s.path.startsWith('/v1/')).map((s) => s.path)).toEqual(['/v1/models/mlx-community%2FQwen3-4B-4bit']);
+      // Load sends the load route.
+      await page.getByRole('button', { name: 'Load mlx-community/Qwen3-VL-32B-Instruct-8bit' }).click();
+      await page.getByRole('button', { name: 'Unload mlx-community/Qwen3-VL-32B-Instruct-8bit' }).waitFor();
+      expect(server.sent.some((s) => s.method === 'POST' && s.path === '/v1/models/mlx-community%2FQwen3-VL-32B-Instruct-8bit/load')).toBe(true);
       await page.context().close();
     });
   }
@@ -286,7 +283,7 @@ describe('Models, Dashboard and Settings against a scripted server', () => {
         tokens_in: 40 + i * 25, tokens_out: 20 + i * 4, ended: now - (6 - i) * 15_000,
       }));
       server.setRecent(entries);
-      const page = await open('dashboard', server, colorScheme);
+      const page = await open('dashboard', server, colorScheme, 1400);
       const ttft = page.getByTestId('chart-ttft');
       await page.waitForFunction(() => document.querySelector('[data-testid=chart-ttft]')?.getAttribute('data-last-ttft') === '67.5');
       expect(await page.locator('.chart canvas').count()).toBe(7);

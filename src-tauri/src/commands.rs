@@ -40,6 +40,12 @@ pub async fn list_models(shell: State<'_, Shell>) -> Result<Value, BridgeError> 
     Ok(shell.bridge.get_json("/v1/models").await?["data"].take())
 }
 
+/// The whole `GET /v1/models` body (`data`, and `memory` where the server reports it).
+#[tauri::command]
+pub async fn models_overview(shell: State<'_, Shell>) -> Result<Value, BridgeError> {
+    shell.bridge.get_json("/v1/models").await
+}
+
 #[tauri::command]
 pub async fn metrics_snapshot(shell: State<'_, Shell>) -> Result<Value, BridgeError> {
     shell.bridge.get_json("/metrics/cache").await

@@ -135,6 +135,7 @@ pub fn run() {
             commands::chat_stream,
             commands::chat_cancel,
             commands::list_models,
+            commands::models_overview,
             commands::metrics_snapshot,
             commands::threads_load,
             commands::threads_save,

@@ -8,15 +8,13 @@ use std::{
     process::{Command, Output},
 };
 
-use rmlx_hub::testing::{fixture, repo_files, TestHub, COMMIT};
+use rmlx_hub::testing::{fixture, fixture_hub, repo_files, TestHub, COMMIT, FIXTURE_REPO};
 
-const REPO: &str = "test/qwen3-tiny";
+const REPO: &str = FIXTURE_REPO;
 const WEIGHTS: &str = "model.safetensors";
 
 fn hub() -> TestHub {
-    let hub = TestHub::start();
-    hub.add_repo(REPO, fixture("qwen3-tiny"));
-    hub
+    fixture_hub()
 }
 
 /// `rmlx` with none of the user's hub settings leaking in.

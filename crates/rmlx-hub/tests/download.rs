@@ -9,17 +9,15 @@ use std::{
 
 use rmlx_hub::{
     download,
-    testing::{fixture, repo_files, TestHub},
+    testing::{fixture, fixture_hub, repo_files, TestHub, FIXTURE_REPO},
     Control, FileState, HubClient, HubConfig, HubError, Job, JobState, RepoId,
 };
 
-const REPO: &str = "test/qwen3-tiny";
+const REPO: &str = FIXTURE_REPO;
 const WEIGHTS: &str = "model.safetensors";
 
 fn hub() -> TestHub {
-    let hub = TestHub::start();
-    hub.add_repo(REPO, fixture("qwen3-tiny"));
-    hub
+    fixture_hub()
 }
 
 fn client(hub: &TestHub, token: Option<&str>) -> HubClient {

@@ -79,6 +79,16 @@ impl Bridge {
         }
     }
 
+    /// The same bridge over a new state (settings changed): chats already streaming keep
+    /// their old router and can still be stopped, and ids keep counting.
+    pub fn rebuilt(&self, state: AppState) -> Self {
+        Self {
+            next: self.next.clone(),
+            cancels: self.cancels.clone(),
+            ..Self::new(state)
+        }
+    }
+
     fn request(&self, method: Method, path: &str, body: Option<&Value>) -> Request<Body> {
         // The server's Host allow-list admits loopback names only; we are loopback.
         let mut request = Request::builder()
@@ -100,10 +110,21 @@ impl Bridge {
 
     /// GET a JSON route (`/v1/models`, `/metrics/cache`).
     pub async fn get_json(&self, path: &str) -> Result<Value, BridgeError> {
+        self.call_json(Method::GET, path, None).await
+    }
+
+    /// Any JSON route (model load/delete, the download jobs), answered as the server would
+    /// answer an HTTP client: the body, or its error as a [`BridgeError`].
+    pub async fn call_json(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Value, BridgeError> {
         let response = self
             .router
             .clone()
-            .oneshot(self.request(Method::GET, path, None))
+            .oneshot(self.request(method, path, body))
             .await
             .map_err(|never| match never {})?;
         let status = response.status();
@@ -156,6 +177,20 @@ impl Bridge {
             let _ = cancel.send(());
         }
     }
+}
+
+/// A model or job id as one path segment: `org/name` becomes `org%2Fname`, as the browser UI
+/// sends it (the server decodes it back).
+pub fn path_segment(id: &str) -> String {
+    let mut encoded = String::with_capacity(id.len());
+    for byte in id.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
+            encoded.push(byte as char);
+        } else {
+            encoded.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    encoded
 }
 
 fn internal(message: String) -> BridgeError {
@@ -314,6 +349,12 @@ impl Answer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ids_become_one_path_segment() {
+        assert_eq!(path_segment("org/name-1.5_x"), "org%2Fname-1.5_x");
+        assert_eq!(path_segment("../a b"), "..%2Fa%20b");
+    }
 
     #[test]
     fn sse_split_anywhere_gives_whole_events() {

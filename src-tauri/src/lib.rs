@@ -11,10 +11,16 @@ pub mod local_server;
 mod macos;
 pub mod settings;
 mod tray;
+pub mod updates;
 
-use std::{path::PathBuf, sync::Mutex};
+use std::{
+    path::{Path, PathBuf},
+    sync::{Mutex, RwLock},
+    time::Duration,
+};
 
-use tauri::{AppHandle, Manager, WindowEvent};
+use rmlx_server::{AppState, ServerConfig};
+use tauri::{AppHandle, Emitter, Manager, WindowEvent};
 
 use crate::{
     bridge::Bridge,
@@ -24,11 +30,26 @@ use crate::{
 
 /// Everything the commands and the tray share.
 pub struct Shell {
-    pub bridge: Bridge,
+    /// The engine-facing state and its in-process router; both are replaced together when the
+    /// settings change (the engine and its loaded models stay).
+    current: RwLock<(AppState, Bridge)>,
     pub server: LocalServer,
     pub settings: Mutex<Settings>,
     pub settings_path: PathBuf,
     pub threads_path: PathBuf,
+    data: PathBuf,
+    /// Forwards the download manager's job list as `downloads` events.
+    downloads_events: Mutex<Option<tauri::async_runtime::JoinHandle<()>>>,
+}
+
+impl Shell {
+    pub fn bridge(&self) -> Bridge {
+        self.current.read().unwrap().1.clone()
+    }
+
+    fn state(&self) -> AppState {
+        self.current.read().unwrap().0.clone()
+    }
 }
 
 /// Model folders named by `RMLX_APP_MODELS` (a `:`-separated list; tests and `make run` use the
@@ -37,6 +58,30 @@ fn extra_models() -> Vec<PathBuf> {
     std::env::var_os("RMLX_APP_MODELS")
         .map(|list| std::env::split_paths(&list).collect())
         .unwrap_or_default()
+}
+
+/// The settings as the server's config. The models folder defaults to the one `rmlx pull` and
+/// `rmlx serve` use, so models pulled from the terminal appear in the app; under
+/// `RMLX_APP_DATA` (tests) it stays inside that folder.
+fn server_config(settings: &Settings, data: &Path) -> ServerConfig {
+    let models_dir = settings.models_dir.clone().unwrap_or_else(|| {
+        match std::env::var_os("RMLX_APP_DATA") {
+            Some(_) => None,
+            None => rmlx_hub::default_models_dir(),
+        }
+        .unwrap_or_else(|| data.join("models"))
+    });
+    ServerConfig {
+        host: settings.server_host.clone(),
+        port: settings.server_port,
+        models: extra_models(),
+        models_dir: Some(models_dir),
+        hub_url: settings.hub_url.clone(),
+        max_ctx: settings.default_max_context,
+        api_key: settings.api_key.clone(),
+        cors_origins: settings.cors_origins.clone(),
+        ..ServerConfig::default()
+    }
 }
 
 fn build_shell(app: &AppHandle) -> anyhow::Result<Shell> {
@@ -53,23 +98,19 @@ fn build_shell(app: &AppHandle) -> anyhow::Result<Shell> {
         );
         Settings::default()
     });
-    let models_dir = settings
-        .models_dir
-        .clone()
-        .unwrap_or_else(|| data.join("models"));
-    std::fs::create_dir_all(&models_dir)?;
-    let state = rmlx_server::AppState::new(rmlx_server::ServerConfig {
-        models: extra_models(),
-        models_dir: Some(models_dir),
-        api_key: settings.api_key.clone(),
-        ..rmlx_server::ServerConfig::default()
-    })?;
+    let config = server_config(&settings, &data);
+    if let Some(dir) = &config.models_dir {
+        std::fs::create_dir_all(dir)?;
+    }
+    let state = AppState::new(config)?;
     Ok(Shell {
-        bridge: Bridge::new(state.clone()),
-        server: LocalServer::new(state, "127.0.0.1"),
+        current: RwLock::new((state.clone(), Bridge::new(state.clone()))),
+        server: LocalServer::new(state, &settings.server_host),
         settings: Mutex::new(settings),
         settings_path,
         threads_path: data.join("threads.json"),
+        data,
+        downloads_events: Mutex::default(),
     })
 }
 
@@ -83,8 +124,59 @@ pub fn update_settings(app: &AppHandle, edit: impl FnOnce(&mut Settings)) -> Res
         .map_err(|error| format!("cannot save settings: {error}"))
 }
 
-/// Switches the local server and tells the tray and the UI; the choice is remembered only when
-/// it took effect (a busy port leaves the saved state as it was).
+/// Saves `next` and puts it into effect at once: a new server state over the same engine (the
+/// models folder, hub, key, CORS origins and context cap), the local server restarted on its
+/// address if it runs. Refused, with nothing changed, when a value is unusable or a download is
+/// running into a folder or from a hub that would change.
+pub async fn apply_settings(app: &AppHandle, next: Settings) -> Result<Settings, String> {
+    let shell = app.state::<Shell>();
+    let previous = shell.settings.lock().unwrap().clone();
+    if next.server_host.trim().is_empty() {
+        return Err("the server host cannot be empty (127.0.0.1 keeps it on this Mac)".into());
+    }
+    let config = server_config(&next, &shell.data);
+    if let Some(dir) = &config.models_dir {
+        std::fs::create_dir_all(dir).map_err(|error| {
+            format!("cannot use {} as the models folder: {error}", dir.display())
+        })?;
+    }
+    let old = shell.state();
+    let same_downloads = previous.models_dir == next.models_dir && previous.hub_url == next.hub_url;
+    let keep = match (&old.downloads, same_downloads) {
+        (Ok(manager), true) => Some(manager.clone()),
+        (Ok(manager), false) => {
+            if manager.list().iter().any(|job| job.state.is_active()) {
+                return Err("downloads are running: pause or cancel them before changing the models folder or hub URL".into());
+            }
+            None
+        }
+        (Err(_), _) => None,
+    };
+    let state = AppState::with_engine(config, old.engine.clone(), keep)
+        .map_err(|error| format!("{error:#}"))?;
+    if let Err(why) = &state.downloads {
+        return Err(format!("the hub URL cannot be used: {why}"));
+    }
+    next.save(&shell.settings_path)
+        .map_err(|error| format!("cannot save settings: {error}"))?;
+    *shell.settings.lock().unwrap() = next.clone();
+    {
+        let mut current = shell.current.write().unwrap();
+        let bridge = current.1.rebuilt(state.clone());
+        *current = (state.clone(), bridge);
+    }
+    if !same_downloads {
+        forward_downloads(app);
+    }
+    let status = shell.server.reconfigure(state, &next.server_host).await;
+    tray::show_status(app, &status);
+    let _ = app.emit("server-status", &status);
+    Ok(next)
+}
+
+/// Switches the local server and tells the tray and the UI; the choice (with the port it got,
+/// when asked for any free one) is remembered only when it took effect (a busy port leaves the
+/// saved state as it was).
 pub async fn set_server(app: &AppHandle, enabled: bool, port: Option<u16>) -> ServerStatus {
     let shell = app.state::<Shell>();
     let port = port.unwrap_or_else(|| shell.settings.lock().unwrap().server_port);
@@ -94,17 +186,63 @@ pub async fn set_server(app: &AppHandle, enabled: bool, port: Option<u16>) -> Se
         shell.server.stop().await
     };
     if !matches!(status, ServerStatus::Failed { .. }) {
+        let port = shell.server.port().unwrap_or(port);
         if let Err(error) = update_settings(app, |settings| {
             settings.server_enabled = enabled;
-            settings.server_port = port;
+            if port != 0 {
+                settings.server_port = port;
+            }
         }) {
             eprintln!("rmlx-app: {error}");
         }
     }
     tray::show_status(app, &status);
-    use tauri::Emitter;
     let _ = app.emit("server-status", &status);
     status
+}
+
+/// Emits the job list as `downloads` after each change, at most four times a second (a watch
+/// channel keeps only the newest list, so nothing queues up behind a busy window).
+fn forward_downloads(app: &AppHandle) {
+    let shell = app.state::<Shell>();
+    let mut slot = shell.downloads_events.lock().unwrap();
+    if let Some(task) = slot.take() {
+        task.abort();
+    }
+    let Ok(manager) = shell.state().downloads else {
+        return;
+    };
+    let app = app.clone();
+    *slot = Some(tauri::async_runtime::spawn(async move {
+        let mut updates = manager.subscribe();
+        while updates.changed().await.is_ok() {
+            let jobs = updates.borrow_and_update().clone();
+            let _ = app.emit("downloads", &jobs);
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }));
+}
+
+/// Emits `/metrics/cache` as `metrics` every 500 ms while the window is visible, so the
+/// dashboard moves during a generation without polling over IPC.
+fn forward_metrics(app: &AppHandle) {
+    let app = app.clone();
+    tauri::async_runtime::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let visible = app
+                .get_webview_window("main")
+                .and_then(|window| window.is_visible().ok())
+                .unwrap_or(false);
+            if !visible {
+                continue;
+            }
+            let bridge = app.state::<Shell>().bridge();
+            if let Ok(snapshot) = bridge.get_json("/metrics/cache").await {
+                let _ = app.emit("metrics", &snapshot);
+            }
+        }
+    });
 }
 
 /// Shows, focuses and (on macOS) gives the app a Dock icon while its window is open.
@@ -131,17 +269,32 @@ pub fn run() {
             tauri_plugin_autostart::MacosLauncher::LaunchAgent,
             None,
         ))
+        .plugin(tauri_plugin_updater::Builder::new().build())
+        .manage(updates::Pending::default())
         .invoke_handler(tauri::generate_handler![
             commands::chat_stream,
             commands::chat_cancel,
             commands::list_models,
             commands::models_overview,
+            commands::model_load,
+            commands::model_unload,
+            commands::model_delete,
+            commands::download_start,
+            commands::downloads_list,
+            commands::download_pause,
+            commands::download_resume,
+            commands::download_cancel,
             commands::metrics_snapshot,
+            commands::settings_get,
+            commands::settings_set,
             commands::threads_load,
             commands::threads_save,
             commands::server_status,
             commands::server_set,
             commands::launch_at_login_set,
+            commands::update_check,
+            commands::update_install,
+            commands::app_restart,
         ])
         .setup(|app| {
             #[cfg(target_os = "macos")]
@@ -153,6 +306,15 @@ pub fn run() {
             };
             app.manage(shell);
             tray::build(app.handle())?;
+            forward_downloads(app.handle());
+            forward_metrics(app.handle());
+            // A quiet check at launch; RMLX_UPDATE_CHECK=0 turns it off (tests, offline use).
+            if std::env::var("RMLX_UPDATE_CHECK").as_deref() != Ok("0") {
+                let handle = app.handle().clone();
+                tauri::async_runtime::spawn(async move {
+                    tray::check_for_updates(&handle, false).await
+                });
+            }
             if let Some(port) = restore {
                 let handle = app.handle().clone();
                 tauri::async_runtime::spawn(async move {

@@ -40,8 +40,8 @@ struct Running {
 }
 
 pub struct LocalServer {
-    state: AppState,
-    host: String,
+    /// What the next start serves, and where: settings changes replace it.
+    target: Mutex<(AppState, String)>,
     running: Mutex<Option<Running>>,
     status: Mutex<ServerStatus>,
 }
@@ -49,10 +49,31 @@ pub struct LocalServer {
 impl LocalServer {
     pub fn new(state: AppState, host: &str) -> Self {
         Self {
-            state,
-            host: host.to_string(),
+            target: Mutex::new((state, host.to_string())),
             running: Mutex::default(),
             status: Mutex::new(ServerStatus::Off),
+        }
+    }
+
+    /// The port it listens on now, if it does.
+    pub fn port(&self) -> Option<u16> {
+        self.running
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|r| r.address.port())
+    }
+
+    /// Serves `state` on `host` from now on: a running server restarts on its port with them
+    /// (settings changed the API key, CORS origins, models folder or address).
+    pub async fn reconfigure(&self, state: AppState, host: &str) -> ServerStatus {
+        *self.target.lock().unwrap() = (state, host.to_string());
+        match self.port() {
+            Some(port) => {
+                self.stop().await;
+                self.start(port).await
+            }
+            None => self.status(),
         }
     }
 
@@ -70,13 +91,13 @@ impl LocalServer {
             }
             self.stop().await;
         }
-        let status = match tokio::net::TcpListener::bind((self.host.as_str(), port)).await {
+        let (state, host) = self.target.lock().unwrap().clone();
+        let status = match tokio::net::TcpListener::bind((host.as_str(), port)).await {
             Ok(listener) => {
                 let address = listener
                     .local_addr()
                     .expect("a bound listener has an address");
                 let (stop, stopped) = oneshot::channel::<()>();
-                let state = self.state.clone();
                 let served = tokio::spawn(async move {
                     let shutdown = async {
                         let _ = stopped.await;
@@ -99,7 +120,7 @@ impl LocalServer {
                 port,
             },
             Err(error) => ServerStatus::Failed {
-                message: format!("cannot listen on port {port}: {error}"),
+                message: format!("cannot listen on {host}:{port}: {error}"),
                 port,
             },
         };

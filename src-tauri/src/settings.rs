@@ -11,25 +11,52 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Settings {
-    /// The tray's "Local API server" item: restored at launch.
-    pub server_enabled: bool,
-    pub server_port: u16,
-    /// Model folders scan here (and in the Hugging Face cache).
+    /// Model folders scan here (and in the Hugging Face cache); downloads land here. None: the
+    /// folder `rmlx pull` uses ($RMLX_MODELS_DIR or ~/.rmlx/models).
     pub models_dir: Option<PathBuf>,
+    /// Hugging Face hub (or mirror) base URL; None: $HF_ENDPOINT or https://huggingface.co.
+    pub hub_url: Option<String>,
+    /// The tray's "Local API server": restored at launch.
+    pub server_enabled: bool,
+    /// Loopback by default; another address exposes the API to the network.
+    pub server_host: String,
+    pub server_port: u16,
     /// Required of HTTP clients when set (the app itself passes it internally).
     pub api_key: Option<String>,
+    /// Browser origins the local server admits (CORS); empty: none.
+    pub cors_origins: Vec<String>,
+    /// Cap on every model's context, in tokens; None: each model's own.
+    pub default_max_context: Option<usize>,
     /// Opt-in: the app never registers itself as a login item on its own.
     pub launch_at_login: bool,
+    pub update_channel: UpdateChannel,
+    /// Keys a newer version wrote: kept and written back, never dropped.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, serde_json::Value>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UpdateChannel {
+    #[default]
+    Stable,
+    Beta,
 }
 
 impl Default for Settings {
     fn default() -> Self {
         Self {
-            server_enabled: false,
-            server_port: 8080,
             models_dir: None,
+            hub_url: None,
+            server_enabled: false,
+            server_host: "127.0.0.1".into(),
+            server_port: 8080,
             api_key: None,
+            cors_origins: Vec::new(),
+            default_max_context: None,
             launch_at_login: false,
+            update_channel: UpdateChannel::Stable,
+            other: serde_json::Map::new(),
         }
     }
 }
@@ -78,8 +105,16 @@ mod tests {
         };
         saved.save(&path).unwrap();
         assert_eq!(Settings::load(&path).unwrap(), saved);
-        std::fs::write(&path, br#"{"server_port": 7000}"#).unwrap();
-        assert_eq!(Settings::load(&path).unwrap().server_port, 7000);
+        std::fs::write(&path, br#"{"server_port": 7000, "future_key": [1]}"#).unwrap();
+        let loaded = Settings::load(&path).unwrap();
+        assert_eq!(loaded.server_port, 7000);
+        assert_eq!(loaded.server_host, "127.0.0.1");
+        assert_eq!(loaded.update_channel, UpdateChannel::Stable);
+        loaded.save(&path).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains("\"future_key\""), "{text}");
+        std::fs::write(&path, br#"{"update_channel": "nightly"}"#).unwrap();
+        assert!(Settings::load(&path).is_err());
         std::fs::write(&path, b"{not json").unwrap();
         assert!(Settings::load(&path).is_err());
         std::fs::remove_dir_all(dir).unwrap();

@@ -1,6 +1,6 @@
 //! The menu-bar icon: a status line (server state and URL), the checkable "Local API server"
-//! item, Open rMLX, Dashboard and Quit. The icon is a monochrome template image so macOS
-//! tints it for light and dark menu bars.
+//! item, Open rMLX, Dashboard, Check for Updates… and Quit. The icon is a monochrome template
+//! image so macOS tints it for light and dark menu bars.
 
 use tauri::{
     image::Image,
@@ -15,7 +15,10 @@ use crate::{local_server::ServerStatus, show_window, Shell};
 pub struct TrayItems {
     status: MenuItem<Wry>,
     server: CheckMenuItem<Wry>,
+    updates: MenuItem<Wry>,
 }
+
+const CHECK_FOR_UPDATES: &str = "Check for Updates…";
 
 pub fn build(app: &AppHandle) -> tauri::Result<()> {
     let shell = app.state::<Shell>();
@@ -30,6 +33,7 @@ pub fn build(app: &AppHandle) -> tauri::Result<()> {
         CheckMenuItem::with_id(app, "server", "Local API server", true, false, None::<&str>)?;
     let open = MenuItem::with_id(app, "open", "Open rMLX", true, None::<&str>)?;
     let dashboard = MenuItem::with_id(app, "dashboard", "Dashboard", true, None::<&str>)?;
+    let updates = MenuItem::with_id(app, "updates", CHECK_FOR_UPDATES, true, None::<&str>)?;
     let quit = MenuItem::with_id(app, "quit", "Quit rMLX", true, Some("CmdOrCtrl+Q"))?;
     let menu = Menu::with_items(
         app,
@@ -40,6 +44,7 @@ pub fn build(app: &AppHandle) -> tauri::Result<()> {
             &PredefinedMenuItem::separator(app)?,
             &open,
             &dashboard,
+            &updates,
             &PredefinedMenuItem::separator(app)?,
             &quit,
         ],
@@ -62,14 +67,49 @@ pub fn build(app: &AppHandle) -> tauri::Result<()> {
                 });
             }
             "open" => show_window(app, None),
-            "dashboard" => show_window(app, Some("#dashboard")),
+            "dashboard" => show_window(app, Some("#/dashboard")),
+            "updates" => {
+                let app = app.clone();
+                tauri::async_runtime::spawn(async move { check_for_updates(&app, true).await });
+            }
             // Exiting closes the listener with the process.
             "quit" => app.exit(0),
             _ => {}
         })
         .build(app)?;
-    app.manage(TrayItems { status, server });
+    app.manage(TrayItems {
+        status,
+        server,
+        updates,
+    });
     Ok(())
+}
+
+/// Checks the update channel and says what it found on the tray item; an update on offer also
+/// goes to the window (`update-available`), opened at Settings when the user asked.
+pub async fn check_for_updates(app: &AppHandle, asked: bool) {
+    let channel = app.state::<Shell>().settings.lock().unwrap().update_channel;
+    let text = match crate::updates::check(app, channel).await {
+        Ok(Some(update)) => {
+            use tauri::Emitter;
+            let _ = app.emit("update-available", &update);
+            if asked {
+                show_window(app, Some("#/settings"));
+            }
+            format!("Update to {}…", update.version)
+        }
+        Ok(None) => format!("Up to date ({}) · Check Again", app.package_info().version),
+        Err(error) => {
+            eprintln!("rmlx-app: {error}");
+            if !asked {
+                return;
+            }
+            "Update check failed · Try Again".to_string()
+        }
+    };
+    if let Some(items) = app.try_state::<TrayItems>() {
+        let _ = items.updates.set_text(text);
+    }
 }
 
 /// Puts `status` on the tray: the status line and the check mark (a failed start unchecks it).

@@ -30,23 +30,12 @@ pub struct PullArgs {
     hub_url: Option<String>,
 }
 
-/// `$RMLX_MODELS_DIR`, else `~/.rmlx/models`. (`rmlx serve` has no default models folder; the
-/// app uses its own data folder's `models`.)
-fn default_models_dir() -> anyhow::Result<PathBuf> {
-    if let Some(dir) = std::env::var_os("RMLX_MODELS_DIR").filter(|dir| !dir.is_empty()) {
-        return Ok(PathBuf::from(dir));
-    }
-    let home = std::env::var_os("HOME")
-        .filter(|home| !home.is_empty())
-        .context("no HOME to put ~/.rmlx/models in; pass --models-dir")?;
-    Ok(PathBuf::from(home).join(".rmlx/models"))
-}
-
 pub fn pull(args: PullArgs) -> anyhow::Result<()> {
     let repo = RepoId::parse(&args.repo)?;
     let models_dir = match args.models_dir {
         Some(dir) => dir,
-        None => default_models_dir()?,
+        None => rmlx_hub::default_models_dir()
+            .context("no HOME to put ~/.rmlx/models in; pass --models-dir")?,
     };
     let mut config = HubConfig::from_env();
     if let Some(url) = args.hub_url {

@@ -10,8 +10,9 @@ pub struct ServeArgs {
     /// Model folder to serve under its folder name (repeatable).
     #[arg(long = "model")]
     models: Vec<PathBuf>,
-    /// Folder whose subfolders (with config.json) are served as `name` or `org/name`.
-    #[arg(long)]
+    /// Folder whose subfolders (with config.json) are served as `name` or `org/name`; downloads
+    /// from the admin routes land here [default: $RMLX_MODELS_DIR or ~/.rmlx/models, as `rmlx pull`]
+    #[arg(long, value_name = "DIR")]
     models_dir: Option<PathBuf>,
     /// Hugging Face hub cache to serve as `org/name` (default $HF_HOME/hub or ~/.cache/huggingface/hub).
     #[arg(long)]
@@ -40,6 +41,10 @@ pub struct ServeArgs {
     /// Largest request body, in MB (images arrive inline as base64).
     #[arg(long, default_value_t = 64)]
     max_body_mb: usize,
+    /// Hub base URL for the admin download routes [default: $HF_ENDPOINT or
+    /// https://huggingface.co]; $HF_TOKEN is sent as a bearer token when set.
+    #[arg(long, value_name = "URL")]
+    hub_url: Option<String>,
     /// Serve a built web UI (ui/dist) at `/`.
     #[arg(long)]
     ui_dir: Option<PathBuf>,
@@ -50,7 +55,8 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         host: args.host,
         port: args.port,
         models: args.models,
-        models_dir: args.models_dir,
+        models_dir: args.models_dir.or_else(rmlx_hub::default_models_dir),
+        hub_url: args.hub_url,
         hf_cache: args.hf_cache,
         max_ctx: args.max_ctx,
         max_loaded: args.max_loaded,

@@ -438,22 +438,10 @@ impl EngineThread {
         let Some(available) = self.memory_budget.or_else(crate::runtime::available_memory) else {
             return Ok(());
         };
-        let weights: u64 = std::fs::read_dir(dir)
-            .map_err(|error| EngineError::Io {
-                path: dir.to_path_buf(),
-                message: error.to_string(),
-            })?
-            .filter_map(|entry| entry.ok())
-            .filter(|entry| {
-                entry
-                    .path()
-                    .extension()
-                    .is_some_and(|ext| ext == "safetensors")
-            })
-            .filter_map(|entry| entry.metadata().ok().map(|meta| meta.len()))
-            .sum();
-        // Weights plus a tenth for activations and a first KV allocation.
-        let needed = weights + weights / 10;
+        let needed = crate::runtime::memory_needed(dir).map_err(|error| EngineError::Io {
+            path: dir.to_path_buf(),
+            message: error.to_string(),
+        })?;
         if needed > available {
             return Err(EngineError::ModelTooLarge {
                 model: dir.to_path_buf(),

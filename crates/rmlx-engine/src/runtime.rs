@@ -142,6 +142,37 @@ pub fn available_memory() -> Option<u64> {
     }
 }
 
+/// Physical memory (Linux `MemTotal`, macOS `hw.memsize`), for the models view's memory line.
+pub fn total_memory() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let line = meminfo.lines().find(|line| line.starts_with("MemTotal:"))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        // On macOS the physical memory is what `available_memory` reports.
+        available_memory()
+    }
+}
+
+/// What loading the model in `dir` needs: its `.safetensors` weights plus a tenth for
+/// activations and a first KV allocation. The engine refuses a model when this exceeds
+/// [`available_memory`]; the models view shows the same figure as a fits hint.
+pub fn memory_needed(dir: &std::path::Path) -> std::io::Result<u64> {
+    let mut weights = 0u64;
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|ext| ext == "safetensors") {
+            // metadata() follows symlinks: Hugging Face cache snapshots link to blobs.
+            weights += std::fs::metadata(&path).map_or(0, |meta| meta.len());
+        }
+    }
+    Ok(weights + weights / 10)
+}
+
 #[cfg(target_os = "macos")]
 extern "C" {
     fn sysctlbyname(
@@ -175,5 +206,7 @@ mod tests {
     fn available_memory_is_reported() {
         let bytes = available_memory().expect("Linux and macOS report memory");
         assert!(bytes > 64 << 20, "{bytes}");
+        let total = total_memory().expect("Linux and macOS report memory");
+        assert!(total >= bytes, "{total} < {bytes}");
     }
 }

@@ -16,6 +16,16 @@ use crate::error::{HubError, Result};
 /// Suffix of a file being downloaded; it is renamed away only after its hash checks out.
 pub const PARTIAL_SUFFIX: &str = ".partial";
 
+/// The models folder shared by `rmlx pull`, `rmlx serve` and the app when none is configured:
+/// `$RMLX_MODELS_DIR`, else `~/.rmlx/models`; None without a home folder.
+pub fn default_models_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("RMLX_MODELS_DIR").filter(|dir| !dir.is_empty()) {
+        return Some(PathBuf::from(dir));
+    }
+    let home = std::env::var_os("HOME").filter(|home| !home.is_empty())?;
+    Some(PathBuf::from(home).join(".rmlx/models"))
+}
+
 /// A validated `org/name` repository id; also the model's id once downloaded.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RepoId {
@@ -79,10 +89,21 @@ impl FromStr for RepoId {
     }
 }
 
-/// Revisions only ever travel inside URLs (as one encoded path segment), but a NUL or an empty
-/// one is certainly a mistake.
+/// A branch, tag or commit as git allows it (`git check-ref-format`): no `..`, control
+/// characters, spaces or `~^:?*[\\`, no empty path parts. Revisions only travel inside URLs (as
+/// one encoded path segment), so this refuses mistakes and tricks rather than guarding a path.
 pub(crate) fn check_revision(revision: &str) -> Result<()> {
-    if revision.is_empty() || revision.contains('\0') || revision.len() > 256 {
+    let bad = revision.is_empty()
+        || revision.len() > 256
+        || revision.contains("..")
+        || revision.contains("@{")
+        || revision.starts_with('/')
+        || revision.ends_with('/')
+        || revision.contains("//")
+        || revision
+            .chars()
+            .any(|c| c.is_control() || c.is_whitespace() || "~^:?*[\\".contains(c));
+    if bad {
         return Err(HubError::InvalidRevision(revision.to_string()));
     }
     Ok(())

@@ -142,8 +142,7 @@ impl Drop for TestHub {
     }
 }
 
-/// A fixture folder of the workspace's `tests/fixtures` (e.g. `qwen3-tiny`).
-/// The repo id both test suites serve the tiny Qwen3 fixture under.
+/// The repo id the test suites serve the tiny Qwen3 fixture under.
 pub const FIXTURE_REPO: &str = "test/qwen3-tiny";
 
 /// A running imitation hub serving `tests/fixtures/qwen3-tiny` as [`FIXTURE_REPO`].
@@ -153,6 +152,7 @@ pub fn fixture_hub() -> TestHub {
     hub
 }
 
+/// A fixture folder of the workspace's `tests/fixtures` (e.g. `qwen3-tiny`).
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures")

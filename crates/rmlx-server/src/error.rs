@@ -38,6 +38,10 @@ pub enum ApiError {
     PayloadTooLarge(usize),
     #[error("{0}")]
     QueueFull(String),
+    /// The resource is busy in a way the request cannot override (a download running, a job
+    /// in the wrong state).
+    #[error("{0}")]
+    Conflict(String),
     #[error("{0}")]
     NotImplemented(String),
     #[error("{0}")]
@@ -85,6 +89,7 @@ impl ApiError {
             Self::NotFound(_) => "not_found",
             Self::PayloadTooLarge(_) => "request_too_large",
             Self::QueueFull(_) => "queue_full",
+            Self::Conflict(_) => "conflict",
             Self::NotImplemented(_) => "not_implemented",
             Self::Internal(_) | Self::FromEngine(_) => "internal",
         }
@@ -98,6 +103,7 @@ impl ApiError {
             Self::ModelNotFound(_) | Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
+            Self::Conflict(_) => StatusCode::CONFLICT,
             Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             Self::Internal(_) | Self::FromEngine(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -116,6 +122,7 @@ impl ApiError {
             Self::NotFound(_) => ("invalid_request_error", Some("not_found")),
             Self::PayloadTooLarge(_) => ("invalid_request_error", Some("request_too_large")),
             Self::QueueFull(_) => ("rate_limit_error", Some("queue_full")),
+            Self::Conflict(_) => ("invalid_request_error", Some("conflict")),
             Self::NotImplemented(_) => ("invalid_request_error", Some("not_implemented")),
             Self::Internal(_) | Self::FromEngine(_) => ("server_error", None),
         }
@@ -123,9 +130,10 @@ impl ApiError {
 
     fn anthropic_kind(&self) -> &'static str {
         match self.plain() {
-            Self::BadRequest(_) | Self::ContextLength { .. } | Self::NotImplemented(_) => {
-                "invalid_request_error"
-            }
+            Self::BadRequest(_)
+            | Self::ContextLength { .. }
+            | Self::NotImplemented(_)
+            | Self::Conflict(_) => "invalid_request_error",
             Self::Unauthorized(_) => "authentication_error",
             Self::Forbidden(_) => "permission_error",
             Self::ModelNotFound(_) | Self::NotFound(_) => "not_found_error",
@@ -192,6 +200,18 @@ impl From<EngineError> for ApiError {
             EngineError::Chat(error @ rmlx_engine::chat::ChatError::TemplateRender { .. }) => {
                 Self::BadRequest(error.to_string())
             }
+            other => Self::Internal(other.to_string()),
+        }
+    }
+}
+
+impl From<rmlx_hub::HubError> for ApiError {
+    fn from(error: rmlx_hub::HubError) -> Self {
+        use rmlx_hub::HubError::*;
+        match error {
+            InvalidRepoId { .. } | InvalidRevision(_) => Self::BadRequest(error.to_string()),
+            JobNotFound(_) => Self::NotFound(error.to_string()),
+            InvalidState { .. } | AlreadyDownloading { .. } => Self::Conflict(error.to_string()),
             other => Self::Internal(other.to_string()),
         }
     }

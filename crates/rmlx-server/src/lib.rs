@@ -7,6 +7,7 @@
 
 pub mod anthropic;
 pub mod convert;
+pub mod downloads;
 pub mod error;
 pub mod forced;
 pub mod generation;
@@ -39,7 +40,10 @@ pub struct ServerConfig {
     pub port: u16,
     /// `--model` folders; each is served under its folder name.
     pub models: Vec<PathBuf>,
+    /// Scanned for models; the admin download routes write into it (no folder, no downloads).
     pub models_dir: Option<PathBuf>,
+    /// Hub base URL for downloads; None = `$HF_ENDPOINT` or https://huggingface.co.
+    pub hub_url: Option<String>,
     /// The Hugging Face hub cache; None = `$HF_HUB_CACHE`, `$HF_HOME/hub` or
     /// `~/.cache/huggingface/hub`.
     pub hf_cache: Option<PathBuf>,
@@ -61,6 +65,7 @@ impl Default for ServerConfig {
             port: 8080,
             models: Vec::new(),
             models_dir: None,
+            hub_url: None,
             hf_cache: None,
             max_ctx: None,
             max_loaded: 1,
@@ -81,11 +86,30 @@ pub struct AppState {
     pub registry: Arc<Registry>,
     pub config: Arc<ServerConfig>,
     pub server_errors: Arc<metrics::ServerErrors>,
+    /// The download jobs, or why there are none (no models folder, a bad hub URL).
+    pub downloads: Result<rmlx_hub::DownloadManager, String>,
 }
 
 impl AppState {
     /// Starts the engine thread and indexes the model folders.
     pub fn new(config: ServerConfig) -> anyhow::Result<Self> {
+        let engine = Engine::start_with(EngineOptions {
+            max_queue: config.max_queue,
+            max_loaded: config.max_loaded,
+            ..EngineOptions::default()
+        })
+        .context("cannot start the engine")?;
+        Self::with_engine(config, engine, None)
+    }
+
+    /// A state over a running engine: the app builds a new one when its settings change,
+    /// keeping the engine (and its loaded models) and, when the models folder and hub stay the
+    /// same, the download jobs (`downloads`).
+    pub fn with_engine(
+        config: ServerConfig,
+        engine: Engine,
+        downloads: Option<rmlx_hub::DownloadManager>,
+    ) -> anyhow::Result<Self> {
         for model in &config.models {
             anyhow::ensure!(
                 model.join("config.json").is_file(),
@@ -93,25 +117,34 @@ impl AppState {
                 model.display()
             );
         }
-        let engine = Engine::start_with(EngineOptions {
-            max_queue: config.max_queue,
-            max_loaded: config.max_loaded,
-            ..EngineOptions::default()
-        })
-        .context("cannot start the engine")?;
         let registry = Registry::new(
             &config.models,
             config.models_dir.clone(),
             config.hf_cache.clone(),
             config.max_ctx,
         );
+        let downloads = downloads.map_or_else(|| downloads_for(&config), Ok);
         Ok(Self {
             engine,
             registry: Arc::new(registry),
             config: Arc::new(config),
             server_errors: Arc::default(),
+            downloads,
         })
     }
+}
+
+/// Downloads land in the models folder, where the registry finds them as `org/name`.
+fn downloads_for(config: &ServerConfig) -> Result<rmlx_hub::DownloadManager, String> {
+    let models_dir = config.models_dir.clone().ok_or_else(|| {
+        "downloads need a models folder: start the server with --models-dir".to_string()
+    })?;
+    let mut hub = rmlx_hub::HubConfig::from_env();
+    if let Some(url) = &config.hub_url {
+        hub.endpoint = url.clone();
+    }
+    let client = rmlx_hub::HubClient::new(hub).map_err(|error| error.to_string())?;
+    Ok(rmlx_hub::DownloadManager::new(client, models_dir))
 }
 
 /// The whole API. Layers, outermost first: error shape per API (and the server's error
@@ -123,8 +156,19 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/models", get(models::list))
         .route(
             "/v1/models/{*id}",
-            get(models::retrieve).post(models::admin),
+            get(models::retrieve)
+                .post(models::admin)
+                .delete(models::delete),
         )
+        .route(
+            "/admin/downloads",
+            get(downloads::list).post(downloads::start),
+        )
+        .route(
+            "/admin/downloads/{id}",
+            get(downloads::get).delete(downloads::cancel),
+        )
+        .route("/admin/downloads/{id}/{action}", post(downloads::act))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/messages", post(anthropic::messages))
@@ -193,6 +237,9 @@ pub async fn serve(config: ServerConfig) -> anyhow::Result<()> {
         models.len(),
         models.join(", ")
     );
+    if let Err(why) = &state.downloads {
+        eprintln!("rmlx serve: model downloads are off: {why}");
+    }
     if config_has_ui {
         eprintln!("rmlx serve: the chat UI is at http://{address}/ (open it in a browser)");
     }

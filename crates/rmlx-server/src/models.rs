@@ -1,5 +1,7 @@
-//! `GET /health`, `GET /v1/models[/{id}]`, `POST /v1/models/{id}/load|unload`, and the JSON 404.
-//! Reference: OpenAI "Models" API (list/retrieve objects), plus rMLX's context/loaded/vision.
+//! `GET /health`, `GET /v1/models[/{id}]`, `POST /v1/models/{id}/load|unload`,
+//! `DELETE /v1/models/{id}`, and the JSON 404.
+//! Reference: OpenAI "Models" API (list/retrieve/delete objects), plus the model manager's fields
+//! of docs/MODELS-API.md (size, quantization, source, deletable, fits, memory).
 
 use std::path::PathBuf;
 
@@ -14,7 +16,7 @@ use rmlx_engine::engine::Engine;
 
 use crate::{
     error::ApiError,
-    registry::{canonical, ModelEntry},
+    registry::{canonical, read_config, ModelEntry, Source},
     AppState,
 };
 
@@ -24,6 +26,7 @@ pub async fn health() -> Json<Value> {
 
 fn model_json(state: &AppState, entry: &ModelEntry, resident: &[PathBuf]) -> Value {
     let info = state.registry.info(entry);
+    let config = read_config(&entry.path).unwrap_or(Value::Null);
     json!({
         "id": entry.id,
         "object": "model",
@@ -32,7 +35,71 @@ fn model_json(state: &AppState, entry: &ModelEntry, resident: &[PathBuf]) -> Val
         "context_length": state.registry.context_length(entry),
         "loaded": resident.contains(&canonical(&entry.path)),
         // Before a model is loaded its config says whether it has a vision tower.
-        "vision": info.map_or_else(|| crate::convert::has_vision(&entry.path), |info| info.vision),
+        "vision": info.as_ref().map_or_else(|| crate::convert::has_vision(&entry.path), |info| info.vision),
+        "model_type": config["model_type"].as_str(),
+        "parameters": info.as_ref().map(|info| info.parameters),
+        "quantization": quantization(&config),
+        "size_bytes": folder_size(&entry.path, 0),
+        "source": entry.source.as_str(),
+        "deletable": entry.source != Source::Model,
+        "fits": fits(&entry.path),
+    })
+}
+
+/// `{bits, group_size, mode}` from config.json's `quantization` (mlx-lm's key; `mode` defaults
+/// to affine as there), or null for an unquantized model.
+fn quantization(config: &Value) -> Value {
+    let table = &config["quantization"];
+    if !table.is_object() {
+        return Value::Null;
+    }
+    json!({
+        "bits": table["bits"],
+        "group_size": table["group_size"],
+        "mode": table["mode"].as_str().unwrap_or("affine"),
+    })
+}
+
+/// Bytes on disk, following file symlinks (a hub cache snapshot links into `blobs/`) but not
+/// folder symlinks, which could loop.
+fn folder_size(dir: &std::path::Path, depth: usize) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(Result::ok)
+        .map(|entry| {
+            let path = entry.path();
+            match entry.file_type() {
+                Ok(kind) if kind.is_dir() && depth < 8 => folder_size(&path, depth + 1),
+                Ok(kind) if kind.is_file() || kind.is_symlink() => std::fs::metadata(&path)
+                    .ok()
+                    .filter(|meta| meta.is_file())
+                    .map_or(0, |meta| meta.len()),
+                _ => 0,
+            }
+        })
+        .sum()
+}
+
+/// The engine's own estimate (weights plus a tenth) against the memory available now: `no`
+/// when the engine would refuse the load, `tight` within a quarter of the limit.
+fn fits(dir: &std::path::Path) -> Option<&'static str> {
+    let needed = rmlx_engine::runtime::memory_needed(dir).ok()?;
+    let available = rmlx_engine::runtime::available_memory()?;
+    Some(if needed > available {
+        "no"
+    } else if needed > available / 4 * 3 {
+        "tight"
+    } else {
+        "yes"
+    })
+}
+
+fn memory_json() -> Value {
+    json!({
+        "total_bytes": rmlx_engine::runtime::total_memory(),
+        "available_bytes": rmlx_engine::runtime::available_memory(),
     })
 }
 
@@ -66,7 +133,9 @@ pub async fn list(State(state): State<AppState>) -> Result<Json<Value>, ApiError
         .iter()
         .map(|entry| model_json(&state, entry, &resident))
         .collect();
-    Ok(Json(json!({"object": "list", "data": data})))
+    Ok(Json(
+        json!({"object": "list", "data": data, "memory": memory_json()}),
+    ))
 }
 
 pub async fn retrieve(
@@ -92,7 +161,6 @@ pub async fn admin(
         let resident = resident(&state).await?;
         let mut body = model_json(&state, &entry, &resident);
         body["parameters"] = json!(info.parameters);
-        body["quantization"] = json!(info.quantization);
         body["model_type"] = json!(info.model_type);
         return Ok(Json(body));
     }
@@ -105,6 +173,52 @@ pub async fn admin(
     Err(ApiError::NotFound(format!(
         "no route POST /v1/models/{rest}"
     )))
+}
+
+/// Unloads the model, then removes its folder (its whole repository folder in the hub cache).
+/// `--model` folders are refused; so is a model whose download is still running.
+pub async fn delete(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let entry = state.registry.resolve(&id)?;
+    let folder = state.registry.deletable_folder(&entry)?;
+    if let Ok(downloads) = &state.downloads {
+        if let Some(job) = downloads
+            .list()
+            .into_iter()
+            .find(|job| job.repo == entry.id && job.state.is_active())
+        {
+            return Err(ApiError::Conflict(format!(
+                "model `{}` is being downloaded (job `{}`); cancel the download first",
+                entry.id, job.id
+            )));
+        }
+    }
+    let path = entry.path.clone();
+    on_engine(&state, move |engine| engine.unload(&path)).await?;
+    let models_dir = state
+        .registry
+        .models_dir()
+        .map(std::path::Path::to_path_buf);
+    let removed = folder.clone();
+    tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+        // remove_dir_all removes symlinks inside without following them.
+        std::fs::remove_dir_all(&removed)?;
+        // `org/` of an `org/name` download goes too once it is empty (never the root itself).
+        if let (Some(root), Some(parent)) = (models_dir, removed.parent()) {
+            if parent != root && parent.starts_with(&root) {
+                let _ = std::fs::remove_dir(parent);
+            }
+        }
+        Ok(())
+    })
+    .await
+    .map_err(|error| ApiError::Internal(error.to_string()))?
+    .map_err(|error| ApiError::Internal(format!("cannot delete {}: {error}", folder.display())))?;
+    Ok(Json(
+        json!({"id": entry.id, "object": "model", "deleted": true}),
+    ))
 }
 
 pub async fn not_found(uri: Uri) -> ApiError {

@@ -1,6 +1,7 @@
 //! Model ids and where they live: `--model` folders (id = folder name), `--models-dir` children
 //! (id = relative path), and the Hugging Face hub cache (`models--org--name/snapshots/<rev>` as
-//! `org/name`). Folders are rescanned on each lookup so fresh downloads appear without a restart.
+//! `org/name`). Folders are rescanned on each lookup so fresh downloads appear without a restart;
+//! a folder still holding `.partial` files is a download in progress and is not listed.
 //! Reference: huggingface_hub `file_download.py` (cache layout, `refs/main`).
 
 use std::{
@@ -14,6 +15,25 @@ use rmlx_engine::{chat::ChatTokenizer, models::ModelInfo};
 
 use crate::error::ApiError;
 
+/// Where a model was found; decides whether the server may delete it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// A `--model` folder: the user pointed at it, the server never deletes it.
+    Model,
+    ModelsDir,
+    HfCache,
+}
+
+impl Source {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Model => "model",
+            Self::ModelsDir => "models_dir",
+            Self::HfCache => "hf_cache",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelEntry {
     pub id: String,
@@ -21,6 +41,7 @@ pub struct ModelEntry {
     pub owned_by: String,
     /// Unix seconds of the folder's mtime (OpenAI's `created`).
     pub created: u64,
+    pub source: Source,
 }
 
 pub struct Registry {
@@ -52,7 +73,7 @@ impl Registry {
                         || path.display().to_string(),
                         |n| n.to_string_lossy().into(),
                     );
-                entry(id, path.clone(), "local")
+                entry(id, path.clone(), "local", Source::Model)
             })
             .collect();
         Self {
@@ -88,7 +109,8 @@ impl Registry {
         if let Some(dir) = &self.models_dir {
             let path = dir.join(id);
             if is_model_dir(&path) && stays_inside(dir, &path) {
-                return Ok(entry(id.to_string(), path, "local"));
+                let owned_by = id.split_once('/').map_or("local", |(org, _)| org);
+                return Ok(entry(id.to_string(), path, owned_by, Source::ModelsDir));
             }
         }
         if let (Some(hub), Some((org, name))) = (&self.hf_hub, id.split_once('/')) {
@@ -96,12 +118,45 @@ impl Registry {
                 let repo = hub.join(format!("models--{org}--{name}"));
                 if let Some(path) = hf_snapshot(&repo) {
                     if stays_inside(hub, &path) {
-                        return Ok(entry(id.to_string(), path, org));
+                        return Ok(entry(id.to_string(), path, org, Source::HfCache));
                     }
                 }
             }
         }
         Err(ApiError::ModelNotFound(id.to_string()))
+    }
+
+    pub fn models_dir(&self) -> Option<&Path> {
+        self.models_dir.as_deref()
+    }
+
+    /// The folder that deleting `entry` removes: the model's own folder in the models folder,
+    /// or its whole repository folder (`models--org--name`: snapshots, blobs, refs) in the hub
+    /// cache. `--model` folders are never deleted, and nothing outside the two roots is.
+    pub fn deletable_folder(&self, entry: &ModelEntry) -> Result<PathBuf, ApiError> {
+        let refuse = |why: &str| ApiError::BadRequest(format!("model `{}` {why}", entry.id));
+        let (root, folder) = match entry.source {
+            Source::Model => {
+                return Err(refuse(
+                    "was given with --model and is not deleted by the server; remove its folder yourself",
+                ))
+            }
+            Source::ModelsDir => (self.models_dir.as_ref(), entry.path.clone()),
+            Source::HfCache => {
+                let (org, name) = entry.id.split_once('/').ok_or_else(|| refuse("has no org"))?;
+                let hub = self.hf_hub.as_ref();
+                (hub, hub.map(|hub| hub.join(format!("models--{org}--{name}"))).unwrap_or_default())
+            }
+        };
+        let root = root.ok_or_else(|| refuse("has no models folder"))?;
+        check_id(&entry.id)?;
+        let (Ok(root), Ok(canonical_folder)) = (root.canonicalize(), folder.canonicalize()) else {
+            return Err(ApiError::ModelNotFound(entry.id.clone()));
+        };
+        if canonical_folder == root || !canonical_folder.starts_with(&root) {
+            return Err(refuse("lies outside the models folders"));
+        }
+        Ok(folder)
     }
 
     /// The model's tokenizer + template, loaded once (count_tokens, prompt inspection).
@@ -157,7 +212,7 @@ pub fn canonical(path: &Path) -> PathBuf {
     path.canonicalize().unwrap_or_else(|_| path.to_path_buf())
 }
 
-fn entry(id: String, path: PathBuf, owned_by: &str) -> ModelEntry {
+fn entry(id: String, path: PathBuf, owned_by: &str, source: Source) -> ModelEntry {
     let created = std::fs::metadata(&path)
         .and_then(|meta| meta.modified())
         .ok()
@@ -168,6 +223,7 @@ fn entry(id: String, path: PathBuf, owned_by: &str) -> ModelEntry {
         path,
         owned_by: owned_by.to_string(),
         created,
+        source,
     }
 }
 
@@ -198,8 +254,20 @@ fn stays_inside(root: &Path, path: &Path) -> bool {
     }
 }
 
+/// A folder with config.json and no download in progress (`*.partial` files).
 fn is_model_dir(path: &Path) -> bool {
-    path.join("config.json").is_file()
+    path.join("config.json").is_file() && !has_partials(path)
+}
+
+fn has_partials(path: &Path) -> bool {
+    std::fs::read_dir(path).is_ok_and(|entries| {
+        entries.filter_map(Result::ok).any(|entry| {
+            entry
+                .file_name()
+                .to_string_lossy()
+                .ends_with(rmlx_hub::PARTIAL_SUFFIX)
+        })
+    })
 }
 
 fn default_hf_hub() -> Option<PathBuf> {
@@ -215,19 +283,22 @@ fn default_hf_hub() -> Option<PathBuf> {
 /// Direct children with config.json as `name`, and one level deeper as `org/name`.
 fn scan_models_dir(dir: &Path) -> Vec<ModelEntry> {
     let mut found = Vec::new();
-    for child in sorted_children(dir) {
+    // Symlinked folders are followed only while they stay inside (as `resolve` requires).
+    let inside = |path: &PathBuf| stays_inside(dir, path);
+    for child in sorted_children(dir).into_iter().filter(inside) {
         let name = child
             .file_name()
             .unwrap_or_default()
             .to_string_lossy()
             .to_string();
         if is_model_dir(&child) {
-            found.push(entry(name, child, "local"));
+            found.push(entry(name, child, "local", Source::ModelsDir));
         } else {
-            for grandchild in sorted_children(&child) {
+            for grandchild in sorted_children(&child).into_iter().filter(inside) {
                 if is_model_dir(&grandchild) {
                     let leaf = grandchild.file_name().unwrap_or_default().to_string_lossy();
-                    found.push(entry(format!("{name}/{leaf}"), grandchild, &name));
+                    let id = format!("{name}/{leaf}");
+                    found.push(entry(id, grandchild, &name, Source::ModelsDir));
                 }
             }
         }
@@ -250,7 +321,7 @@ fn scan_hf_hub(hub: &Path) -> Vec<ModelEntry> {
             continue;
         };
         if let Some(path) = hf_snapshot(&repo) {
-            found.push(entry(format!("{org}/{name}"), path, org));
+            found.push(entry(format!("{org}/{name}"), path, org, Source::HfCache));
         }
     }
     found
@@ -284,10 +355,15 @@ fn sorted_children(dir: &Path) -> Vec<PathBuf> {
     children
 }
 
+/// A model's config.json, read without loading weights (listings, fits hints).
+pub fn read_config(dir: &Path) -> Option<serde_json::Value> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
 /// `max_position_embeddings` from config.json (or its `text_config`), without loading weights.
 fn config_context(dir: &Path) -> Option<usize> {
-    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
-    let config: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let config = read_config(dir)?;
     let read = |value: &serde_json::Value| value.get("max_position_embeddings")?.as_u64();
     read(&config)
         .or_else(|| read(config.get("text_config")?))

@@ -121,6 +121,40 @@ describe.skipIf(skipReason !== null)('rMLX UI against rmlx serve', () => {
     }
   });
 
+  it('plots that request on the dashboard: its last TTFT point is the /metrics/cache entry', async () => {
+    const page = await open();
+    await pickModel(page, 'qwen3-tiny');
+    await setSampling(page, { temperature: 0, maxTokens: 16 });
+    const response = await ask(page, 'Count to five');
+    await waitForStatus(page, 'done');
+    const { id } = await readStream(response);
+    await page.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Dashboard' }).click();
+    const chart = page.getByTestId('chart-ttft');
+    await page.waitForFunction((want) => document.querySelector('[data-testid=chart-ttft]')?.getAttribute('data-last-id') === want, id);
+    const snapshot = await api<MetricsSnapshot>(server.apiUrl, '/metrics/cache');
+    const entry = snapshot.recent.find((r) => r.id === id);
+    expect(entry, `/metrics/cache has no entry for ${id}`).toBeDefined();
+    expect(Number(await chart.getAttribute('data-last-ttft'))).toBe(entry!.ttft_ms);
+    expect(await page.locator('.chart canvas').count()).toBe(7);
+    await shot(page, 'dashboard-real');
+  });
+
+  it('shows the models; without the admin routes it says downloads are not supported', async () => {
+    const page = await open();
+    await page.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Models' }).click();
+    await page.locator('tr[data-model-id="qwen3-tiny"]').waitFor();
+    expect(await page.locator('tr[data-model-id="qwen3-vl-tiny"]').count()).toBe(1);
+    const admin = await fetch(`${server.apiUrl}/admin/downloads`);
+    if (admin.status === 404) {
+      await page.getByTestId('downloads-unsupported').waitFor();
+      expect(await page.getByLabel('Repository').isDisabled()).toBe(true);
+    } else {
+      expect(admin.ok).toBe(true);
+      expect(await page.getByTestId('downloads-unsupported').count()).toBe(0);
+    }
+    await shot(page, 'models-real');
+  });
+
   it('sends dropped and pasted pictures to the vision model; a mirrored picture changes the answer', async () => {
     const page = await open();
     await pickModel(page, 'qwen3-vl-tiny');

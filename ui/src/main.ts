@@ -1,3 +1,5 @@
+// First: makes navigator.language a tag Intl accepts before any module formats numbers.
+import './lib/locale';
 import { mount } from 'svelte';
 import App from './App.svelte';
 import './app.css';

@@ -1,18 +1,21 @@
-import type { ModelInfo, Transport } from './transport/types';
+import { describeError, type MemoryInfo, type ModelInfo, type Transport } from './transport/types';
 
-/** The models the engine can serve (list_models / GET /v1/models). */
+/** The models the engine can serve (`GET /v1/models` / `models_overview`), and the machine's memory. */
 export class ModelList {
   models = $state<ModelInfo[]>([]);
+  memory = $state<MemoryInfo | null>(null);
   error = $state<string | null>(null);
   loading = $state(false);
 
   async refresh(transport: Transport): Promise<void> {
     this.loading = true;
     try {
-      this.models = await transport.listModels();
+      const catalog = await transport.listModels();
+      this.models = catalog.models;
+      this.memory = catalog.memory;
       this.error = null;
     } catch (error) {
-      this.error = error instanceof Error ? error.message : String(error);
+      this.error = describeError(error);
     } finally {
       this.loading = false;
     }

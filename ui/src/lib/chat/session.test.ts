@@ -1,20 +1,20 @@
 import { describe, expect, it } from 'vitest';
 import { MemoryThreadStorage } from '../storage/local';
-import { TransportError, type ChatOptions, type ChatOutcome, type ChatRequest, type MetricsSnapshot, type Transport } from '../transport/types';
+import { StubTransport } from '../transport/stub';
+import { TransportError, type ChatOptions, type ChatOutcome, type ChatRequest, type MetricsSnapshot } from '../transport/types';
 import type { AssistantMessage } from './model';
 import { ChatSession } from './session.svelte';
 import { ThreadStore } from './threads.svelte';
 
 /** Answers every request with "answer N" in two deltas; records what it was asked. */
-class FakeTransport implements Transport {
-  readonly kind = 'http' as const;
+class FakeTransport extends StubTransport {
   requests: ChatRequest[] = [];
   recent: MetricsSnapshot['recent'] = [];
   /** When set, the next chat waits for abort after its first delta. */
   hang = false;
   fail: TransportError | null = null;
 
-  async chat(request: ChatRequest, { onEvent, signal }: ChatOptions): Promise<ChatOutcome> {
+  override async chat(request: ChatRequest, { onEvent, signal }: ChatOptions): Promise<ChatOutcome> {
     this.requests.push(request);
     const id = `chatcmpl-${this.requests.length}`;
     if (this.fail) throw this.fail;
@@ -28,11 +28,7 @@ class FakeTransport implements Transport {
     return { status: 'done', id, usage: { prompt_tokens: 10, completion_tokens: 2, total_tokens: 12 }, finishReason: 'stop' };
   }
 
-  async listModels() {
-    return [];
-  }
-
-  async metrics(): Promise<MetricsSnapshot> {
+  override async metrics(): Promise<MetricsSnapshot> {
     return { recent: this.recent, in_flight: 0, queue_depth: 0 };
   }
 }

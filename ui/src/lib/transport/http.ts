@@ -1,17 +1,29 @@
 // HTTP + SSE transport to `rmlx serve`: the OpenAI chat route, streamed, plus the model list and
 // the engine's metrics. Same origin by default (the server hosts the UI with `--ui-dir`).
 
+import { poll, type Poller } from './poll';
 import { SseParser } from './sse';
 import {
   TransportError,
+  isUnsupported,
   type ChatOptions,
   type ChatOutcome,
   type ChatRequest,
+  type DownloadJob,
+  type ErrorListener,
+  type MemoryInfo,
   type MetricsSnapshot,
+  type ModelCatalog,
   type ModelInfo,
   type Transport,
+  type Unsubscribe,
   type Usage,
 } from './types';
+
+/** How often the browser polls: metrics while the page is visible, downloads while a job is active (else slowly). */
+export const POLL_MS = { metrics: 500, downloadsActive: 500, downloadsIdle: 5000 };
+
+const activeStates = new Set(['queued', 'listing', 'running', 'verifying']);
 
 export interface HttpTransportOptions {
   /** e.g. `http://127.0.0.1:8080`; empty means the page's own origin. */
@@ -62,6 +74,9 @@ export class HttpTransport implements Transport {
   private readonly baseUrl: string;
   private readonly apiKey: string;
   private readonly fetchImpl: typeof fetch;
+  readonly app = null;
+  /** Download pollers, kicked after an action so the list follows at once. */
+  private readonly downloadPollers = new Set<Poller>();
 
   constructor(options: HttpTransportOptions = {}) {
     this.baseUrl = (options.baseUrl ?? '').replace(/\/+$/, '');
@@ -111,13 +126,100 @@ export class HttpTransport implements Transport {
     }
   }
 
-  async listModels(): Promise<ModelInfo[]> {
-    const list = await this.getJson<{ data?: ModelInfo[] }>('/v1/models');
-    return Array.isArray(list.data) ? list.data : [];
+  private async sendJson<T>(method: string, path: string, body?: unknown): Promise<T> {
+    const response = await this.request(path, {
+      method,
+      headers: this.headers(body !== undefined),
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+    const text = await response.text().catch(() => '');
+    if (!text.trim()) return null as T;
+    try {
+      return JSON.parse(text) as T;
+    } catch {
+      throw new TransportError(`${method} ${path} did not answer JSON`, 'bad_response', response.status);
+    }
+  }
+
+  async listModels(): Promise<ModelCatalog> {
+    const list = await this.getJson<{ data?: ModelInfo[]; memory?: MemoryInfo | null }>('/v1/models');
+    return { models: Array.isArray(list.data) ? list.data : [], memory: list.memory ?? null };
+  }
+
+  async loadModel(id: string): Promise<void> {
+    await this.sendJson('POST', `/v1/models/${encodeURIComponent(id)}/load`);
+  }
+
+  async unloadModel(id: string): Promise<void> {
+    await this.sendJson('POST', `/v1/models/${encodeURIComponent(id)}/unload`);
+  }
+
+  async deleteModel(id: string): Promise<void> {
+    await this.sendJson('DELETE', `/v1/models/${encodeURIComponent(id)}`);
   }
 
   async metrics(): Promise<MetricsSnapshot> {
     return this.getJson<MetricsSnapshot>('/metrics/cache');
+  }
+
+  private async downloadAction(method: string, path: string, body?: unknown): Promise<DownloadJob> {
+    try {
+      return await this.sendJson<DownloadJob>(method, path, body);
+    } finally {
+      for (const poller of this.downloadPollers) poller.kick();
+    }
+  }
+
+  startDownload(repo: string, revision?: string | null): Promise<DownloadJob> {
+    return this.downloadAction('POST', '/admin/downloads', revision ? { repo, revision } : { repo });
+  }
+
+  async listDownloads(): Promise<DownloadJob[]> {
+    const list = await this.getJson<{ data?: DownloadJob[] } | DownloadJob[]>('/admin/downloads');
+    if (Array.isArray(list)) return list;
+    return Array.isArray(list?.data) ? list.data : [];
+  }
+
+  pauseDownload(id: string): Promise<DownloadJob> {
+    return this.downloadAction('POST', `/admin/downloads/${encodeURIComponent(id)}/pause`);
+  }
+
+  resumeDownload(id: string): Promise<DownloadJob> {
+    return this.downloadAction('POST', `/admin/downloads/${encodeURIComponent(id)}/resume`);
+  }
+
+  cancelDownload(id: string): Promise<DownloadJob> {
+    return this.downloadAction('DELETE', `/admin/downloads/${encodeURIComponent(id)}`);
+  }
+
+  /** Polls `/admin/downloads`: every 500 ms while a job is active, every 5 s otherwise; stops on a 404 (no such route). */
+  onDownloads(listener: (jobs: DownloadJob[]) => void, onError?: ErrorListener): Unsubscribe {
+    const poller = poll<DownloadJob[]>({
+      fetch: () => this.listDownloads(),
+      onValue: listener,
+      onError,
+      delay: (last) => {
+        if ('error' in last) return isUnsupported(last.error) ? null : POLL_MS.downloadsIdle;
+        return last.value.some((job) => activeStates.has(job.state)) ? POLL_MS.downloadsActive : POLL_MS.downloadsIdle;
+      },
+    });
+    this.downloadPollers.add(poller);
+    return () => {
+      poller.stop();
+      this.downloadPollers.delete(poller);
+    };
+  }
+
+  /** Polls `/metrics/cache` every 500 ms while the page is visible (errors slow it to 2 s). */
+  onMetrics(listener: (snapshot: MetricsSnapshot) => void, onError?: ErrorListener): Unsubscribe {
+    const poller = poll<MetricsSnapshot>({
+      fetch: () => this.metrics(),
+      onValue: listener,
+      onError,
+      delay: (last) => ('error' in last ? 4 * POLL_MS.metrics : POLL_MS.metrics),
+      whileVisible: true,
+    });
+    return poller.stop;
   }
 
   async chat(request: ChatRequest, options: ChatOptions): Promise<ChatOutcome> {

@@ -47,7 +47,16 @@ export interface ChatOptions {
   signal?: AbortSignal;
 }
 
-/** One entry of `GET /v1/models`. */
+/** How an estimate of a model's memory need compares with the memory available. */
+export type Fits = 'yes' | 'tight' | 'no';
+
+export interface Quantization {
+  bits: number;
+  group_size?: number | null;
+  mode?: string | null;
+}
+
+/** One entry of `GET /v1/models`; the model manager fields (docs/MODELS-API.md) are missing on older servers. */
 export interface ModelInfo {
   id: string;
   object?: string;
@@ -56,6 +65,50 @@ export interface ModelInfo {
   context_length?: number;
   loaded?: boolean;
   vision?: boolean;
+  size_bytes?: number;
+  model_type?: string;
+  quantization?: Quantization | null;
+  /** `model` (a `--model` folder), `models_dir`, `hf_cache`. */
+  source?: string;
+  deletable?: boolean;
+  fits?: Fits | null;
+  parameters?: number;
+}
+
+/** `GET /v1/models` top-level `memory`. */
+export interface MemoryInfo {
+  total_bytes: number;
+  available_bytes: number;
+}
+
+/** The model list with the machine's memory (null when the server does not say). */
+export interface ModelCatalog {
+  models: ModelInfo[];
+  memory: MemoryInfo | null;
+}
+
+export type DownloadState = 'queued' | 'listing' | 'running' | 'paused' | 'verifying' | 'done' | 'failed' | 'cancelled';
+export type DownloadFileState = 'pending' | 'running' | 'done' | 'failed';
+
+export interface DownloadFile {
+  name: string;
+  size: number | null;
+  bytes_done: number;
+  state: DownloadFileState;
+}
+
+/** A Hugging Face download job (`/admin/downloads`, or the `downloads` event in the app). */
+export interface DownloadJob {
+  id: string;
+  repo: string;
+  revision: string | null;
+  state: DownloadState;
+  bytes_done: number;
+  bytes_total: number | null;
+  files: DownloadFile[];
+  error: string | null;
+  /** Set once the job is `done`: the id the model list knows it by. */
+  model_id: string | null;
 }
 
 /** One finished request in `/metrics/cache` `recent`. `id` and `itl_ms` identify and detail it. */
@@ -70,20 +123,111 @@ export interface RecentRequest {
   ended: number;
 }
 
+/** One model's counters in `/metrics/cache` `models`. */
+export interface ModelMetrics {
+  model_id: string;
+  prefix_cache_hits?: number;
+  prefix_cache_misses?: number;
+  [key: string]: unknown;
+}
+
 /** `GET /metrics/cache`; only the fields the UI reads are typed, the rest pass through. */
 export interface MetricsSnapshot {
   recent: RecentRequest[];
   in_flight: number;
   queue_depth: number;
+  models?: ModelMetrics[];
+  kv_cache_bytes?: number;
+  prefix_cache_bytes?: number;
+  /** MLX's allocator (docs/SERVER.md's names; `mlx_active_bytes` / `mlx_peak_bytes` are read too). */
+  active_memory_bytes?: number;
+  peak_memory_bytes?: number;
   [key: string]: unknown;
+}
+
+/** Stops a subscription. */
+export type Unsubscribe = () => void;
+
+/** Hears a subscription's failures (a 404 from a server without the route, say). */
+export type ErrorListener = (error: TransportError) => void;
+
+// ---- the desktop app's own settings (Tauri only) ------------------------------------------
+
+/** `settings_get` / `settings_set`: the app's settings.json (snake_case, as Rust serialises it). */
+export interface AppConfig {
+  models_dir: string | null;
+  hub_url: string | null;
+  server_enabled: boolean;
+  server_host: string;
+  server_port: number;
+  api_key: string | null;
+  cors_origins: string[];
+  default_max_context: number | null;
+  launch_at_login: boolean;
+  update_channel: 'stable' | 'beta';
+  /** Fields this UI does not know are kept and sent back. */
+  [key: string]: unknown;
+}
+
+/** `server_status`, `server_set` and the `server-status` event. */
+export type ServerStatus =
+  | { state: 'off' }
+  | { state: 'on'; url: string }
+  /** Switched on but could not listen: `message` says why (a busy port). */
+  | { state: 'failed'; message: string; port: number };
+
+/** `update_check`: null (nothing newer) or the update on offer. */
+export interface UpdateInfo {
+  version: string;
+  current_version?: string | null;
+  date?: string | null;
+  notes?: string | null;
+}
+
+/** The `update-progress` event: bytes of the update downloaded so far. */
+export interface UpdateProgress {
+  downloaded: number;
+  total: number | null;
+}
+
+/** What only the desktop app has: its settings, its local server, its updater. */
+export interface AppControl {
+  getSettings(): Promise<AppConfig>;
+  /** Saves the whole document; resolves with what was saved. */
+  setSettings(settings: AppConfig): Promise<AppConfig>;
+  serverStatus(): Promise<ServerStatus>;
+  /** `port` 0 picks a free port; null keeps the saved one. */
+  setServer(enabled: boolean, port: number | null): Promise<ServerStatus>;
+  setLaunchAtLogin(enabled: boolean): Promise<boolean>;
+  checkUpdate(): Promise<UpdateInfo | null>;
+  installUpdate(): Promise<void>;
+  onServerStatus(listener: (status: ServerStatus) => void): Unsubscribe;
+  onUpdateProgress(listener: (progress: UpdateProgress) => void): Unsubscribe;
 }
 
 export interface Transport {
   readonly kind: 'http' | 'tauri';
   /** Streams one chat completion. Resolves when it is done or cancelled; rejects with TransportError. */
   chat(request: ChatRequest, options: ChatOptions): Promise<ChatOutcome>;
-  listModels(): Promise<ModelInfo[]>;
+  /** The models and, when the server reports it, the machine's memory. */
+  listModels(): Promise<ModelCatalog>;
+  loadModel(id: string): Promise<void>;
+  unloadModel(id: string): Promise<void>;
+  /** Unloads and removes the model's folder (only `deletable` ones). */
+  deleteModel(id: string): Promise<void>;
   metrics(): Promise<MetricsSnapshot>;
+  startDownload(repo: string, revision?: string | null): Promise<DownloadJob>;
+  listDownloads(): Promise<DownloadJob[]>;
+  pauseDownload(id: string): Promise<DownloadJob>;
+  resumeDownload(id: string): Promise<DownloadJob>;
+  /** Cancels and removes the partial files. */
+  cancelDownload(id: string): Promise<DownloadJob>;
+  /** The job list now and on every change (app: `downloads` events; browser: polling, fast while a job is active). */
+  onDownloads(listener: (jobs: DownloadJob[]) => void, onError?: ErrorListener): Unsubscribe;
+  /** Metrics snapshots (app: `metrics` events; browser: polling every 500 ms while the page is visible). */
+  onMetrics(listener: (snapshot: MetricsSnapshot) => void, onError?: ErrorListener): Unsubscribe;
+  /** The desktop app's settings, local server and updater; null in a browser. */
+  readonly app: AppControl | null;
 }
 
 /**
@@ -101,4 +245,19 @@ export class TransportError extends Error {
     this.code = code;
     this.status = status;
   }
+}
+
+/** True for a failure that means "this server (or app) has no such route or command": an older build. */
+export function isUnsupported(error: unknown): boolean {
+  if (!(error instanceof TransportError)) return false;
+  if (error.status === 405 || error.status === 501) return true;
+  if (error.status === 404) return error.code === 'not_found' || error.code === 'http_404' || /no route/i.test(error.message);
+  // Tauri: a command the shell does not register.
+  return /command \S+ not found|unknown command/i.test(error.message);
+}
+
+/** A failure as one line for the page. */
+export function describeError(error: unknown): string {
+  if (error instanceof TransportError) return error.code && !error.message.includes(error.code) ? `${error.message} (${error.code})` : error.message;
+  return error instanceof Error ? error.message : String(error);
 }

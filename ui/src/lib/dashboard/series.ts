@@ -1,0 +1,168 @@
+// The dashboard's data: each metrics snapshot adds one time sample (memory, queue, in flight,
+// prefix cache counters), and each request in `recent` adds one point, once (deduplicated by
+// id), at the time it ended: TTFT, median ITL, tokens in/out, tok/s; its inter-token gaps add
+// one point per token. Every history is bounded. Times are seconds (uPlot's unit).
+
+import type { MetricsSnapshot, RecentRequest } from '../transport/types';
+
+export interface RequestPoint {
+  key: string;
+  id: string | null;
+  model: string;
+  /** When it ended, seconds. */
+  t: number;
+  ttftMs: number;
+  itlP50Ms: number | null;
+  tokensIn: number;
+  tokensOut: number;
+  /** tokens_out over the summed gaps (as under an answer); null without gaps. */
+  tokensPerSecond: number | null;
+}
+
+export interface Sample {
+  t: number;
+  activeBytes: number | null;
+  peakBytes: number | null;
+  kvBytes: number | null;
+  inFlight: number;
+  queueDepth: number;
+  prefixHits: number;
+  prefixMisses: number;
+}
+
+export interface TokenPoint {
+  t: number;
+  itlMs: number;
+}
+
+export interface SeriesLimits {
+  requests: number;
+  samples: number;
+  tokens: number;
+}
+
+export const DEFAULT_LIMITS: SeriesLimits = { requests: 500, samples: 1800, tokens: 20_000 };
+
+function num(value: unknown): number | null {
+  return typeof value === 'number' && Number.isFinite(value) ? value : null;
+}
+
+function median(values: number[]): number | null {
+  if (values.length === 0) return null;
+  const sorted = [...values].sort((a, b) => a - b);
+  const mid = sorted.length >> 1;
+  return sorted.length % 2 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2;
+}
+
+/** The dedupe key: the request id, or (older servers) the fields that make an entry unique. */
+export function requestKey(entry: RecentRequest): string {
+  return entry.id ?? `${entry.model}|${entry.ended}|${entry.ttft_ms}|${entry.tokens_in}|${entry.tokens_out}`;
+}
+
+export function toRequestPoint(entry: RecentRequest): RequestPoint {
+  const gaps = Array.isArray(entry.itl_ms) ? entry.itl_ms.filter((g) => Number.isFinite(g)) : [];
+  const sum = gaps.reduce((a, b) => a + b, 0);
+  return {
+    key: requestKey(entry),
+    id: entry.id ?? null,
+    model: entry.model,
+    t: entry.ended / 1000,
+    ttftMs: entry.ttft_ms,
+    itlP50Ms: num(entry.itl_p50_ms) ?? median(gaps),
+    tokensIn: entry.tokens_in,
+    tokensOut: entry.tokens_out,
+    tokensPerSecond: sum > 0 ? entry.tokens_out / (sum / 1000) : null,
+  };
+}
+
+/** Each token's gap at the time the token came: walking back from `ended`. */
+function tokenPoints(entry: RecentRequest): TokenPoint[] {
+  const gaps = Array.isArray(entry.itl_ms) ? entry.itl_ms : [];
+  const points: TokenPoint[] = new Array(gaps.length);
+  let at = entry.ended;
+  for (let i = gaps.length - 1; i >= 0; i--) {
+    points[i] = { t: at / 1000, itlMs: gaps[i] };
+    at -= gaps[i];
+  }
+  return points;
+}
+
+/** Inserts keeping `t` ascending (points nearly always arrive in order: a push). */
+function insertSorted<T extends { t: number }>(list: T[], item: T): void {
+  let i = list.length;
+  while (i > 0 && list[i - 1].t > item.t) i--;
+  list.splice(i, 0, item);
+}
+
+export class DashboardSeries {
+  requests: RequestPoint[] = [];
+  samples: Sample[] = [];
+  tokens: TokenPoint[] = [];
+  private seen = new Set<string>();
+
+  constructor(readonly limits: SeriesLimits = DEFAULT_LIMITS) {}
+
+  /** Adds one snapshot taken at `nowMs` (local clock); returns how many requests were new. */
+  ingest(snapshot: MetricsSnapshot, nowMs: number): number {
+    const recent = Array.isArray(snapshot.recent) ? [...snapshot.recent].sort((a, b) => a.ended - b.ended) : [];
+    let added = 0;
+    for (const entry of recent) {
+      const key = requestKey(entry);
+      if (this.seen.has(key)) continue;
+      this.seen.add(key);
+      insertSorted(this.requests, toRequestPoint(entry));
+      for (const point of tokenPoints(entry)) insertSorted(this.tokens, point);
+      added++;
+    }
+    const models = Array.isArray(snapshot.models) ? snapshot.models : [];
+    this.samples.push({
+      t: nowMs / 1000,
+      activeBytes: num(snapshot.active_memory_bytes) ?? num(snapshot.mlx_active_bytes),
+      peakBytes: num(snapshot.peak_memory_bytes) ?? num(snapshot.mlx_peak_bytes),
+      kvBytes: num(snapshot.kv_cache_bytes),
+      inFlight: num(snapshot.in_flight) ?? 0,
+      queueDepth: num(snapshot.queue_depth) ?? 0,
+      prefixHits: models.reduce((sum, m) => sum + (num(m.prefix_cache_hits) ?? 0), 0),
+      prefixMisses: models.reduce((sum, m) => sum + (num(m.prefix_cache_misses) ?? 0), 0),
+    });
+    this.trim(recent.map(requestKey));
+    return added;
+  }
+
+  private trim(current: string[]): void {
+    const { requests, samples, tokens } = this.limits;
+    if (this.requests.length > requests) this.requests.splice(0, this.requests.length - requests);
+    if (this.samples.length > samples) this.samples.splice(0, this.samples.length - samples);
+    if (this.tokens.length > tokens) this.tokens.splice(0, this.tokens.length - tokens);
+    // Forget ids no longer shown, except those the server still lists (they must not come back).
+    if (this.seen.size > 2 * requests) this.seen = new Set([...this.requests.map((r) => r.key), ...current]);
+  }
+
+  get lastRequest(): RequestPoint | null {
+    return this.requests.at(-1) ?? null;
+  }
+
+  get lastSample(): Sample | null {
+    return this.samples.at(-1) ?? null;
+  }
+
+  /** Columns for uPlot: `[xs, ...ys]`. */
+  requestColumns(...pick: ((r: RequestPoint) => number | null)[]): (number | null)[][] {
+    return [this.requests.map((r) => r.t), ...pick.map((f) => this.requests.map(f))];
+  }
+
+  sampleColumns(...pick: ((s: Sample) => number | null)[]): (number | null)[][] {
+    return [this.samples.map((s) => s.t), ...pick.map((f) => this.samples.map(f))];
+  }
+
+  tokenColumns(): number[][] {
+    return [this.tokens.map((p) => p.t), this.tokens.map((p) => p.itlMs)];
+  }
+
+  clear(): void {
+    this.requests = [];
+    this.samples = [];
+    this.tokens = [];
+    this.seen.clear();
+  }
+}

@@ -1,0 +1,28 @@
+// Numbers for people: bytes, percentages, durations.
+
+const units = ['B', 'KB', 'MB', 'GB', 'TB'];
+
+/** 1536 -> "1.5 KB" (powers of 1024, one decimal from KB up; "—" for unknown). */
+export function formatBytes(bytes: number | null | undefined): string {
+  if (bytes === null || bytes === undefined || !Number.isFinite(bytes)) return '—';
+  let value = Math.max(0, bytes);
+  let unit = 0;
+  while (value >= 1024 && unit < units.length - 1) {
+    value /= 1024;
+    unit++;
+  }
+  return unit === 0 ? `${Math.round(value)} B` : `${value.toFixed(value >= 100 ? 0 : 1)} ${units[unit]}`;
+}
+
+/** 0.4567 -> "46%". */
+export function formatPercent(fraction: number | null): string {
+  return fraction === null ? '—' : `${Math.round(fraction * 100)}%`;
+}
+
+/** 40960 -> "40K", 262144 -> "256K", 2048 -> "2K" (context lengths, in tokens). */
+export function formatTokens(count: number | null | undefined): string {
+  if (!count) return '—';
+  if (count >= 1024 && count % 1024 === 0) return `${count / 1024}K`;
+  if (count >= 1000) return `${(count / 1000).toFixed(count >= 100_000 ? 0 : 1)}k`;
+  return String(count);
+}

@@ -139,19 +139,15 @@ describe.skipIf(skipReason !== null)('rMLX UI against rmlx serve', () => {
     await shot(page, 'dashboard-real');
   });
 
-  it('shows the models; without the admin routes it says downloads are not supported', async () => {
+  it('shows the models and offers downloads (the server has the admin routes)', async () => {
     const page = await open();
     await page.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Models' }).click();
     await page.locator('tr[data-model-id="qwen3-tiny"]').waitFor();
     expect(await page.locator('tr[data-model-id="qwen3-vl-tiny"]').count()).toBe(1);
     const admin = await fetch(`${server.apiUrl}/admin/downloads`);
-    if (admin.status === 404) {
-      await page.getByTestId('downloads-unsupported').waitFor();
-      expect(await page.getByLabel('Repository').isDisabled()).toBe(true);
-    } else {
-      expect(admin.ok).toBe(true);
-      expect(await page.getByTestId('downloads-unsupported').count()).toBe(0);
-    }
+    expect(admin.ok).toBe(true);
+    expect(await page.getByTestId('downloads-unsupported').count()).toBe(0);
+    expect(await page.getByLabel('Repository').isDisabled()).toBe(false);
     await shot(page, 'models-real');
   });
 

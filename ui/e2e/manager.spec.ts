@@ -364,6 +364,7 @@ function fakeTauri() {
         setTimeout(() => emit('update-progress', { downloaded: 30_000_000, total: 48_000_000 }), 150);
         setTimeout(resolve, 800);
       }),
+    app_restart: () => null,
   };
   w.__calls = calls;
   w.__emit = (event: string, payload: unknown) => {
@@ -461,10 +462,12 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
 
       await page.getByRole('button', { name: 'Check for updates' }).click();
       await page.getByText('rMLX 0.2.0 is available.').waitFor();
-      await page.getByRole('button', { name: 'Install and restart' }).click();
+      await page.getByRole('button', { name: 'Install', exact: true }).click();
       await page.waitForFunction(() => document.querySelector('[data-testid=update-status]')?.textContent?.includes('28.6 MB of 45.8 MB'));
       await page.screenshot({ path: path.join(artifactsDir, 'settings-app-update-light.png'), fullPage: true });
-      await page.getByText('Installed; rMLX restarts to finish.').waitFor();
+      await page.getByText('rMLX 0.2.0 is installed (its signature checked out).').waitFor();
+      await page.getByRole('button', { name: 'Restart now' }).click();
+      await page.waitForFunction(() => (window as unknown as { __calls: [string, unknown][] }).__calls.at(-1)?.[0] === 'app_restart');
       await context.close();
     });
   }

@@ -3,8 +3,9 @@
 // `hostDist` serves dist/ alone, for the tests that script the API themselves.
 
 import { spawn, type ChildProcess } from 'node:child_process';
-import { createReadStream, existsSync, statSync } from 'node:fs';
+import { createReadStream, existsSync, mkdtempSync, statSync } from 'node:fs';
 import http from 'node:http';
+import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { createInterface } from 'node:readline';
 import { fileURLToPath } from 'node:url';
@@ -46,6 +47,43 @@ function waitForUrl(child: ChildProcess): Promise<string> {
   });
 }
 
+export interface RunningHub {
+  url: string;
+  stop(): Promise<void>;
+}
+
+/** The imitation of the Hugging Face file API (`crates/rmlx-hub/examples/test_hub.rs`, built
+ * by `cargo test` next to `rmlx`), serving `repos` (`org/name` → folder). */
+export async function startHub(repos: Record<string, string>, options: { trickleMs?: number } = {}): Promise<RunningHub> {
+  const bin = process.env.RMLX_TEST_HUB ?? path.join(path.dirname(rmlxBin), 'examples', 'test_hub');
+  if (!existsSync(bin)) throw new Error(`${bin} is missing: \`cargo test --workspace --no-run\` builds it`);
+  const args = [
+    ...(options.trickleMs ? ['--trickle-ms', String(options.trickleMs)] : []),
+    ...Object.entries(repos).map(([repo, dir]) => `${repo}=${dir}`),
+  ];
+  // Its stdin is a pipe we hold: closing it (or our exit) stops the hub.
+  const child = spawn(bin, args, { stdio: ['pipe', 'pipe', 'pipe'] });
+  const url = await new Promise<string>((resolve, reject) => {
+    const lines = createInterface({ input: child.stdout! });
+    lines.once('line', (line) => {
+      const match = /serving on (http:\/\/\S+)/.exec(line);
+      if (match) resolve(match[1]);
+      else reject(new Error(`unexpected first line from test_hub: ${line}`));
+    });
+    child.once('exit', (code) => reject(new Error(`test_hub exited with ${code}`)));
+  });
+  return {
+    url,
+    async stop() {
+      if (child.exitCode === null) {
+        const exited = new Promise((resolve) => child.once('exit', resolve));
+        child.stdin?.end();
+        await exited;
+      }
+    },
+  };
+}
+
 const contentTypes: Record<string, string> = {
   '.html': 'text/html; charset=utf-8',
   '.js': 'text/javascript',
@@ -69,14 +107,25 @@ export function hostDist(): Promise<http.Server> {
   return new Promise((resolve) => server.listen(0, '127.0.0.1', () => resolve(server)));
 }
 
-export async function startServer(): Promise<RunningServer> {
+export interface ServerOptions {
+  /** `--models-dir`: downloads land here (default: an empty scratch folder per server). */
+  modelsDir?: string;
+  /** `--hub-url`: where downloads come from (a `startHub()` imitation in tests). */
+  hubUrl?: string;
+}
+
+export async function startServer(options: ServerOptions = {}): Promise<RunningServer> {
   if (!existsSync(path.join(distDir, 'index.html'))) throw new Error(`${distDir} has no build: run \`npm run build\` first`);
+  // Never the user's ~/.rmlx/models: a scratch folder unless the test brings its own.
+  const modelsDir = options.modelsDir ?? mkdtempSync(path.join(tmpdir(), 'rmlx-e2e-models-'));
   const args = [
     'serve',
     '--port', '0',
     '--model', path.join(fixturesDir, 'qwen3-tiny'),
     '--model', path.join(fixturesDir, 'qwen3-vl-tiny'),
+    '--models-dir', modelsDir,
     '--ui-dir', distDir,
+    ...(options.hubUrl ? ['--hub-url', options.hubUrl] : []),
   ];
   const child = spawn(rmlxBin, args, { stdio: ['ignore', 'pipe', 'pipe'] });
   const url = await waitForUrl(child);

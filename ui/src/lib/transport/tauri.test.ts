@@ -189,6 +189,7 @@ describe('TauriTransport', () => {
     expect(await app.setLaunchAtLogin(true)).toBe(true);
     expect(await app.checkUpdate()).toEqual({ version: '0.2.0', current_version: '0.1.0', date: null, notes: 'faster' });
     await app.installUpdate();
+    await app.restart();
     expect(ipc.invoke.mock.calls).toEqual([
       ['settings_get', undefined],
       ['settings_set', { settings: { ...settings, update_channel: 'beta' } }],
@@ -197,6 +198,7 @@ describe('TauriTransport', () => {
       ['launch_at_login_set', { enabled: true }],
       ['update_check', undefined],
       ['update_install', undefined],
+      ['app_restart', undefined],
     ]);
     ipc.invoke.mockResolvedValue(null);
     expect(await app.checkUpdate()).toBeNull();

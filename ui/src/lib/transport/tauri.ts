@@ -118,6 +118,10 @@ class TauriAppControl implements AppControl {
     await call('update_install');
   }
 
+  async restart(): Promise<void> {
+    await call('app_restart');
+  }
+
   onServerStatus(listener: (status: ServerStatus) => void): Unsubscribe {
     return subscribe(EVENTS.serverStatus, listener);
   }

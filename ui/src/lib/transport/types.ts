@@ -200,7 +200,10 @@ export interface AppControl {
   setServer(enabled: boolean, port: number | null): Promise<ServerStatus>;
   setLaunchAtLogin(enabled: boolean): Promise<boolean>;
   checkUpdate(): Promise<UpdateInfo | null>;
+  /** Downloads, verifies the signature and installs the update the last check found. */
   installUpdate(): Promise<void>;
+  /** Restarts the app into the installed update. */
+  restart(): Promise<void>;
   onServerStatus(listener: (status: ServerStatus) => void): Unsubscribe;
   onUpdateProgress(listener: (progress: UpdateProgress) => void): Unsubscribe;
 }

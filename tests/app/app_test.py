@@ -11,23 +11,40 @@
    model, sets greedy sampling, attaches a picture through the file picker, types a question and
    presses Enter; the answer streams over IPC and equals the greedy answer the app's own HTTP
    server gives for the same messages, with the same prompt-token count (so the picture reached
-   the model); the request is in the metrics the UI reads over IPC. Screenshot after.
+   the model); the request is in the metrics the UI reads over IPC. Then, in the same window:
+   the Dashboard's last TTFT point is the newest request's `ttft_ms`; the Models view downloads
+   a model from the imitation hub (crates/rmlx-hub/examples/test_hub.rs) over IPC and deletes it
+   after a confirmation; Settings saves CORS origins and a context cap, and the running local
+   server applies the origin at once; the updater, pointed at a local endpoint serving a
+   latest.json built by scripts/release/latest-json, refuses a package whose signature does not
+   match and installs a correctly signed one (onto a scratch file). A relaunch shows the saved
+   settings. Screenshots of each view (WebDriver's own, so never a stale frame) go to
+   $ARTIFACTS.
 
-Needs Debian's python3-gi (Gio), ImageMagick's `import`, webkit2gtk-driver and `tauri-driver`
-(cargo install tauri-driver --version 2.1.0 --locked); stdlib otherwise.
+Needs Debian's python3-gi (Gio) and python3-cryptography (Ed25519, to sign test updates as
+minisign does), ImageMagick's `import`, webkit2gtk-driver and `tauri-driver` (cargo install
+tauri-driver --version 2.1.0 --locked); stdlib otherwise.
 """
 import base64
+import functools
+import hashlib
+import http.server
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import threading
 import urllib.error
 import urllib.request
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gi.repository import Gio, GLib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,6 +54,9 @@ MODEL = os.path.join(ROOT, "tests/fixtures/qwen3-tiny")
 VL_MODEL = os.path.join(ROOT, "tests/fixtures/qwen3-vl-tiny")
 PICTURE = os.path.join(ROOT, "tests/fixtures/vision-images/gradient_64x48.png")
 TAURI_DRIVER = os.environ.get("TAURI_DRIVER", os.path.expanduser("~/.cargo/bin/tauri-driver"))
+TEST_HUB = os.environ.get("RMLX_TEST_HUB", os.path.join(ROOT, "target/debug/examples/test_hub"))
+LATEST_JSON = os.path.join(ROOT, "scripts/release/latest-json")
+HUB_REPO = "test/qwen3-tiny"
 # TrayIconBuilder::with_id("main") exports its menu here (libayatana-appindicator naming).
 MENU = "/org/ayatana/NotificationItem/tray_icon_tray_app_main/Menu"
 BUS = Gio.bus_get_sync(Gio.BusType.SESSION)
@@ -227,6 +247,18 @@ class WebDriver:
             return False
 
     def _call(self, method, path, body=None):
+        # tauri-driver reuses keep-alive connections to WebKitWebDriver, which closes idle ones;
+        # a request sent on a closed one is reset before WebKitWebDriver reads it, so sending it
+        # again is safe. A second reset in a row is a real loss.
+        for attempt in range(3):
+            try:
+                return self._call_once(method, path, body)
+            except DriverLost:
+                if attempt == 2:
+                    raise
+                time.sleep(0.5)
+
+    def _call_once(self, method, path, body=None):
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(self.base + path, data=data, method=method,
                                          headers={"Content-Type": "application/json"})
@@ -247,6 +279,31 @@ class WebDriver:
     def _try_find(self, css):
         found = self._session("POST", "/elements", {"using": "css selector", "value": css})
         return found[0][self.ELEMENT] if found else None
+
+    def find_button(self, text, within="//"):
+        """A button by its visible text (WebKitWebDriver speaks XPath)."""
+        xpath = f"{within}button[normalize-space()='{text}']"
+        return wait(f"button {text!r}", lambda: self._try_find_xpath(xpath), timeout=30)
+
+    def _try_find_xpath(self, xpath):
+        found = self._session("POST", "/elements", {"using": "xpath", "value": xpath})
+        return found[0][self.ELEMENT] if found else None
+
+    def gone(self, css):
+        return not self._session("POST", "/elements", {"using": "css selector", "value": css})
+
+    def screenshot(self, name):
+        path = os.path.join(ARTIFACTS, name)
+        with open(path, "wb") as f:
+            f.write(base64.b64decode(self._session("GET", "/screenshot")))
+        print(f"app-test: screenshot {path}")
+
+    def invoke(self, command, args=None):
+        """An IPC command, as the UI would send it; a refusal comes back as {'error': text}."""
+        return self.script_async(
+            "const done = arguments[arguments.length - 1];"
+            "window.__TAURI_INTERNALS__.invoke(arguments[0], arguments[1] || {})"
+            ".then(done, e => done({error: String(e && e.message || e)}));", command, args)
 
     def type(self, element, text, clear=False):
         if clear:
@@ -269,6 +326,65 @@ class WebDriver:
             pass
 
 
+def start_hub():
+    """The imitation hub serving the tiny Qwen3 as test/qwen3-tiny; stops when we close its stdin."""
+    hub = subprocess.Popen([TEST_HUB, f"{HUB_REPO}={MODEL}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    line = hub.stdout.readline().decode()
+    match = re.search(r"serving on (http://\S+)", line)
+    assert match, f"test_hub said {line!r}"
+    return hub, match.group(1)
+
+
+def serve_folder(folder):
+    """Static files over HTTP on a free port (the update endpoint and its package)."""
+    handler = functools.partial(QuietFiles, directory=folder)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+class QuietFiles(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+class Signer:
+    """A minisign key pair, signing as `tauri signer sign` does: Ed25519 over the BLAKE2b-512
+    of the file ("ED"), a trusted comment carrying the version, and the global signature over
+    both; the updater takes the public key and each signature base64-encoded."""
+
+    def __init__(self):
+        self.key = Ed25519PrivateKey.generate()
+        self.key_id = os.urandom(8)
+        public = self.key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        text = (f"untrusted comment: minisign public key {self.key_id[::-1].hex().upper()}\n"
+                f"{base64.b64encode(b'Ed' + self.key_id + public).decode()}\n")
+        self.public_key = base64.b64encode(text.encode()).decode()
+
+    def sign(self, data, name, version):
+        signature = self.key.sign(hashlib.blake2b(data, digest_size=64).digest())
+        trusted = f"timestamp:{int(time.time())}\tfile:{name}\tversion:{version}"
+        global_signature = self.key.sign(signature + trusted.encode())
+        text = (f"untrusted comment: signature from tauri secret key\n"
+                f"{base64.b64encode(b'ED' + self.key_id + signature).decode()}\n"
+                f"trusted comment: {trusted}\n{base64.b64encode(global_signature).decode()}\n")
+        return base64.b64encode(text.encode()).decode()
+
+
+def publish_release(folder, base_url, signer, version, package, tampered=False):
+    """Puts `package` and its .sig in `folder` and builds latest.json with the release script;
+    `tampered` signs other bytes, as a package swapped after signing would look."""
+    name = f"rMLX_{version}_amd64.AppImage"
+    shutil.copyfile(package, os.path.join(folder, name))
+    data = open(package, "rb").read()
+    signed = data + b"tampered" if tampered else data
+    with open(os.path.join(folder, name + ".sig"), "w") as f:
+        f.write(signer.sign(signed, name, version))
+    subprocess.run([LATEST_JSON, "--version", version, "--base-url", base_url, "--notes", "Faster prefill.",
+                    "--out", os.path.join(folder, "latest.json"), f"linux-x86_64={os.path.join(folder, name)}"],
+                   check=True)
+
+
 def post_json(port, path, body):
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -276,12 +392,22 @@ def post_json(port, path, body):
         return json.load(reply)
 
 
-def test_chat_with_a_picture_over_ipc(data):
+def test_the_window_over_ipc(data):
     port, driver_port = free_port(), free_port()
+    hub, hub_url = start_hub()
+    releases = tempfile.mkdtemp(dir=data)
+    updates = serve_folder(releases)
+    update_url = f"http://127.0.0.1:{updates.server_address[1]}"
+    installed = os.path.join(data, "installed-app")  # what the updater replaces
+    shutil.copyfile("/bin/false", installed)
+    signer = Signer()
     with open(os.path.join(data, "settings.json"), "w") as f:
-        json.dump({"server_port": port, "server_enabled": True}, f)
+        json.dump({"server_port": port, "server_enabled": True, "hub_url": hub_url}, f)
+    # RMLX_UPDATE_* are honoured by debug builds only (src-tauri/src/updates.rs).
     env = dict(os.environ, RMLX_APP_DATA=data, RMLX_APP_MODELS=f"{MODEL}:{VL_MODEL}", RMLX_APP_SHOW="1",
-               TAURI_WEBVIEW_AUTOMATION="true")
+               TAURI_WEBVIEW_AUTOMATION="true", RMLX_UPDATE_CHECK="0",
+               RMLX_UPDATE_ENDPOINT=f"{update_url}/latest.json", RMLX_UPDATE_PUBKEY=signer.public_key,
+               RMLX_UPDATE_EXECUTABLE=installed)
     log = open(os.path.join(ARTIFACTS, "app.log"), "ab")
     driver = subprocess.Popen([TAURI_DRIVER, "--port", str(driver_port)], env=env, stdout=log, stderr=log)
     browser = None
@@ -316,7 +442,7 @@ def test_chat_with_a_picture_over_ipc(data):
             "const m = document.querySelector('[data-metric=ttft]'); return m && m.dataset.value"))
         tokens = browser.script("const m = document.querySelector('[data-metric=tokens]');"
                                 "return [Number(m.dataset.in), Number(m.dataset.out)]")
-        screenshot("app-chat-ipc.png")
+        browser.screenshot("app-chat-ipc.png")
 
         # The app's own HTTP server, asked the same thing greedily, agrees token for token.
         picture = base64.b64encode(open(PICTURE, "rb").read()).decode()
@@ -339,15 +465,128 @@ def test_chat_with_a_picture_over_ipc(data):
         assert tokens == [recent[0]["tokens_in"], recent[0]["tokens_out"]], (tokens, recent[0])
         assert float(ttft) == recent[0]["ttft_ms"], (ttft, recent[0])
         assert recent[0]["id"] != direct["id"]
+        print(f"app-test: WebDriver chat with a picture over IPC: ok ({answer!r})")
+
+        check_dashboard(browser)
+        check_models(browser, data)
+        check_settings(browser, data, port)
+        check_updates(browser, releases, update_url, signer, installed)
+        browser.quit()
+        browser = WebDriver(driver_port, APP)
+        check_settings_after_restart(browser)
     finally:
         if browser:
             browser.quit()
         driver.terminate()
         driver.wait(timeout=15)
+        hub.stdin.close()
+        hub.wait(timeout=15)
+        updates.shutdown()
         # The app must not have died under the driver (a panic would be the app's fault).
         assert "panicked" not in open(os.path.join(ARTIFACTS, "app.log"), errors="replace").read(), \
             "the app panicked: see app.log"
-    print(f"app-test: WebDriver chat with a picture over IPC: ok ({answer!r})")
+
+
+def open_view(browser, view):
+    browser.click(browser.find(f'nav[aria-label="Main"] a[href="#/{view}"]'))
+
+
+def check_dashboard(browser):
+    """The chart's newest point is the newest request, with its /metrics/cache TTFT."""
+    open_view(browser, "dashboard")
+    chart = "document.querySelector('[data-testid=chart-ttft]')"
+    last_id = wait("the dashboard's points", lambda: browser.script(f"const c = {chart}; return c && c.dataset.lastId"))
+    metrics = browser.invoke("metrics_snapshot")
+    entry = next(r for r in metrics["recent"] if r["id"] == last_id)
+    assert entry is metrics["recent"][-1] or entry == metrics["recent"][-1], (last_id, metrics["recent"])
+    assert float(browser.script(f"return {chart}.dataset.lastTtft")) == entry["ttft_ms"], entry
+    time.sleep(1)  # uPlot draws on the next frame
+    browser.screenshot("app-dashboard.png")
+    print("app-test: the dashboard's last TTFT point is the request's ttft_ms: ok")
+
+
+def check_models(browser, data):
+    """A download from the imitation hub over IPC (progress by `downloads` events), then delete."""
+    open_view(browser, "models")
+    browser.find('tr[data-model-id="qwen3-tiny"]')
+    browser.type(browser.find("#download-repo"), HUB_REPO)
+    browser.click(browser.find_button("Download"))
+    wait("the download to finish", lambda: browser.script(
+        "const j = document.querySelector('li.job'); return j && j.dataset.state === 'done'"), timeout=60)
+    row = f'tr[data-model-id="{HUB_REPO}"]'
+    browser.find(row)
+    folder = os.path.join(data, "models", HUB_REPO)
+    for name in os.listdir(MODEL):
+        assert open(os.path.join(folder, name), "rb").read() == open(os.path.join(MODEL, name), "rb").read(), name
+    browser.screenshot("app-models.png")
+    browser.click(browser.find(f'button[aria-label="Delete {HUB_REPO}"]'))
+    browser.click(browser.find_button("Delete", within=f"//*[@role='group'][@aria-label='Delete {HUB_REPO}?']//"))
+    wait("the deleted model to leave the list", lambda: browser.gone(row))
+    assert not os.path.exists(folder), os.listdir(os.path.dirname(folder))
+    print("app-test: download from the hub, verified, then deleted, over IPC: ok")
+
+
+def check_settings(browser, data, port):
+    """Saved to settings.json and applied to the running local server at once."""
+    open_view(browser, "settings")
+    browser.type(browser.find("#cors-origins"), "https://tools.example", clear=True)
+    browser.type(browser.find("#default-max-context"), "4096" + WebDriver.TAB, clear=True)
+    browser.click(browser.find_button("Save settings"))
+    wait("the settings to save", lambda: json.load(open(os.path.join(data, "settings.json"))).get(
+        "cors_origins") == ["https://tools.example"])
+    saved = json.load(open(os.path.join(data, "settings.json")))
+    assert saved["default_max_context"] == 4096 and saved["server_enabled"] is True, saved
+
+    def preflight():
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", method="OPTIONS", headers={
+            "Origin": "https://tools.example", "Access-Control-Request-Method": "GET"})
+        try:
+            with urllib.request.urlopen(request, timeout=5) as reply:
+                return reply.headers.get("access-control-allow-origin")
+        except (urllib.error.URLError, OSError):
+            return None
+    assert wait("the new CORS origin on the local server", preflight) == "https://tools.example"
+    models = browser.invoke("models_overview")["data"]
+    assert all(m["context_length"] <= 4096 for m in models), models
+    browser.screenshot("app-settings.png")
+    print("app-test: settings saved and applied live (CORS origin, context cap): ok")
+
+
+def check_updates(browser, releases, update_url, signer, installed):
+    """A package whose signature does not match is refused; a signed one installs."""
+    before = open(installed, "rb").read()
+    publish_release(releases, update_url, signer, "0.2.0", "/bin/true", tampered=True)
+    browser.click(browser.find_button("Check for updates"))
+    status = "document.querySelector('[data-testid=update-status]').innerText"
+    try:
+        wait("the update on offer", lambda: browser.script(
+            "return [...document.querySelectorAll('button')].some(b => b.textContent.trim() === 'Install')"), timeout=30)
+    except AssertionError:
+        raise AssertionError(f"no update offered: {browser.script(f'return {status}')!r}; buttons "
+                             f"{browser.script('return [...document.querySelectorAll(`button`)].map(b => b.textContent.trim())')}; "
+                             f"update_check says {browser.invoke('update_check')}")
+    browser.click(browser.find_button("Install"))
+    message = wait("the refusal", lambda: browser.script(f"const t = {status}; return t.includes('failed') && t"))
+    assert "signature" in message.lower(), message
+    assert open(installed, "rb").read() == before, "a tampered package was installed"
+
+    publish_release(releases, update_url, signer, "0.2.0", "/bin/true")
+    browser.click(browser.find_button("Check for updates"))
+    browser.click(browser.find_button("Install"))
+    wait("the install", lambda: browser.script(f"return {status}.includes('is installed')"), timeout=60)
+    assert open(installed, "rb").read() == open("/bin/true", "rb").read()
+    browser.screenshot("app-update.png")
+    print(f"app-test: updater: tampered .sig refused ({message.strip()[:80]!r}), signed update installed: ok")
+
+
+def check_settings_after_restart(browser):
+    saved = browser.invoke("settings_get")
+    assert saved["cors_origins"] == ["https://tools.example"] and saved["default_max_context"] == 4096, saved
+    open_view(browser, "settings")
+    field = browser.find("#cors-origins")
+    assert wait("the saved origin in the form", lambda: browser.script(
+        "return document.getElementById('cors-origins').value")) == "https://tools.example", field
+    print("app-test: settings survive a restart: ok")
 
 
 def main():
@@ -357,7 +596,7 @@ def main():
     for attempt in range(1, 4):
         with tempfile.TemporaryDirectory() as data:
             try:
-                test_chat_with_a_picture_over_ipc(data)
+                test_the_window_over_ipc(data)
                 break
             except DriverLost as error:
                 print(f"app-test: attempt {attempt}: {error}; the driver is restarted", file=sys.stderr)

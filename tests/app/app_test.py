@@ -553,7 +553,15 @@ def check_settings(browser, data, port):
 
 
 def check_updates(browser, releases, update_url, signer, installed):
-    """A package whose signature does not match is refused; a signed one installs."""
+    """A package whose signature does not match is refused; a signed one installs. The window
+    reaches the updater only through the app's commands: the plugin's own are not granted."""
+    refused = browser.invoke("plugin:updater|check")
+    assert "not allowed" in str(refused.get("error", "")), refused
+    unsigned = os.path.join(releases, "unsigned.AppImage")
+    shutil.copyfile("/bin/true", unsigned)
+    run = subprocess.run([LATEST_JSON, "--version", "0.2.0", "--base-url", update_url, f"linux-x86_64={unsigned}"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "not signed" in run.stderr, (run.returncode, run.stderr)
     before = open(installed, "rb").read()
     publish_release(releases, update_url, signer, "0.2.0", "/bin/true", tampered=True)
     browser.click(browser.find_button("Check for updates"))

@@ -249,7 +249,10 @@ fn forward_metrics(app: &AppHandle) {
 pub fn show_window(app: &AppHandle, route: Option<&str>) {
     if let Some(window) = app.get_webview_window("main") {
         #[cfg(target_os = "macos")]
-        macos::window_opened(app);
+        {
+            macos::window_opened(app);
+            macos::place_under_tray(&window);
+        }
         if let Some(route) = route {
             let _ = window.eval(format!("window.location.hash = {route:?}"));
         }
@@ -260,7 +263,10 @@ pub fn show_window(app: &AppHandle, route: Option<&str>) {
 }
 
 pub fn run() {
-    let app = tauri::Builder::default()
+    let builder = tauri::Builder::default();
+    #[cfg(target_os = "macos")]
+    let builder = builder.plugin(tauri_plugin_positioner::init());
+    let app = builder
         // A second launch shows the running app's window instead of starting another engine.
         .plugin(tauri_plugin_single_instance::init(|app, _args, _cwd| {
             show_window(app, None);

@@ -1,10 +1,13 @@
 //! macOS only: a menu-bar app (Accessory: no Dock icon unless a window is open) with an Edit
-//! menu, so Cmd-C/V/X/A reach the web view (without one, macOS routes no edit shortcuts).
+//! menu, so Cmd-C/V/X/A reach the web view (without one, macOS routes no edit shortcuts), whose
+//! window opens under its menu-bar icon (tauri-plugin-positioner, fed the tray's events).
 
 use tauri::{
     menu::{Menu, PredefinedMenuItem, Submenu},
-    ActivationPolicy, AppHandle,
+    tray::TrayIconEvent,
+    ActivationPolicy, AppHandle, WebviewWindow,
 };
+use tauri_plugin_positioner::{Position, WindowExt};
 
 pub fn setup(app: &AppHandle) -> tauri::Result<()> {
     app.set_activation_policy(ActivationPolicy::Accessory)?;
@@ -44,4 +47,15 @@ pub fn window_opened(app: &AppHandle) {
 /// The window is hidden: back to the menu bar only.
 pub fn window_closed(app: &AppHandle) {
     let _ = app.set_activation_policy(ActivationPolicy::Accessory);
+}
+
+/// Remembers where the menu-bar icon is (clicks and hovers report its rectangle).
+pub fn tray_event(app: &AppHandle, event: &TrayIconEvent) {
+    tauri_plugin_positioner::on_tray_event(app, event);
+}
+
+/// Puts the window just below the menu-bar icon, kept on screen; before the icon has reported
+/// its position (no click or hover yet) the window stays where it was.
+pub fn place_under_tray(window: &WebviewWindow) {
+    let _ = window.move_window_constrained(Position::TrayBottomCenter);
 }

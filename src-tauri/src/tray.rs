@@ -55,6 +55,10 @@ pub fn build(app: &AppHandle) -> tauri::Result<()> {
         .icon_as_template(true)
         .tooltip("rMLX")
         .menu(&menu)
+        .on_tray_icon_event(|_tray, _event| {
+            #[cfg(target_os = "macos")]
+            crate::macos::tray_event(_tray.app_handle(), &_event);
+        })
         .on_menu_event(|app, event| match event.id().as_ref() {
             "server" => {
                 let app = app.clone();

@@ -472,8 +472,15 @@ def test_the_window_over_ipc(data):
         check_settings(browser, data, port)
         check_updates(browser, releases, update_url, signer, installed)
         browser.quit()
-        browser = WebDriver(driver_port, APP)
-        check_settings_after_restart(browser)
+        wait("the first app to let go of its port", lambda: not answers(port))
+        # Relaunch with the saved port taken by someone else.
+        with socket.socket() as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            browser = WebDriver(driver_port, APP)
+            check_settings_after_restart(browser)
+            check_busy_port(browser, data, port)
     finally:
         if browser:
             browser.quit()
@@ -585,6 +592,22 @@ def check_updates(browser, releases, update_url, signer, installed):
     assert open(installed, "rb").read() == open("/bin/true", "rb").read()
     browser.screenshot("app-update.png")
     print(f"app-test: updater: tampered .sig refused ({message.strip()[:80]!r}), signed update installed: ok")
+
+
+def check_busy_port(browser, data, port):
+    """The saved port is taken: Settings says so and offers a free one, which is then saved."""
+    status = "document.querySelector('[data-testid=server-status]')"
+    wait("the busy-port message", lambda: browser.script(f"return {status}.dataset.state === 'failed'"))
+    assert f"port {port} is in use" in browser.script(f"return {status}.innerText"), browser.script(
+        f"return {status}.innerText")
+    browser.click(browser.find_button("Use a free port"))
+    wait("the server on a free port", lambda: browser.script(f"return {status}.dataset.state === 'on'"))
+    url = re.search(r"http://127\.0\.0\.1:(\d+)", browser.script(f"return {status}.innerText"))
+    new_port = int(url.group(1))
+    assert new_port != port and answers(new_port)
+    wait("the new port saved", lambda: json.load(open(os.path.join(data, "settings.json")))["server_port"] == new_port)
+    browser.screenshot("app-free-port.png")
+    print(f"app-test: a busy port is shown in Settings and a free one ({new_port}) is taken and saved: ok")
 
 
 def check_settings_after_restart(browser):

@@ -357,6 +357,16 @@ async fn deletes_stay_inside_the_model_folders() {
         let reply = delete(&router, &format!("/v1/models/{id}")).await;
         assert_eq!(reply.status, status, "{id}: {}", reply.text);
     }
+    // Loading goes through the same resolution: nothing outside the roots loads either.
+    for (id, status) in [
+        ("escape", 404),
+        ("..%2Foutside", 400),
+        ("%2Fetc", 400),
+        ("org%2F..%2F..%2Foutside", 400),
+    ] {
+        let reply = post(&router, &format!("/v1/models/{id}/load"), &json!({})).await;
+        assert_eq!(reply.status, status, "load {id}: {}", reply.text);
+    }
     assert!(outside.join("model.safetensors").is_file());
     assert!(fixture("qwen3-tiny/model.safetensors").is_file());
     assert!(models.join("escape").exists());

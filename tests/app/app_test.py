@@ -139,7 +139,8 @@ def answers(port):
 
 
 def start_app(data, show=False):
-    env = dict(os.environ, RMLX_APP_DATA=data, RMLX_APP_MODELS=MODEL)
+    # No update check at launch: the release endpoint is not reachable from tests.
+    env = dict(os.environ, RMLX_APP_DATA=data, RMLX_APP_MODELS=MODEL, RMLX_UPDATE_CHECK="0")
     if show:
         env["RMLX_APP_SHOW"] = "1"
     log = open(os.path.join(ARTIFACTS, "app.log"), "ab")

@@ -1,11 +1,33 @@
 // Helpers that drive the UI the way a person would, plus direct API calls for cross-checks.
 
-import { readFileSync } from 'node:fs';
+import { mkdirSync, readFileSync } from 'node:fs';
+import type http from 'node:http';
+import type { AddressInfo } from 'node:net';
 import path from 'node:path';
 import { chromium, type Browser, type Page, type Response } from 'playwright-core';
-import { uiDir } from './server';
+import { afterAll, beforeAll } from 'vitest';
+import { hostDist, uiDir } from './server';
 
 export const artifactsDir = path.join(uiDir, 'e2e', 'artifacts');
+
+/**
+ * For a describe block whose tests script the API themselves: dist/ on a loopback port and one
+ * browser, started in its beforeAll (handed over through `ready`) and closed in its afterAll.
+ */
+export function withHostedDist(ready: (hosted: { url: string; browser: Browser }) => void): void {
+  let host: http.Server | undefined;
+  let browser: Browser | undefined;
+  beforeAll(async () => {
+    mkdirSync(artifactsDir, { recursive: true });
+    host = await hostDist();
+    browser = await launchBrowser();
+    ready({ url: `http://127.0.0.1:${(host.address() as AddressInfo).port}`, browser });
+  });
+  afterAll(async () => {
+    await browser?.close();
+    await new Promise((resolve) => host?.close(resolve));
+  });
+}
 
 export function launchBrowser(): Promise<Browser> {
   return chromium.launch({

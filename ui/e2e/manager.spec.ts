@@ -2,15 +2,11 @@
 // contract of docs/MODELS-API.md and docs/SERVER.md), and the desktop app's Settings against a
 // scripted Tauri IPC (a stand-in `window.__TAURI_INTERNALS__`). Screenshots, light and dark.
 
-import { mkdirSync } from 'node:fs';
-import type http from 'node:http';
-import type { AddressInfo } from 'node:net';
 import path from 'node:path';
 import type { Browser, Page, Route } from 'playwright-core';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { describe, expect, it } from 'vitest';
 import type { DownloadJob, MetricsSnapshot, ModelInfo, RecentRequest } from '../src/lib/transport/types';
-import { artifactsDir, launchBrowser } from './browser';
-import { hostDist } from './server';
+import { artifactsDir, withHostedDist } from './browser';
 
 const GB = 1024 ** 3;
 const modelList: ModelInfo[] = [
@@ -128,21 +124,9 @@ function scriptedServer(options: { admin?: boolean; failDownload?: boolean } = {
 }
 
 describe('Models, Dashboard and Settings against a scripted server', () => {
-  let host: http.Server;
   let url: string;
   let browser: Browser;
-
-  beforeAll(async () => {
-    mkdirSync(artifactsDir, { recursive: true });
-    host = await hostDist();
-    url = `http://127.0.0.1:${(host.address() as AddressInfo).port}`;
-    browser = await launchBrowser();
-  });
-
-  afterAll(async () => {
-    await browser?.close();
-    await new Promise((resolve) => host?.close(resolve));
-  });
+  withHostedDist((hosted) => ({ url, browser } = hosted));
 
   async function open(view: string, server: ReturnType<typeof scriptedServer>, colorScheme: 'light' | 'dark' = 'light', height = 860): Promise<Page> {
     const context = await browser.newContext({ viewport: { width: 1280, height }, colorScheme });
@@ -395,21 +379,9 @@ function fakeTauri() {
 }
 
 describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
-  let host: http.Server;
   let url: string;
   let browser: Browser;
-
-  beforeAll(async () => {
-    mkdirSync(artifactsDir, { recursive: true });
-    host = await hostDist();
-    url = `http://127.0.0.1:${(host.address() as AddressInfo).port}`;
-    browser = await launchBrowser();
-  });
-
-  afterAll(async () => {
-    await browser?.close();
-    await new Promise((resolve) => host?.close(resolve));
-  });
+  withHostedDist((hosted) => ({ url, browser } = hosted));
 
   for (const colorScheme of ['light', 'dark'] as const) {
     it(`edits every app setting, shows the busy port and picks a free one, checks for updates (${colorScheme})`, async () => {

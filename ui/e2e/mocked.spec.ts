@@ -2,14 +2,11 @@
 // rmlx: markdown and code in an answer, the metrics line and sparkline from a `/metrics/cache`
 // entry that has the `id` and `itl_ms` fields of the contract, an error answer, light and dark.
 
-import { mkdirSync } from 'node:fs';
-import type http from 'node:http';
-import type { AddressInfo } from 'node:net';
 import path from 'node:path';
 import type { Browser, Page } from 'playwright-core';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { artifactsDir, ask, dropImage, lastAnswer, launchBrowser, waitForStatus } from './browser';
-import { fixturesDir, hostDist } from './server';
+import { describe, expect, it } from 'vitest';
+import { artifactsDir, ask, dropImage, lastAnswer, waitForStatus, withHostedDist } from './browser';
+import { fixturesDir } from './server';
 
 const answer = [
   'Here is a **Rust** example with a `main` function:\n\n',
@@ -48,21 +45,9 @@ async function scriptServer(page: Page, options: { fail?: boolean } = {}): Promi
 }
 
 describe('rMLX UI against a scripted server', () => {
-  let host: http.Server;
   let url: string;
   let browser: Browser;
-
-  beforeAll(async () => {
-    mkdirSync(artifactsDir, { recursive: true });
-    host = await hostDist();
-    url = `http://127.0.0.1:${(host.address() as AddressInfo).port}`;
-    browser = await launchBrowser();
-  });
-
-  afterAll(async () => {
-    await browser?.close();
-    await new Promise((resolve) => host?.close(resolve));
-  });
+  withHostedDist((hosted) => ({ url, browser } = hosted));
 
   for (const colorScheme of ['light', 'dark'] as const) {
     it(`renders markdown, code and the request's metrics (${colorScheme})`, async () => {

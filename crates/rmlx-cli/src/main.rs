@@ -235,20 +235,26 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
                 stdout.flush()?;
             }
             Event::Done(completion) => {
+                // MLX's high-water mark over this process's one request: weights, KV cache and
+                // activations (what "will it fit" questions are about).
+                let peak = engine.metrics().mlx_peak_bytes;
                 if args.json {
-                    serde_json::to_writer(&mut stdout, &completion)?;
+                    let mut value = serde_json::to_value(&completion)?;
+                    value["peak_memory_bytes"] = serde_json::json!(peak);
+                    serde_json::to_writer(&mut stdout, &value)?;
                 }
                 writeln!(stdout)?;
                 if !args.json {
                     let t = &completion.timings;
                     eprintln!(
-                        "[{} prompt + {} generated tokens, {:?}; TTFT {:.1} ms, prefill {:.1} tok/s, decode {:.1} tok/s]",
+                        "[{} prompt + {} generated tokens, {:?}; TTFT {:.1} ms, prefill {:.1} tok/s, decode {:.1} tok/s; peak memory {:.1} MB]",
                         completion.prompt_tokens,
                         completion.completion_tokens,
                         completion.finish_reason,
                         t.ttft_ms,
                         t.prefill_tps,
-                        t.decode_tps
+                        t.decode_tps,
+                        peak as f64 / 1e6
                     );
                 }
                 return Ok(());

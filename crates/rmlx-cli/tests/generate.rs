@@ -97,6 +97,15 @@ fn generate_json_reproduces_golden_ids() {
         assert_eq!(timings["itl_ms"].as_array().unwrap().len(), 23);
         assert!(timings["prefill_tps"].as_f64().unwrap() > 0.0);
         assert!(timings["decode_tps"].as_f64().unwrap() > 0.0);
+        // At least the weights were resident at the peak.
+        let weights: u64 = std::fs::read_dir(&model)
+            .unwrap()
+            .map(|entry| entry.unwrap().path())
+            .filter(|path| path.extension().is_some_and(|ext| ext == "safetensors"))
+            .map(|path| std::fs::metadata(path).unwrap().len())
+            .sum();
+        let peak = out["peak_memory_bytes"].as_u64().unwrap();
+        assert!(peak >= weights, "{dir}: peak {peak} < weights {weights}");
     }
 }
 

@@ -34,8 +34,9 @@ describe.skipIf(skipReason !== null)('the Models view against rmlx serve and the
   beforeAll(async () => {
     mkdirSync(artifactsDir, { recursive: true });
     models = mkdtempSync(path.join(tmpdir(), 'rmlx-e2e-downloads-'));
-    // Slow enough to pause mid-file: the fixture's weights take a few seconds.
-    hub = await startHub({ [REPO]: source }, { trickleMs: 15 });
+    // Slow enough to pause mid-file even on a busy machine: 16 KiB every 40 ms puts the
+    // fixture's ~1 MB of weights at ~3 s, against the page's 500 ms polling.
+    hub = await startHub({ [REPO]: source }, { trickleMs: 40 });
     server = await startServer({ modelsDir: models, hubUrl: hub.url });
     browser = await launchBrowser();
   });

@@ -81,13 +81,16 @@ pub fn check_vision(
 }
 
 fn read_config(model_dir: &std::path::Path) -> Value {
-    let config = std::fs::read_to_string(model_dir.join("config.json")).unwrap_or_default();
-    serde_json::from_str(&config).unwrap_or(Value::Null)
+    crate::registry::read_config(model_dir).unwrap_or(Value::Null)
 }
 
 /// Whether the checkpoint's config declares a vision tower.
 pub fn has_vision(model_dir: &std::path::Path) -> bool {
-    read_config(model_dir).get("vision_config").is_some()
+    config_has_vision(&read_config(model_dir))
+}
+
+pub fn config_has_vision(config: &Value) -> bool {
+    config.get("vision_config").is_some()
 }
 
 /// The checkpoint's `model_type` ("" when config.json is unreadable: loading reports that).

@@ -24,7 +24,13 @@ pub async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
-fn model_json(state: &AppState, entry: &ModelEntry, resident: &[PathBuf]) -> Value {
+/// One `/v1/models` entry. `available` is the memory available now, read once per listing.
+fn model_json(
+    state: &AppState,
+    entry: &ModelEntry,
+    resident: &[PathBuf],
+    available: Option<u64>,
+) -> Value {
     let info = state.registry.info(entry);
     let config = read_config(&entry.path).unwrap_or(Value::Null);
     json!({
@@ -35,14 +41,14 @@ fn model_json(state: &AppState, entry: &ModelEntry, resident: &[PathBuf]) -> Val
         "context_length": state.registry.context_length(entry),
         "loaded": resident.contains(&canonical(&entry.path)),
         // Before a model is loaded its config says whether it has a vision tower.
-        "vision": info.as_ref().map_or_else(|| crate::convert::has_vision(&entry.path), |info| info.vision),
+        "vision": info.as_ref().map_or_else(|| crate::convert::config_has_vision(&config), |info| info.vision),
         "model_type": config["model_type"].as_str(),
         "parameters": info.as_ref().map(|info| info.parameters),
         "quantization": quantization(&config),
         "size_bytes": folder_size(&entry.path, 0),
         "source": entry.source.as_str(),
         "deletable": entry.source != Source::Model,
-        "fits": fits(&entry.path),
+        "fits": available.and_then(|available| fits(&entry.path, available)),
     })
 }
 
@@ -84,9 +90,8 @@ fn folder_size(dir: &std::path::Path, depth: usize) -> u64 {
 
 /// The engine's own estimate (weights plus a tenth) against the memory available now: `no`
 /// when the engine would refuse the load, `tight` within a quarter of the limit.
-fn fits(dir: &std::path::Path) -> Option<&'static str> {
+fn fits(dir: &std::path::Path, available: u64) -> Option<&'static str> {
     let needed = rmlx_engine::runtime::memory_needed(dir).ok()?;
-    let available = rmlx_engine::runtime::available_memory()?;
     Some(if needed > available {
         "no"
     } else if needed > available / 4 * 3 {
@@ -96,10 +101,10 @@ fn fits(dir: &std::path::Path) -> Option<&'static str> {
     })
 }
 
-fn memory_json() -> Value {
+fn memory_json(available: Option<u64>) -> Value {
     json!({
         "total_bytes": rmlx_engine::runtime::total_memory(),
-        "available_bytes": rmlx_engine::runtime::available_memory(),
+        "available_bytes": available,
     })
 }
 
@@ -127,14 +132,15 @@ async fn resident(state: &AppState) -> Result<Vec<PathBuf>, ApiError> {
 
 pub async fn list(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let resident = resident(&state).await?;
+    let available = rmlx_engine::runtime::available_memory();
     let data: Vec<Value> = state
         .registry
         .list()
         .iter()
-        .map(|entry| model_json(&state, entry, &resident))
+        .map(|entry| model_json(&state, entry, &resident, available))
         .collect();
     Ok(Json(
-        json!({"object": "list", "data": data, "memory": memory_json()}),
+        json!({"object": "list", "data": data, "memory": memory_json(available)}),
     ))
 }
 
@@ -144,7 +150,8 @@ pub async fn retrieve(
 ) -> Result<Json<Value>, ApiError> {
     let entry = state.registry.resolve(&id)?;
     let resident = resident(&state).await?;
-    Ok(Json(model_json(&state, &entry, &resident)))
+    let available = rmlx_engine::runtime::available_memory();
+    Ok(Json(model_json(&state, &entry, &resident, available)))
 }
 
 /// `{id}/load` loads now (what the first request would otherwise do; the engine may evict its
@@ -159,7 +166,8 @@ pub async fn admin(
         let info = on_engine(&state, move |engine| engine.model_info(&path)).await?;
         state.registry.remember(&info);
         let resident = resident(&state).await?;
-        let mut body = model_json(&state, &entry, &resident);
+        let available = rmlx_engine::runtime::available_memory();
+        let mut body = model_json(&state, &entry, &resident, available);
         body["parameters"] = json!(info.parameters);
         body["model_type"] = json!(info.model_type);
         return Ok(Json(body));

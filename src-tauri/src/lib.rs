@@ -142,17 +142,13 @@ pub async fn apply_settings(app: &AppHandle, next: Settings) -> Result<Settings,
     }
     let old = shell.state();
     let same_downloads = previous.models_dir == next.models_dir && previous.hub_url == next.hub_url;
-    let keep = match (&old.downloads, same_downloads) {
-        (Ok(manager), true) => Some(manager.clone()),
-        (Ok(manager), false) => {
-            if manager.list().iter().any(|job| job.state.is_active()) {
-                return Err("downloads are running: pause or cancel them before changing the models folder or hub URL".into());
-            }
-            None
+    if let (Ok(manager), false) = (&old.downloads, same_downloads) {
+        if manager.list().iter().any(|job| job.state.is_active()) {
+            return Err("downloads are running: pause or cancel them before changing the models folder or hub URL".into());
         }
-        (Err(_), _) => None,
-    };
-    let state = AppState::with_engine(config, old.engine.clone(), keep)
+    }
+    let state = old
+        .reconfigured(config, same_downloads)
         .map_err(|error| format!("{error:#}"))?;
     if let Err(why) = &state.downloads {
         return Err(format!("the hub URL cannot be used: {why}"));

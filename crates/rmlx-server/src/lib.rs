@@ -102,10 +102,20 @@ impl AppState {
         Self::with_engine(config, engine, None)
     }
 
-    /// A state over a running engine: the app builds a new one when its settings change,
-    /// keeping the engine (and its loaded models) and, when the models folder and hub stay the
-    /// same, the download jobs (`downloads`).
-    pub fn with_engine(
+    /// The same engine (and its loaded models and metrics) under a new config: the app calls
+    /// this when its settings change. The download jobs carry over when `keep_downloads` (the
+    /// models folder and hub are unchanged), else a new manager serves the new folder.
+    pub fn reconfigured(&self, config: ServerConfig, keep_downloads: bool) -> anyhow::Result<Self> {
+        let downloads = match (&self.downloads, keep_downloads) {
+            (Ok(manager), true) => Some(manager.clone()),
+            _ => None,
+        };
+        let mut state = Self::with_engine(config, self.engine.clone(), downloads)?;
+        state.server_errors = self.server_errors.clone();
+        Ok(state)
+    }
+
+    fn with_engine(
         config: ServerConfig,
         engine: Engine,
         downloads: Option<rmlx_hub::DownloadManager>,

@@ -9,6 +9,7 @@ use std::{path::Path, time::Duration};
 use axum::{http::Method, Router};
 use common::{get, post, send, ServerConfigExt, MODEL};
 use rmlx_hub::testing::{fixture, fixture_hub, repo_files, TestHub, FIXTURE_REPO};
+use rmlx_server::ServerConfig;
 use serde_json::{json, Value};
 
 const ENCODED: &str = "test%2Fqwen3-tiny";
@@ -423,4 +424,51 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
         }
     }
     found
+}
+
+/// The app's settings change: same engine and loaded model, new config; the download jobs stay
+/// when the folder and hub do, and a new folder gets its own (empty) job list.
+#[tokio::test]
+async fn a_reconfigured_state_keeps_the_engine_and_chosen_downloads() {
+    let hub = fixture_hub();
+    let (first, second) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (router, state) = common::router(ServerConfigExt::with(|config| {
+        config.models_dir = Some(first.path().to_path_buf());
+        config.hub_url = Some(hub.url().to_string());
+    }));
+    let id = start(&router, json!({"repo": FIXTURE_REPO})).await;
+    assert_eq!(settle(&router, &id).await["state"], "done");
+    let loaded = post(&router, &format!("/v1/models/{MODEL}/load"), &json!({})).await;
+    assert_eq!(loaded.status, 200, "{}", loaded.text);
+
+    let capped = state.config.as_ref().clone();
+    let kept = state
+        .reconfigured(
+            ServerConfig {
+                max_ctx: Some(256),
+                ..capped
+            },
+            true,
+        )
+        .unwrap();
+    let kept_router = rmlx_server::app(kept.clone());
+    let jobs = get(&kept_router, "/admin/downloads").await.json();
+    assert_eq!(jobs["data"][0]["id"], id.as_str());
+    let model = listed(&get(&kept_router, "/v1/models").await.json(), MODEL).unwrap();
+    assert_eq!(
+        (&model["loaded"], &model["context_length"]),
+        (&json!(true), &json!(256))
+    );
+
+    let moved = ServerConfig {
+        models_dir: Some(second.path().to_path_buf()),
+        ..state.config.as_ref().clone()
+    };
+    let fresh = rmlx_server::app(state.reconfigured(moved, false).unwrap());
+    assert_eq!(
+        get(&fresh, "/admin/downloads").await.json()["data"],
+        json!([])
+    );
+    let overview = get(&fresh, "/v1/models").await.json();
+    assert!(listed(&overview, FIXTURE_REPO).is_none(), "{overview}");
 }

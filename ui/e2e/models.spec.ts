@@ -1,7 +1,7 @@
 // The Models view against a real `rmlx serve` whose downloads come from the imitation hub
 // (crates/rmlx-hub/examples/test_hub.rs serving tests/fixtures/qwen3-tiny as test/qwen3-tiny):
 // a download through the page lands verified on disk, pauses and resumes to identical bytes,
-// loads, answers like the model it was copied from, and is deleted after a confirmation.
+// loads, answers like the model it was copied from, unloads, and is deleted after a confirmation.
 
 import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -55,7 +55,7 @@ describe.skipIf(skipReason !== null)('the Models view against rmlx serve and the
     return page;
   }
 
-  it('downloads, pauses, resumes, loads, chats with and deletes a model', async () => {
+  it('downloads, pauses, resumes, loads, chats with, unloads and deletes a model', async () => {
     const page = await modelsPage();
     await page.getByLabel('Repository').fill(REPO);
     await page.getByRole('button', { name: 'Download', exact: true }).click();
@@ -89,6 +89,12 @@ describe.skipIf(skipReason !== null)('the Models view against rmlx serve and the
         model, temperature: 0, max_tokens: 8, messages: [{ role: 'user', content: 'Name a colour.' }],
       });
     expect((await ask(REPO)).choices[0].message.content).toBe((await ask('qwen3-tiny')).choices[0].message.content);
+
+    // Unload frees it; the list says so.
+    await page.getByRole('button', { name: `Unload ${REPO}` }).click();
+    await page.getByRole('button', { name: `Load ${REPO}` }).waitFor();
+    const listing = await api<{ data: { id: string; loaded: boolean }[] }>(server.apiUrl, '/v1/models');
+    expect(listing.data.find((m) => m.id === REPO)?.loaded).toBe(false);
 
     await page.getByRole('button', { name: `Delete ${REPO}` }).click();
     await page.getByRole('group', { name: `Delete ${REPO}?` }).getByRole('button', { name: 'Delete' }).click();

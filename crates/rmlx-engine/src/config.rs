@@ -2,9 +2,13 @@
 //! overrides) and the context length. Family fields live in each model file.
 //! Reference: mlx-lm `utils.py` (`load_model`'s class_predicate over `config["quantization"]`).
 
-use std::{collections::BTreeMap, fs, path::Path};
+use std::{
+    collections::BTreeMap,
+    fs,
+    path::{Path, PathBuf},
+};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{
     error::{EngineError, Result},
@@ -13,7 +17,7 @@ use crate::{
 
 /// The `quantization` block mlx-lm writes: defaults plus per-layer entries keyed by path,
 /// each either a `{group_size, bits, mode}` override or `false` (left unquantized).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct QuantizationConfig {
     pub group_size: i32,
     pub bits: i32,
@@ -70,7 +74,7 @@ pub fn read_json(path: &Path) -> Result<serde_json::Value> {
 }
 
 /// The fields every family shares; the rest of config.json is read by the family.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct BaseConfig {
     pub model_type: String,
     #[serde(default)]
@@ -79,6 +83,44 @@ pub struct BaseConfig {
     pub max_position_embeddings: Option<usize>,
     #[serde(default)]
     pub eos_token_id: Option<serde_json::Value>,
+    /// mlx-lm writes a copy of `quantization` here; Hugging Face quantizers (ModelOpt, the
+    /// Gemma QAT `gemma` method, …) write their own block, which MLX cannot load as such.
+    #[serde(default)]
+    pub quantization_config: Option<serde_json::Value>,
+}
+
+/// Refuses checkpoints quantized in a format MLX does not load, naming the format.
+fn check_format(dir: &Path, base: &BaseConfig) -> Result<()> {
+    let refuse = |path: PathBuf, format: String| EngineError::Config {
+        path,
+        message: format!(
+            "{format} checkpoints are not in MLX format; use an MLX conversion (e.g. an \
+             mlx-community repository) or convert the original weights with mlx_lm.convert"
+        ),
+    };
+    let modelopt = dir.join("hf_quant_config.json");
+    if modelopt.exists() {
+        let algo = read_json(&modelopt)
+            .ok()
+            .and_then(|json| json["quantization"]["quant_algo"].as_str().map(str::to_string))
+            .unwrap_or_else(|| "unknown algorithm".into());
+        return Err(refuse(
+            modelopt,
+            format!("NVIDIA ModelOpt ({algo}, hf_quant_config.json)"),
+        ));
+    }
+    let method = base
+        .quantization_config
+        .as_ref()
+        .and_then(|block| block.get("quant_method"))
+        .and_then(|method| method.as_str());
+    if let Some(method) = method {
+        return Err(refuse(
+            dir.join("config.json"),
+            format!("`quant_method: {method}` (Hugging Face quantization)"),
+        ));
+    }
+    Ok(())
 }
 
 /// config.json as raw JSON plus the shared fields.
@@ -96,6 +138,7 @@ impl ConfigFile {
                 path: path.clone(),
                 message: error.to_string(),
             })?;
+        check_format(dir, &base)?;
         if let Some(quantization) = &base.quantization {
             quantization.validate()?;
         }

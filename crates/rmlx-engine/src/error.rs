@@ -11,7 +11,7 @@ pub enum EngineError {
     Io { path: PathBuf, message: String },
     #[error("{path}: invalid config: {message}")]
     Config { path: PathBuf, message: String },
-    #[error("unsupported model_type `{0}` (supported: qwen3, qwen3_vl)")]
+    #[error("unsupported model_type `{0}` (supported: {supported})", supported = crate::models::SUPPORTED_MODEL_TYPES.join(", "))]
     UnknownModelType(String),
     #[error("{file}: tensor `{tensor}`: {message}")]
     Tensor {

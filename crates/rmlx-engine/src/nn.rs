@@ -26,17 +26,30 @@ impl QuantWeights {
         cols: i32,
         spec: QuantSpec,
     ) -> Result<Self> {
+        Self::load_stacked(store, prefix, &[], rows, cols, spec)
+    }
+
+    /// Like `load` with leading dims before `[rows, cols]` (MoE experts stacked on axis 0).
+    pub(crate) fn load_stacked(
+        store: &mut WeightStore,
+        prefix: &str,
+        lead: &[i32],
+        rows: i32,
+        cols: i32,
+        spec: QuantSpec,
+    ) -> Result<Self> {
         let packed = cols * spec.bits / 32;
         let groups = cols / spec.group_size;
         let fp_mode = !spec.mode.has_biases();
+        let shape = |last: i32| [lead, &[rows, last]].concat();
         let weight = store.take(
             &format!("{prefix}.weight"),
-            &[rows, packed],
+            &shape(packed),
             DtypeKind::Uint32,
         )?;
         let scales = store.take(
             &format!("{prefix}.scales"),
-            &[rows, groups],
+            &shape(groups),
             DtypeKind::Scales { fp_mode },
         )?;
         let biases = if fp_mode {
@@ -45,11 +58,12 @@ impl QuantWeights {
             // Same dtype rule as affine scales; not counted as parameters.
             Some(store.take(
                 &format!("{prefix}.biases"),
-                &[rows, groups],
+                &shape(groups),
                 DtypeKind::Scales { fp_mode },
             )?)
         };
-        store.count_parameters(rows as u64 * cols as u64);
+        let copies: u64 = lead.iter().map(|&dim| dim as u64).product();
+        store.count_parameters(copies * rows as u64 * cols as u64);
         Ok(Self {
             weight,
             scales,
@@ -61,7 +75,7 @@ impl QuantWeights {
 
 /// mlx-lm quantizes a layer exactly when the config has a quantization block and the
 /// checkpoint carries `{path}.scales` (and the per-layer entry is not `false`).
-fn quant_spec(
+pub(crate) fn quant_spec(
     store: &WeightStore,
     quantization: Option<&QuantizationConfig>,
     prefix: &str,

@@ -282,6 +282,78 @@ pub fn quantized_matmul(
     }
 }
 
+/// Experts' matmul `x @ dequantize(w[rhs_indices]).T` (mlx `gather_qmm`): only the chosen
+/// experts' packed rows are read. `sorted` says the indices ascend (the prefill path).
+pub fn gather_qmm(
+    x: &Array,
+    weight: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    rhs_indices: &Array,
+    sorted: bool,
+    spec: QuantSpec,
+) -> Result<Array, QuantError> {
+    spec.check_biases(biases)?;
+    let stream = Stream::thread_local_or_default();
+    let mode = spec.c_mode();
+    let null = null_array();
+    let no_lhs = null_array();
+    // SAFETY: every handle is live for the call; `out` becomes an owned Array.
+    unsafe {
+        let mut out = mlx_sys::mlx_array_new();
+        let status = mlx_sys::mlx_gather_qmm(
+            &mut out,
+            x.as_ptr(),
+            weight.as_ptr(),
+            scales.as_ptr(),
+            biases.unwrap_or(&null).as_ptr(),
+            no_lhs.as_ptr(),
+            rhs_indices.as_ptr(),
+            true,
+            optional_int(spec.group_size),
+            optional_int(spec.bits),
+            mode.as_ptr(),
+            sorted,
+            stream.as_ptr(),
+        );
+        let out = Array::from_ptr(out);
+        if status != 0 {
+            return Err(spec.mlx_error("gather_qmm"));
+        }
+        Ok(out)
+    }
+}
+
+/// Experts' matmul `x @ b[rhs_indices]` for dense stacked weights (mlx `gather_mm`; mlx-rs 0.33
+/// has no binding).
+pub fn gather_mm(
+    x: &Array,
+    b: &Array,
+    rhs_indices: &Array,
+    sorted: bool,
+) -> Result<Array, mlx_rs::error::Exception> {
+    let stream = Stream::thread_local_or_default();
+    let no_lhs = null_array();
+    // SAFETY: every handle is live for the call; `out` becomes an owned Array.
+    unsafe {
+        let mut out = mlx_sys::mlx_array_new();
+        let status = mlx_sys::mlx_gather_mm(
+            &mut out,
+            x.as_ptr(),
+            b.as_ptr(),
+            no_lhs.as_ptr(),
+            rhs_indices.as_ptr(),
+            sorted,
+            stream.as_ptr(),
+        );
+        let out = Array::from_ptr(out);
+        if status != 0 {
+            return Err(mlx_rs::error::Exception::custom("MLX rejected gather_mm"));
+        }
+        Ok(out)
+    }
+}
+
 /// Moves the arrays out of an mlx_vector_array and frees it.
 unsafe fn take_vector(vector: mlx_sys::mlx_vector_array) -> Vec<Array> {
     let len = mlx_sys::mlx_vector_array_size(vector);

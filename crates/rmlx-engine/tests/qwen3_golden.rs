@@ -191,6 +191,66 @@ fn mxfp4_matches_mlx_lm() {
     check_checkpoint("qwen3-tiny-mxfp4", "qwen3-tiny-mxfp4", QUANTIZED);
 }
 
+// The tiny checkpoints of the real releases (tests/fixtures/releases, made from the published
+// configs by scripts/fixtures/make_releases.py), each against its own mlx-lm golden.
+
+#[test]
+fn qwen3_0_6b_release_matches_mlx_lm() {
+    check_checkpoint("releases/qwen3-0.6b", "releases/qwen3-0.6b", FP32);
+}
+
+#[test]
+fn qwen3_4b_release_matches_mlx_lm() {
+    check_checkpoint("releases/qwen3-4b", "releases/qwen3-4b", FP32);
+}
+
+#[test]
+fn qwen3_4b_instruct_2507_release_matches_mlx_lm() {
+    check_checkpoint(
+        "releases/qwen3-4b-instruct-2507",
+        "releases/qwen3-4b-instruct-2507",
+        FP32,
+    );
+    check_checkpoint(
+        "releases/qwen3-4b-instruct-2507-4bit",
+        "releases/qwen3-4b-instruct-2507-4bit",
+        QUANTIZED,
+    );
+}
+
+/// Qwen3-30B-A3B as released (one tensor per expert, stacked at load like mlx-lm's sanitize)
+/// and its mlx-lm 4-bit conversion (8-bit router): the shared MoE layer against mlx-lm.
+#[test]
+fn qwen3_30b_a3b_release_matches_mlx_lm() {
+    check_checkpoint("releases/qwen3-30b-a3b", "releases/qwen3-30b-a3b", FP32);
+    check_checkpoint(
+        "releases/qwen3-30b-a3b-4bit",
+        "releases/qwen3-30b-a3b-4bit",
+        QUANTIZED,
+    );
+}
+
+/// One token at a time the experts run unsorted; a whole prompt (≥ 64 token-expert pairs) takes
+/// the sorted-indices path: both give the same logits, as do chunk sizes in between.
+#[test]
+fn moe_sorted_and_unsorted_expert_paths_agree() {
+    for dir in ["releases/qwen3-30b-a3b", "releases/qwen3-30b-a3b-4bit"] {
+        let loaded = load_model(&fixture(dir)).unwrap();
+        let model = loaded.model.as_ref();
+        let case = &golden(dir).cases[3];
+        let ids = &case.input_ids;
+        let whole = chunked_logits(model, ids, ids.len());
+        let bound = if dir.ends_with("4bit") { 0.05 } else { 1e-4 };
+        for chunk in [1, 7, 16] {
+            let chunked = chunked_logits(model, ids, chunk);
+            for (position, (a, b)) in whole.iter().zip(&chunked).enumerate() {
+                let diff = max_diff(a, b);
+                assert!(diff < bound, "{dir} chunk {chunk}, position {position}: {diff}");
+            }
+        }
+    }
+}
+
 /// Logits for every position of `ids`, fed through the cache in chunks of `chunk`.
 fn chunked_logits(model: &dyn LanguageModel, ids: &[u32], chunk: usize) -> Vec<Vec<f32>> {
     let mut cache = model.new_cache(4096);

@@ -1,8 +1,11 @@
 //! Model families by config.json `model_type`, one file each, behind one trait.
 
 pub mod gemma4;
+pub mod ignored_keys;
 pub mod qwen3;
+pub mod qwen3_moe;
 pub mod qwen3_vl;
+pub mod switch;
 
 use std::path::{Path, PathBuf};
 
@@ -160,18 +163,22 @@ pub struct LoadedModel {
     pub info: ModelInfo,
 }
 
+/// The config.json `model_type`s rMLX loads.
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["qwen3", "qwen3_moe", "qwen3_vl", "gemma4"];
+
 /// Reads config.json, builds the family's model strictly from the weights (every parameter
 /// filled, nothing left over) and evaluates the weights once so the file reads happen here.
 pub fn load_model(dir: &Path) -> Result<LoadedModel> {
     let config = ConfigFile::read(dir)?;
     let model_type = config.base.model_type.clone();
     // Refuse an unknown family before reading any weights.
-    if !matches!(model_type.as_str(), "qwen3" | "qwen3_vl" | "gemma4") {
+    if !SUPPORTED_MODEL_TYPES.contains(&model_type.as_str()) {
         return Err(EngineError::UnknownModelType(model_type));
     }
     let mut store = WeightStore::open(dir)?;
     let model: Box<dyn LanguageModel> = match model_type.as_str() {
         "qwen3" => Box::new(qwen3::Model::load(dir, &config, &mut store)?),
+        "qwen3_moe" => Box::new(qwen3_moe::load(dir, &config, &mut store)?),
         "qwen3_vl" => Box::new(qwen3_vl::Model::load(dir, &config, &mut store)?),
         "gemma4" => Box::new(gemma4::Model::load(dir, &config, &mut store)?),
         _ => unreachable!("checked above"),
@@ -200,4 +207,54 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
         weight_bytes: summary.bytes,
     };
     Ok(LoadedModel { model, info })
+}
+
+/// The keys of a config.json that no part of rMLX's loader reads, as dotted paths (e.g.
+/// `text_config.attention_dropout`), for the key-coverage test: a release that adds a switch
+/// must not pass silently. A key counts as read when the family's config type (or the shared
+/// [`crate::config::BaseConfig`]) has a field for it; this is found by deserialising the
+/// family's type and serialising it back (fields kept as raw JSON count as read whole).
+pub fn unread_config_keys(json: &serde_json::Value) -> Result<Vec<String>> {
+    fn round_trip<T: serde::de::DeserializeOwned + serde::Serialize>(
+        json: &serde_json::Value,
+    ) -> Result<serde_json::Value> {
+        let typed: T = serde_json::from_value(json.clone()).map_err(|error| EngineError::Config {
+            path: PathBuf::from("config.json"),
+            message: error.to_string(),
+        })?;
+        serde_json::to_value(typed).map_err(|error| EngineError::Config {
+            path: PathBuf::from("config.json"),
+            message: error.to_string(),
+        })
+    }
+    fn unread(path: &str, given: &serde_json::Value, read: &serde_json::Value, out: &mut Vec<String>) {
+        let (Some(given), Some(read)) = (given.as_object(), read.as_object()) else {
+            return;
+        };
+        for (key, value) in given {
+            let dotted = if path.is_empty() { key.clone() } else { format!("{path}.{key}") };
+            match read.get(key) {
+                Some(read_value) => unread(&dotted, value, read_value, out),
+                None => out.push(dotted),
+            }
+        }
+    }
+    let model_type = json["model_type"].as_str().unwrap_or_default();
+    let family = match model_type {
+        "qwen3" => round_trip::<qwen3::Config>(json)?,
+        "qwen3_moe" => round_trip::<qwen3_moe::Config>(json)?,
+        "qwen3_vl" => round_trip::<qwen3_vl::config::Config>(json)?,
+        "gemma4" => round_trip::<gemma4::config::Config>(json)?,
+        other => return Err(EngineError::UnknownModelType(other.to_string())),
+    };
+    let base = round_trip::<crate::config::BaseConfig>(json)?;
+    let mut read = family;
+    if let (Some(read), Some(base)) = (read.as_object_mut(), base.as_object()) {
+        for (key, value) in base {
+            read.entry(key.clone()).or_insert_with(|| value.clone());
+        }
+    }
+    let mut out = Vec::new();
+    unread("", json, &read, &mut out);
+    Ok(out)
 }

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use mlx_rs::{fast, fast::ScaledDotProductAttentionMask, ops, ops::indexing::IndexOp, Array};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::{LanguageModel, Logits};
 use crate::{
@@ -15,7 +15,7 @@ use crate::{
     weights::WeightStore,
 };
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct Config {
     pub hidden_size: i32,
     pub num_hidden_layers: i32,
@@ -34,11 +34,43 @@ pub struct Config {
     /// transformers >= 5 nests rope_theta and rope_scaling here.
     #[serde(default)]
     pub rope_parameters: Option<serde_json::Value>,
+    /// Structural switches of the transformers class that mlx-lm's Qwen3 fixes: read so a
+    /// checkpoint that turns one on is refused instead of computed wrongly.
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+    #[serde(default)]
+    pub use_sliding_window: bool,
+    #[serde(default)]
+    pub sliding_window: Option<i32>,
+    #[serde(default)]
+    pub max_window_layers: Option<i32>,
 }
 
 impl Config {
+    /// Refuses the switches this implementation (like mlx-lm's) does not compute.
+    pub(crate) fn validate(&self, path: &Path) -> Result<()> {
+        if self.attention_bias {
+            return Err(config_error(path, "attention_bias: true is not supported"));
+        }
+        if let Some(act) = self.hidden_act.as_deref().filter(|act| *act != "silu") {
+            return Err(config_error(
+                path,
+                &format!("hidden_act `{act}` is not supported (Qwen3 uses silu)"),
+            ));
+        }
+        if self.use_sliding_window {
+            return Err(config_error(
+                path,
+                "use_sliding_window: true is not supported (no released Qwen3 sets it)",
+            ));
+        }
+        Ok(())
+    }
+
     /// RoPE base and position scale; scaling types other than linear are refused, not ignored.
-    fn rope(&self, path: &Path) -> Result<(f32, f32)> {
+    pub(crate) fn rope(&self, path: &Path) -> Result<(f32, f32)> {
         let nested = self.rope_parameters.as_ref();
         let base = self
             .rope_theta
@@ -230,11 +262,26 @@ impl Mlp {
     }
 }
 
+/// A decoder layer's feed-forward: the SwiGLU MLP, or experts (`qwen3_moe`).
+pub(crate) enum FeedForward {
+    Dense(Mlp),
+    Experts(super::qwen3_moe::SparseMoeBlock),
+}
+
+impl FeedForward {
+    fn forward(&self, x: &Array) -> Result<Array> {
+        match self {
+            Self::Dense(mlp) => mlp.forward(x),
+            Self::Experts(moe) => moe.forward(x),
+        }
+    }
+}
+
 struct TransformerBlock {
     self_attn: Attention,
     /// RoPE base and position scale.
     rope: (f32, f32),
-    mlp: Mlp,
+    mlp: FeedForward,
     input_layernorm: RmsNorm,
     post_attention_layernorm: RmsNorm,
 }
@@ -246,6 +293,7 @@ impl TransformerBlock {
         prefix: &str,
         args: &Config,
         rope: (f32, f32),
+        mlp: FeedForward,
     ) -> Result<Self> {
         Ok(Self {
             self_attn: Attention::load(
@@ -261,13 +309,7 @@ impl TransformerBlock {
                 },
             )?,
             rope,
-            mlp: Mlp::load(
-                store,
-                quant,
-                &format!("{prefix}.mlp"),
-                args.hidden_size,
-                args.intermediate_size,
-            )?,
+            mlp,
             input_layernorm: RmsNorm::load(
                 store,
                 &format!("{prefix}.input_layernorm"),
@@ -312,6 +354,29 @@ pub struct Model {
 impl Model {
     pub fn load(dir: &Path, config: &ConfigFile, store: &mut WeightStore) -> Result<Self> {
         let args: Config = config.family(dir)?;
+        let quant = config.base.quantization.as_ref();
+        let (hidden, intermediate) = (args.hidden_size, args.intermediate_size);
+        Self::load_with(dir, config, store, args, |store, prefix, _| {
+            Ok(FeedForward::Dense(Mlp::load(
+                store,
+                quant,
+                prefix,
+                hidden,
+                intermediate,
+            )?))
+        })
+    }
+
+    /// Loads the decoder with each layer's feed-forward built by `mlp(store, "…mlp", layer)`
+    /// (dense for `qwen3`, experts where `qwen3_moe` places them).
+    pub(crate) fn load_with(
+        dir: &Path,
+        config: &ConfigFile,
+        store: &mut WeightStore,
+        args: Config,
+        mut mlp: impl FnMut(&mut WeightStore, &str, usize) -> Result<FeedForward>,
+    ) -> Result<Self> {
+        args.validate(dir)?;
         let rope = args.rope(dir)?;
         let quant = config.base.quantization.as_ref();
         // sanitize: a tied model ignores a stray lm_head, as mlx-lm does.
@@ -327,9 +392,11 @@ impl Model {
             args.vocab_size,
             args.hidden_size,
         )?;
-        let layers = (0..args.num_hidden_layers)
+        let layers = (0..args.num_hidden_layers as usize)
             .map(|index| {
-                TransformerBlock::load(store, quant, &format!("model.layers.{index}"), &args, rope)
+                let prefix = format!("model.layers.{index}");
+                let ffn = mlp(store, &format!("{prefix}.mlp"), index)?;
+                TransformerBlock::load(store, quant, &prefix, &args, rope, ffn)
             })
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(store, "model.norm", args.hidden_size, args.rms_norm_eps)?;

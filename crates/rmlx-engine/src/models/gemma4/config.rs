@@ -5,11 +5,11 @@
 
 use std::path::Path;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct TextConfig {
     pub hidden_size: i32,
     pub num_hidden_layers: i32,
@@ -59,7 +59,7 @@ fn default_true() -> bool {
     true
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct VisionConfig {
     pub hidden_size: i32,
     pub intermediate_size: i32,
@@ -89,7 +89,7 @@ impl VisionConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct Config {
     pub text_config: TextConfig,
     pub vision_config: VisionConfig,

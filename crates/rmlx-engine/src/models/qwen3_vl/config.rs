@@ -4,11 +4,11 @@
 
 use std::path::Path;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct TextConfig {
     pub hidden_size: i32,
     pub num_hidden_layers: i32,
@@ -30,7 +30,7 @@ pub struct TextConfig {
     pub rope_parameters: Option<serde_json::Value>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct VisionConfig {
     pub depth: i32,
     pub hidden_size: i32,
@@ -53,7 +53,7 @@ impl VisionConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 pub struct Config {
     pub text_config: TextConfig,
     pub vision_config: VisionConfig,

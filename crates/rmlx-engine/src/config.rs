@@ -102,7 +102,11 @@ fn check_format(dir: &Path, base: &BaseConfig) -> Result<()> {
     if modelopt.exists() {
         let algo = read_json(&modelopt)
             .ok()
-            .and_then(|json| json["quantization"]["quant_algo"].as_str().map(str::to_string))
+            .and_then(|json| {
+                json["quantization"]["quant_algo"]
+                    .as_str()
+                    .map(str::to_string)
+            })
             .unwrap_or_else(|| "unknown algorithm".into());
         return Err(refuse(
             modelopt,

@@ -245,7 +245,10 @@ fn moe_sorted_and_unsorted_expert_paths_agree() {
             let chunked = chunked_logits(model, ids, chunk);
             for (position, (a, b)) in whole.iter().zip(&chunked).enumerate() {
                 let diff = max_diff(a, b);
-                assert!(diff < bound, "{dir} chunk {chunk}, position {position}: {diff}");
+                assert!(
+                    diff < bound,
+                    "{dir} chunk {chunk}, position {position}: {diff}"
+                );
             }
         }
     }

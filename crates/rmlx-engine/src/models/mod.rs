@@ -218,21 +218,31 @@ pub fn unread_config_keys(json: &serde_json::Value) -> Result<Vec<String>> {
     fn round_trip<T: serde::de::DeserializeOwned + serde::Serialize>(
         json: &serde_json::Value,
     ) -> Result<serde_json::Value> {
-        let typed: T = serde_json::from_value(json.clone()).map_err(|error| EngineError::Config {
-            path: PathBuf::from("config.json"),
-            message: error.to_string(),
-        })?;
+        let typed: T =
+            serde_json::from_value(json.clone()).map_err(|error| EngineError::Config {
+                path: PathBuf::from("config.json"),
+                message: error.to_string(),
+            })?;
         serde_json::to_value(typed).map_err(|error| EngineError::Config {
             path: PathBuf::from("config.json"),
             message: error.to_string(),
         })
     }
-    fn unread(path: &str, given: &serde_json::Value, read: &serde_json::Value, out: &mut Vec<String>) {
+    fn unread(
+        path: &str,
+        given: &serde_json::Value,
+        read: &serde_json::Value,
+        out: &mut Vec<String>,
+    ) {
         let (Some(given), Some(read)) = (given.as_object(), read.as_object()) else {
             return;
         };
         for (key, value) in given {
-            let dotted = if path.is_empty() { key.clone() } else { format!("{path}.{key}") };
+            let dotted = if path.is_empty() {
+                key.clone()
+            } else {
+                format!("{path}.{key}")
+            };
             match read.get(key) {
                 Some(read_value) => unread(&dotted, value, read_value, out),
                 None => out.push(dotted),

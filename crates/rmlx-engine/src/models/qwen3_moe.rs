@@ -88,7 +88,14 @@ impl SparseMoeBlock {
         let experts = moe.num_experts;
         let inter = moe.moe_intermediate_size;
         let router = SoftmaxTopK {
-            gate: Linear::load(store, quant, &format!("{prefix}.gate"), hidden, experts, false)?,
+            gate: Linear::load(
+                store,
+                quant,
+                &format!("{prefix}.gate"),
+                hidden,
+                experts,
+                false,
+            )?,
             experts,
             top_k: moe.num_experts_per_tok,
             normalize: moe.norm_topk_prob,

@@ -49,6 +49,21 @@ pub struct TextConfig {
     pub rope_parameters: Option<serde_json::Value>,
     #[serde(default)]
     pub hidden_activation: Option<String>,
+    #[serde(default)]
+    pub attention_bias: bool,
+    /// MoE block (26B-A4B): experts, their top-k and width (`moe_intermediate_size` in the
+    /// release; `expert_intermediate_size` is its null twin in the dense releases).
+    #[serde(default)]
+    pub num_experts: Option<i32>,
+    #[serde(default)]
+    pub top_k_experts: Option<i32>,
+    #[serde(default)]
+    pub moe_intermediate_size: Option<i32>,
+    #[serde(default)]
+    pub expert_intermediate_size: Option<i32>,
+    /// KV heads of the full-attention layers when `attention_k_eq_v` is set.
+    #[serde(default)]
+    pub num_global_key_value_heads: Option<i32>,
 }
 
 fn default_max_positions() -> usize {
@@ -77,6 +92,10 @@ pub struct VisionConfig {
     pub standardize: bool,
     #[serde(default)]
     pub rope_parameters: Option<serde_json::Value>,
+    #[serde(default)]
+    pub hidden_activation: Option<String>,
+    #[serde(default)]
+    pub attention_bias: bool,
 }
 
 impl VisionConfig {
@@ -100,6 +119,9 @@ pub struct Config {
     pub video_token_id: Option<u32>,
     #[serde(default)]
     pub audio_config: Option<serde_json::Value>,
+    /// The top-level copy of the text model's tie flag.
+    #[serde(default)]
+    pub tie_word_embeddings: Option<bool>,
 }
 
 /// The rotary setting of one layer type.
@@ -126,6 +148,31 @@ impl Config {
         }
         if text.attention_k_eq_v {
             return Err(config_error(dir, "attention_k_eq_v is not supported yet"));
+        }
+        let activations = [
+            text.hidden_activation.as_deref(),
+            self.vision_config.hidden_activation.as_deref(),
+        ];
+        if let Some(other) = activations
+            .into_iter()
+            .flatten()
+            .find(|act| *act != "gelu_pytorch_tanh")
+        {
+            return Err(config_error(
+                dir,
+                &format!(
+                    "hidden_activation `{other}` is not supported (Gemma 4 uses gelu_pytorch_tanh)"
+                ),
+            ));
+        }
+        if text.attention_bias || self.vision_config.attention_bias {
+            return Err(config_error(dir, "attention_bias: true is not supported"));
+        }
+        if self.tie_word_embeddings == Some(false) || !text.tie_word_embeddings {
+            return Err(config_error(
+                dir,
+                "Gemma 4 with an untied lm_head is not supported",
+            ));
         }
         if text.layer_types.len() != text.num_hidden_layers as usize {
             return Err(config_error(

@@ -28,6 +28,10 @@ pub struct TextConfig {
     /// transformers >= 5 nests rope_theta and mrope_section here.
     #[serde(default)]
     pub rope_parameters: Option<serde_json::Value>,
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+    #[serde(default)]
+    pub attention_bias: bool,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -44,6 +48,8 @@ pub struct VisionConfig {
     pub num_position_embeddings: i32,
     #[serde(default)]
     pub deepstack_visual_indexes: Vec<i32>,
+    #[serde(default)]
+    pub hidden_act: Option<String>,
 }
 
 impl VisionConfig {
@@ -78,6 +84,30 @@ impl Config {
     pub fn tied(&self) -> bool {
         self.tie_word_embeddings
             .unwrap_or(self.text_config.tie_word_embeddings)
+    }
+
+    /// The activations are fixed in the implementation (as in mlx-vlm): other values are refused.
+    pub fn check_activations(&self, dir: &Path) -> Result<()> {
+        let text_act = self.text_config.hidden_act.as_deref().unwrap_or("silu");
+        let vision_act = self
+            .vision_config
+            .hidden_act
+            .as_deref()
+            .unwrap_or("gelu_pytorch_tanh");
+        if text_act != "silu"
+            || vision_act != "gelu_pytorch_tanh"
+            || self.text_config.attention_bias
+        {
+            return Err(config_error(
+                dir,
+                &format!(
+                    "unsupported Qwen3-VL variant: text hidden_act `{text_act}`, vision hidden_act \
+                     `{vision_act}`, attention_bias {}",
+                    self.text_config.attention_bias
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Only the interleaved MRoPE Qwen3-VL ships is implemented; anything else is refused

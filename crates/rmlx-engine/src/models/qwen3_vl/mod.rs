@@ -37,6 +37,7 @@ pub struct Model {
 impl Model {
     pub fn load(dir: &Path, config: &ConfigFile, store: &mut WeightStore) -> Result<Self> {
         let args: Config = config.family(dir)?;
+        args.check_activations(dir)?;
         let rope = args.rope(dir)?;
         let quant = config.base.quantization.as_ref();
         // The vision tower is never quantized by mlx-vlm's convert; loading it dense makes a

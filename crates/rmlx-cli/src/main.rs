@@ -276,6 +276,7 @@ fn info(model: &Path, json: bool) -> anyhow::Result<()> {
     }
     println!("model:         {}", info.path.display());
     println!("architecture:  {}", info.model_type);
+    println!("structure:     {}", info.structure);
     println!(
         "parameters:    {} ({})",
         info.parameters,
@@ -288,6 +289,17 @@ fn info(model: &Path, json: bool) -> anyhow::Result<()> {
     println!("context:       {} tokens", info.context_length);
     println!("vision:        {}", if info.vision { "yes" } else { "no" });
     println!("weights:       {:.1} MB", info.weight_bytes as f64 / 1e6);
+    let kv_at_context = info.kv_bytes_per_token * info.context_length as u64;
+    println!(
+        "KV cache:      {} bytes per token, {:.1} MB at the full {}-token context",
+        info.kv_bytes_per_token,
+        kv_at_context as f64 / 1e6,
+        info.context_length
+    );
+    println!(
+        "memory:        {:.1} MB to serve the full context (weights + a tenth + KV)",
+        (info.weight_bytes + info.weight_bytes / 10 + kv_at_context) as f64 / 1e6
+    );
     Ok(())
 }
 

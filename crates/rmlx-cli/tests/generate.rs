@@ -259,3 +259,61 @@ fn stop_string_split_across_tokens_is_never_emitted() {
         &full[..cut]
     );
 }
+
+/// The tiny checkpoints of the real text releases (tests/fixtures/releases): each loads through
+/// the CLI, reproduces its mlx-lm golden ids, and `rmlx info` names its structure.
+#[test]
+fn every_text_release_reproduces_its_golden_and_shows_in_info() {
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("releases/releases.json")).unwrap())
+            .unwrap();
+    let mut checked = 0;
+    for (name, entry) in index.as_object().unwrap() {
+        if !matches!(entry["model_type"].as_str(), Some("qwen3" | "qwen3_moe")) {
+            continue;
+        }
+        let dir = format!("releases/{name}");
+        let golden = golden_case(&dir, "plain_user");
+        let model = fixture(&dir);
+        let prompt = golden["messages"][0]["content"].as_str().unwrap();
+        let out = generate_json(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--json",
+            "--ignore-eos",
+            "--max-tokens",
+            "24",
+            "--prompt",
+            prompt,
+        ]);
+        assert_eq!(out["prompt_ids"], golden["input_ids"], "{name} prompt ids");
+        assert_eq!(out["token_ids"], golden["greedy_ids"], "{name} greedy ids");
+
+        let info = rmlx(&["info", "--model", model.to_str().unwrap()]);
+        assert!(
+            info.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&info.stderr)
+        );
+        let text = String::from_utf8(info.stdout).unwrap();
+        let model_type = entry["model_type"].as_str().unwrap();
+        let structure_line = text
+            .lines()
+            .find(|line| line.starts_with("structure:"))
+            .unwrap_or_else(|| panic!("{name}: no structure line in {text}"));
+        assert!(
+            structure_line.contains(model_type),
+            "{name}: {structure_line}"
+        );
+        if model_type == "qwen3_moe" {
+            assert!(
+                structure_line.contains("MoE 16 experts top-8"),
+                "{name}: {structure_line}"
+            );
+        }
+        assert!(text.contains("KV cache:"), "{name}: {text}");
+        checked += 1;
+    }
+    assert!(checked >= 6, "checked {checked} text releases");
+}

@@ -158,9 +158,28 @@ pub fn total_memory() -> Option<u64> {
     }
 }
 
-/// What loading the model in `dir` needs: its `.safetensors` weights plus a tenth for
-/// activations and a first KV allocation. The engine refuses a model when this exceeds
-/// [`available_memory`]; the models view shows the same figure as a fits hint.
+/// What serving the model at a context of `max_ctx` positions takes: [`memory_needed`] plus
+/// the KV cache filled to that context (the model's own context when None), from config.json.
+pub fn memory_needed_at(dir: &std::path::Path, max_ctx: Option<usize>) -> std::io::Result<u64> {
+    let weights = memory_needed(dir)?;
+    let config: serde_json::Value = std::fs::read_to_string(dir.join("config.json"))
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or_default();
+    let context = max_ctx.or_else(|| {
+        let text = config.get("text_config").unwrap_or(&config);
+        text.get("max_position_embeddings")
+            .or_else(|| config.get("max_position_embeddings"))
+            .and_then(serde_json::Value::as_u64)
+            .map(|n| n as usize)
+    });
+    let kv = crate::models::structure::kv_bytes_per_token(&config) * context.unwrap_or(0) as u64;
+    Ok(weights + kv)
+}
+
+/// What loading the model in `dir` needs: its `.safetensors` weights (every expert included)
+/// plus a tenth for activations and a first KV allocation. The engine refuses a model when
+/// this exceeds [`available_memory`] (its KV then grows with each request, bounded by max_ctx).
 pub fn memory_needed(dir: &std::path::Path) -> std::io::Result<u64> {
     let mut weights = 0u64;
     for entry in std::fs::read_dir(dir)? {

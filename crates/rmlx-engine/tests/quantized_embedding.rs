@@ -114,8 +114,9 @@ fn lookup_memory_is_linear_in_sequence_length() {
     );
 }
 
-/// The quantized tables the vision-language fixtures ship, loaded as the models load them:
-/// Qwen3-VL's 4-bit `embed_tokens`, Gemma 4's mxfp4 `embed_tokens` and its per-layer table.
+/// The quantized tables the fixtures ship, loaded as the models load them: Qwen3-VL's 4-bit
+/// `embed_tokens`, Gemma 4's mxfp4 `embed_tokens` and its per-layer table, and the 4-bit
+/// tables of the Qwen3 release fixtures (dense and MoE).
 fn checkpoint_tables() -> Vec<(String, Embedding, i32)> {
     let fixtures =
         std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
@@ -138,6 +139,18 @@ fn checkpoint_tables() -> Vec<(String, Embedding, i32)> {
             "language_model.model.embed_tokens_per_layer",
             1024,
             96,
+        ),
+        (
+            "releases/qwen3-30b-a3b-4bit",
+            "model.embed_tokens",
+            1024,
+            64,
+        ),
+        (
+            "releases/qwen3-4b-instruct-2507-4bit",
+            "model.embed_tokens",
+            1024,
+            64,
         ),
     ] {
         let path = fixtures.join(dir);

@@ -48,7 +48,8 @@ fn model_json(
         "size_bytes": folder_size(&entry.path, 0),
         "source": entry.source.as_str(),
         "deletable": entry.source != Source::Model,
-        "fits": available.and_then(|available| fits(&entry.path, available)),
+        "structure": rmlx_engine::models::structure::describe(&config),
+        "fits": available.and_then(|available| fits(&entry.path, state.config.max_ctx, available)),
     })
 }
 
@@ -88,10 +89,11 @@ fn folder_size(dir: &std::path::Path, depth: usize) -> u64 {
         .sum()
 }
 
-/// The engine's own estimate (weights plus a tenth) against the memory available now: `no`
-/// when the engine would refuse the load, `tight` within a quarter of the limit.
-fn fits(dir: &std::path::Path, available: u64) -> Option<&'static str> {
-    let needed = rmlx_engine::runtime::memory_needed(dir).ok()?;
+/// Every expert's weights plus a tenth and the KV cache at the server's `--max-ctx` (the
+/// model's context when unset) against the memory available now: `no` when it does not fit,
+/// `tight` within a quarter of the limit.
+fn fits(dir: &std::path::Path, max_ctx: Option<usize>, available: u64) -> Option<&'static str> {
+    let needed = rmlx_engine::runtime::memory_needed_at(dir, max_ctx).ok()?;
     Some(if needed > available {
         "no"
     } else if needed > available / 4 * 3 {

@@ -5,6 +5,7 @@ pub mod ignored_keys;
 pub mod qwen3;
 pub mod qwen3_moe;
 pub mod qwen3_vl;
+pub mod structure;
 pub mod switch;
 
 use std::path::{Path, PathBuf};
@@ -155,6 +156,10 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     pub vision: bool,
     pub weight_bytes: u64,
+    /// The release structure recognised, e.g. "qwen3_moe, MoE 128 experts top-8".
+    pub structure: String,
+    /// KV cache bytes per position of context.
+    pub kv_bytes_per_token: u64,
 }
 
 /// A model ready to run, with its facts.
@@ -205,6 +210,8 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
         vocab_size: model.vocab_size(),
         vision: config.json.get("vision_config").is_some(),
         weight_bytes: summary.bytes,
+        structure: structure::describe(&config.json),
+        kv_bytes_per_token: structure::kv_bytes_per_token(&config.json),
     };
     Ok(LoadedModel { model, info })
 }

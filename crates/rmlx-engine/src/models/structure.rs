@@ -1,0 +1,165 @@
+//! What a config.json says about a checkpoint's structure, without loading weights: the
+//! release structure in words (for `rmlx info` and `/v1/models`) and the KV cache's bytes per
+//! token (for honest fitting: every expert's weights are in the files, the KV grows with the
+//! context). Reference: mlx-lm `cache.py` (a K and a V per attention layer), mlx-vlm
+//! `gemma4/language.py` (KV-shared layers keep no cache; full layers use the global head size).
+
+use serde_json::Value;
+
+/// The text model's part of a config (`text_config` for the vision-language families).
+fn text(config: &Value) -> &Value {
+    config
+        .get("text_config")
+        .filter(|text| text.is_object())
+        .unwrap_or(config)
+}
+
+fn int(value: &Value, key: &str) -> Option<u64> {
+    value.get(key).and_then(Value::as_u64)
+}
+
+/// e.g. "gemma4, MoE 128 experts top-8, k_eq_v, audio tower (not used)".
+pub fn describe(config: &Value) -> String {
+    let model_type = config["model_type"].as_str().unwrap_or("unknown");
+    let text = text(config);
+    let mut parts = vec![model_type.to_string()];
+    let experts = int(text, "num_experts").filter(|&n| n > 0);
+    let top_k = int(text, "num_experts_per_tok").or_else(|| int(text, "top_k_experts"));
+    let moe_enabled = text
+        .get("enable_moe_block")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
+    if let (Some(experts), Some(top_k), true) = (experts, top_k, moe_enabled) {
+        parts.push(format!("MoE {experts} experts top-{top_k}"));
+    }
+    let shared = int(text, "num_kv_shared_layers").unwrap_or(0);
+    if shared > 0 {
+        parts.push(format!("KV-shared last {shared} layers"));
+    }
+    if text.get("use_double_wide_mlp").and_then(Value::as_bool) == Some(true) {
+        parts.push("double-wide MLP".into());
+    }
+    if int(text, "hidden_size_per_layer_input").unwrap_or(0) > 0 {
+        parts.push("per-layer inputs".into());
+    }
+    if text.get("attention_k_eq_v").and_then(Value::as_bool) == Some(true) {
+        parts.push("k_eq_v".into());
+    }
+    if let Some(types) = text.get("layer_types").and_then(Value::as_array) {
+        let sliding = types
+            .iter()
+            .filter(|t| t.as_str() == Some("sliding_attention"))
+            .count();
+        if sliding > 0 {
+            parts.push(format!(
+                "{sliding} sliding + {} full attention layers",
+                types.len() - sliding
+            ));
+        }
+    }
+    if config.get("vision_config").is_some_and(Value::is_object) {
+        parts.push("vision tower".into());
+    }
+    if config.get("audio_config").is_some_and(Value::is_object) {
+        parts.push("audio tower (not used)".into());
+    }
+    let tied = config
+        .get("tie_word_embeddings")
+        .or_else(|| text.get("tie_word_embeddings"))
+        .and_then(Value::as_bool);
+    if tied == Some(false) {
+        parts.push("untied lm_head".into());
+    }
+    parts.join(", ")
+}
+
+/// Bytes the KV cache takes per position of context: a K and a V row for every layer that keeps
+/// its own cache, in the activations' dtype (float32 checkpoints compute in float32, the rest in
+/// their 16-bit type).
+pub fn kv_bytes_per_token(config: &Value) -> u64 {
+    let text = text(config);
+    let layers = int(text, "num_hidden_layers").unwrap_or(0);
+    let heads = int(text, "num_attention_heads").unwrap_or(1);
+    let kv_heads = int(text, "num_key_value_heads").unwrap_or(heads);
+    let head_dim = int(text, "head_dim")
+        .or_else(|| int(text, "hidden_size").map(|hidden| hidden / heads.max(1)))
+        .unwrap_or(0);
+    let global_head_dim = int(text, "global_head_dim").unwrap_or(head_dim);
+    let global_kv_heads = int(text, "num_global_key_value_heads")
+        .filter(|_| text.get("attention_k_eq_v").and_then(Value::as_bool) == Some(true))
+        .unwrap_or(kv_heads);
+    let shared = int(text, "num_kv_shared_layers").unwrap_or(0);
+    let dtype = text
+        .get("torch_dtype")
+        .or_else(|| text.get("dtype"))
+        .or_else(|| config.get("torch_dtype"))
+        .and_then(Value::as_str);
+    let bytes = if dtype == Some("float32") { 4 } else { 2 };
+    let types = text.get("layer_types").and_then(Value::as_array);
+    (0..layers.saturating_sub(shared))
+        .map(|layer| {
+            let full = types
+                .and_then(|types| types.get(layer as usize))
+                .and_then(Value::as_str)
+                == Some("full_attention");
+            // Gemma's full layers use their own (global) head size and KV heads.
+            let (kv, dim) = if full && types.is_some() {
+                (global_kv_heads, global_head_dim)
+            } else {
+                (kv_heads, head_dim)
+            };
+            2 * kv * dim * bytes
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn real(release: &str) -> Value {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/real-configs")
+            .join(release)
+            .join("config.json");
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn describes_the_release_structures() {
+        assert_eq!(
+            describe(&real("Qwen__Qwen3-30B-A3B")),
+            "qwen3_moe, MoE 128 experts top-8, untied lm_head"
+        );
+        assert_eq!(
+            describe(&real("google__gemma-4-26B-A4B-it")),
+            "gemma4, MoE 128 experts top-8, k_eq_v, 25 sliding + 5 full attention layers, vision tower"
+        );
+        assert_eq!(
+            describe(&real("google__gemma-4-E2B-it")),
+            "gemma4, KV-shared last 20 layers, double-wide MLP, per-layer inputs, \
+             28 sliding + 7 full attention layers, vision tower, audio tower (not used)"
+        );
+        assert_eq!(describe(&real("Qwen__Qwen3-0.6B")), "qwen3");
+    }
+
+    #[test]
+    fn kv_per_token_counts_each_caching_layer() {
+        // Qwen3-4B: 36 layers × K and V × 8 heads × 128 × bf16.
+        assert_eq!(
+            kv_bytes_per_token(&real("Qwen__Qwen3-4B")),
+            36 * 2 * 8 * 128 * 2
+        );
+        // Gemma 4 31B: 50 sliding layers (16 KV heads × 256) and 10 full k_eq_v layers
+        // (4 global KV heads × 512).
+        assert_eq!(
+            kv_bytes_per_token(&real("google__gemma-4-31B-it")),
+            50 * 2 * 16 * 256 * 2 + 10 * 2 * 4 * 512 * 2
+        );
+        // Gemma 4 E2B: only the first 15 layers keep a cache (12 sliding, 3 full; 1 KV head).
+        assert_eq!(
+            kv_bytes_per_token(&real("google__gemma-4-E2B-it")),
+            12 * 2 * 256 * 2 + 3 * 2 * 512 * 2
+        );
+    }
+}

@@ -1,0 +1,136 @@
+//! The MoE release fixtures (Qwen3-30B-A3B as released and its mlx-lm 4-bit conversion) through
+//! the server: greedy answers equal the mlx-lm golden through both APIs, a repeated
+//! conversation is served from the prefix cache with the same answer, and `/v1/models`
+//! reports the structure and a fits figure that counts the KV at `--max-ctx`.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::{get, post, router};
+use rmlx_engine::chat::ChatTokenizer;
+use rmlx_server::ServerConfig;
+use serde_json::{json, Value};
+
+const MOE: [&str; 2] = ["qwen3-30b-a3b", "qwen3-30b-a3b-4bit"];
+
+fn release(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/releases")
+        .join(name)
+}
+
+fn plain_user_case(name: &str) -> Value {
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(release(name).join("golden.json")).unwrap())
+            .unwrap();
+    golden["cases"][0].clone()
+}
+
+fn config() -> ServerConfig {
+    ServerConfig {
+        models: MOE.iter().map(|name| release(name)).collect(),
+        ..common::config()
+    }
+}
+
+/// The golden greedy text up to the first EOS, as a client receives it.
+fn golden_answer(name: &str, case: &Value) -> String {
+    let tokenizer = ChatTokenizer::from_dir(&release(name)).unwrap();
+    let ids: Vec<u32> = serde_json::from_value(case["greedy_ids"].clone()).unwrap();
+    let end = ids
+        .iter()
+        .position(|id| tokenizer.eos_token_ids().contains(id))
+        .unwrap_or(ids.len());
+    tokenizer.decode(&ids[..end], false).unwrap()
+}
+
+#[tokio::test]
+async fn moe_releases_answer_like_mlx_lm_through_both_apis_and_the_prefix_cache() {
+    let (app, _) = router(config());
+    for name in MOE {
+        let case = plain_user_case(name);
+        let want = golden_answer(name, &case);
+        let prompt_tokens = case["input_ids"].as_array().unwrap().len();
+        let body = json!({
+            "model": name,
+            "messages": case["messages"],
+            "max_tokens": 24,
+            "temperature": 0,
+        });
+        let mut cached = Vec::new();
+        for _ in 0..2 {
+            let reply = post(&app, "/v1/chat/completions", &body).await;
+            assert_eq!(reply.status, 200, "{name}: {}", reply.text);
+            let json = reply.json();
+            let message = &json["choices"][0]["message"];
+            let text = format!(
+                "{}{}",
+                message["reasoning_content"].as_str().unwrap_or_default(),
+                message["content"].as_str().unwrap_or_default()
+            );
+            assert_eq!(text, want, "{name}");
+            assert_eq!(json["usage"]["prompt_tokens"], prompt_tokens, "{name}");
+            cached.push(
+                json["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0),
+            );
+        }
+        assert_eq!(cached[0], 0, "{name}: the first request has nothing cached");
+        assert!(
+            cached[1] as usize >= prompt_tokens - 1,
+            "{name}: the repeat reused {} of {prompt_tokens} tokens",
+            cached[1]
+        );
+
+        let anthropic = post(
+            &app,
+            "/v1/messages",
+            &json!({"model": name, "messages": case["messages"], "max_tokens": 24, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(anthropic.status, 200, "{name}: {}", anthropic.text);
+        let blocks = anthropic.json()["content"].clone();
+        let text: String = blocks
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|block| {
+                block["text"]
+                    .as_str()
+                    .or(block["thinking"].as_str())
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(text, want, "{name} (Anthropic)");
+    }
+}
+
+#[tokio::test]
+async fn models_list_shows_the_moe_structure_and_fits_with_the_kv_at_max_ctx() {
+    let (app, _) = router(config());
+    let listed = get(&app, "/v1/models").await.json();
+    for name in MOE {
+        let entry = listed["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|entry| entry["id"] == name)
+            .unwrap_or_else(|| panic!("{name} not listed: {listed}"));
+        assert_eq!(entry["model_type"], "qwen3_moe");
+        assert_eq!(
+            entry["structure"],
+            "qwen3_moe, MoE 16 experts top-8, untied lm_head"
+        );
+        assert!(entry["fits"].is_string(), "{entry}");
+    }
+    // At the model's own context (40960 positions) the KV alone is 40960 × 2 layers × K and V
+    // × 1 head × 16 × 2 bytes = 5.2 MB: more than the weights of this tiny checkpoint.
+    let weights = rmlx_engine::runtime::memory_needed(&release(MOE[0])).unwrap();
+    let full = rmlx_engine::runtime::memory_needed_at(&release(MOE[0]), None).unwrap();
+    assert_eq!(full - weights, 40960 * 2 * 2 * 16 * 2);
+    let capped = rmlx_engine::runtime::memory_needed_at(&release(MOE[0]), Some(1024)).unwrap();
+    assert_eq!(capped - weights, 1024 * 2 * 2 * 16 * 2);
+}

@@ -246,3 +246,17 @@ fn checkpoints_in_formats_mlx_does_not_load_are_refused_by_name() {
     let error = load_model(dir.path()).err().expect("refused").to_string();
     assert!(error.contains("quant_method: gemma"), "{error}");
 }
+
+#[test]
+fn an_unknown_family_is_refused_with_every_supported_type_listed() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), r#"{"model_type": "llama"}"#).unwrap();
+    let error = load_model(dir.path()).err().expect("refused").to_string();
+    for family in rmlx_engine::models::SUPPORTED_MODEL_TYPES {
+        assert!(error.contains(family), "{error}");
+    }
+    assert!(
+        error.contains("gemma4") && error.contains("qwen3_moe"),
+        "{error}"
+    );
+}

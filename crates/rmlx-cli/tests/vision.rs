@@ -147,3 +147,29 @@ fn image_prompts_respect_the_context_and_text_models_refuse_images() {
     assert!(stderr.contains("/nonexistent.png"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// The Qwen3-VL release fixtures (tests/fixtures/releases, Hugging Face layout, MoE included):
+/// an image prompt through the CLI gives the mlx-vlm golden's prompt and greedy ids.
+#[test]
+fn vision_releases_reproduce_their_mlx_vlm_goldens() {
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("releases/releases.json")).unwrap())
+            .unwrap();
+    let mut checked = 0;
+    for (name, entry) in index.as_object().unwrap() {
+        if !entry["model_type"]
+            .as_str()
+            .unwrap()
+            .starts_with("qwen3_vl")
+        {
+            continue;
+        }
+        let model = format!("releases/{name}");
+        let golden = golden_case(&model, "single_image");
+        let out = generate(&model, "gradient_64x48.png", &[]);
+        assert_eq!(out["prompt_ids"], golden["input_ids"], "{name}");
+        assert_eq!(out["token_ids"], golden["greedy_ids"], "{name}");
+        checked += 1;
+    }
+    assert_eq!(checked, 4);
+}

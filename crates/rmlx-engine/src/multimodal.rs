@@ -143,7 +143,7 @@ pub fn place_images(
     let mut row_len = 0;
     // Each family's preprocessing, image tokens and the turn opener the splice fallback uses.
     let (names, opener, bos) = match model_type {
-        "qwen3_vl" => {
+        "qwen3_vl" | "qwen3_vl_moe" => {
             let config = crate::vision::preprocess::QwenPreprocessorConfig::load(dir)
                 .map_err(|error| preprocessor_error(dir, &error))?;
             for (index, image) in images.iter().enumerate() {

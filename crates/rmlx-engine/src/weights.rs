@@ -240,6 +240,43 @@ impl WeightStore {
         self.tensors.contains_key(name)
     }
 
+    /// The shape of a tensor not yet taken.
+    pub fn shape_of(&self, name: &str) -> Option<Vec<i32>> {
+        self.tensors
+            .get(name)
+            .map(|(array, _)| array.shape().to_vec())
+    }
+
+    /// Renames every tensor under `from` to sit under `to` (a Hugging Face release's names to
+    /// the mlx names the model loads, as the reference's sanitize does).
+    pub fn rename_prefix(&mut self, from: &str, to: &str) {
+        let names: Vec<String> = self
+            .tensors
+            .keys()
+            .filter(|name| name.starts_with(from))
+            .cloned()
+            .collect();
+        for name in names {
+            let entry = self.tensors.remove(&name).expect("listed above");
+            self.tensors
+                .insert(format!("{to}{}", &name[from.len()..]), entry);
+        }
+    }
+
+    /// Replaces a tensor by `change(tensor)` (a layout change of the reference's sanitize),
+    /// keeping the file it came from for error messages.
+    pub fn transform(
+        &mut self,
+        name: &str,
+        change: impl FnOnce(&Array) -> Result<Array>,
+    ) -> Result<()> {
+        if let Some((array, file)) = self.tensors.remove(name) {
+            let changed = change(&array)?;
+            self.tensors.insert(name.to_string(), (changed, file));
+        }
+        Ok(())
+    }
+
     /// Drops a tensor the model does not use by design (e.g. `lm_head` of a tied model).
     pub fn discard(&mut self, name: &str) {
         self.tensors.remove(name);

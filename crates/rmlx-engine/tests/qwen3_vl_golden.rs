@@ -324,3 +324,36 @@ fn four_bit_checkpoint_loads_strictly_and_matches() {
         check_teacher_forced(&loaded, &golden, case, &tolerance);
     }
 }
+
+/// The Qwen3-VL releases (2B, 4B, 8B and the 30B-A3B MoE), each built from its published config
+/// in the Hugging Face layout it ships in (`model.language_model.*`, `model.visual.*`, PyTorch
+/// Conv3d patch embedding, fused `experts.gate_up_proj`): every golden conversation's step-0
+/// logits and teacher-forced log-probs within the fp32 bound, and the mirror moves the logits.
+#[test]
+fn releases_match_mlx_vlm() {
+    for release in [
+        "qwen3-vl-2b-instruct",
+        "qwen3-vl-4b-instruct",
+        "qwen3-vl-8b-instruct",
+        "qwen3-vl-30b-a3b-instruct",
+    ] {
+        let dir = format!("releases/{release}");
+        let golden = golden(&dir);
+        let loaded = load_model(&fixture(&dir)).unwrap();
+        assert!(loaded.info.vision, "{release}");
+        let mut step0 = HashMap::new();
+        for case in &golden.cases {
+            eprint!("{release} ");
+            step0.insert(
+                case.name.clone(),
+                check_teacher_forced(&loaded, &golden, case, &FP32),
+            );
+        }
+        let flip = max_diff(&step0["single_image"], &step0["single_image_mirrored"]);
+        let want = golden.flip_check.step0_logits_max_abs_diff;
+        assert!(
+            (flip - want).abs() < 1e-3,
+            "{release}: flip {flip} vs {want}"
+        );
+    }
+}

@@ -134,3 +134,54 @@ async fn models_list_shows_the_moe_structure_and_fits_with_the_kv_at_max_ctx() {
     let capped = rmlx_engine::runtime::memory_needed_at(&release(MOE[0]), Some(1024)).unwrap();
     assert_eq!(capped - weights, 1024 * 2 * 2 * 16 * 2);
 }
+
+/// Qwen3-VL-30B-A3B (`qwen3_vl_moe`, Hugging Face layout): a picture through the OpenAI API
+/// gives the mlx-vlm golden's prompt length and greedy answer.
+#[tokio::test]
+async fn vision_moe_release_answers_about_an_image_like_mlx_vlm() {
+    use base64::Engine as _;
+    let name = "qwen3-vl-30b-a3b-instruct";
+    let (app, _) = router(ServerConfig {
+        models: vec![release(name)],
+        ..common::config()
+    });
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(release(name).join("golden.json")).unwrap())
+            .unwrap();
+    let case = golden["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|case| case["name"] == "single_image")
+        .unwrap()
+        .clone();
+    let png = std::fs::read(release(name).join("../../vision-images/gradient_64x48.png")).unwrap();
+    let data = base64::engine::general_purpose::STANDARD.encode(png);
+    let reply = post(
+        &app,
+        "/v1/chat/completions",
+        &json!({
+            "model": name,
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{data}")}},
+                {"type": "text", "text": "What is in this image?"},
+            ]}],
+            "max_tokens": 16,
+            "temperature": 0,
+        }),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    let json = reply.json();
+    assert_eq!(
+        json["usage"]["prompt_tokens"],
+        case["input_ids"].as_array().unwrap().len()
+    );
+    let message = &json["choices"][0]["message"];
+    let text = format!(
+        "{}{}",
+        message["reasoning_content"].as_str().unwrap_or_default(),
+        message["content"].as_str().unwrap_or_default()
+    );
+    assert_eq!(text, golden_answer(name, &case));
+}

@@ -169,7 +169,8 @@ pub struct LoadedModel {
 }
 
 /// The config.json `model_type`s rMLX loads.
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["qwen3", "qwen3_moe", "qwen3_vl", "gemma4"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] =
+    &["qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe", "gemma4"];
 
 /// Reads config.json, builds the family's model strictly from the weights (every parameter
 /// filled, nothing left over) and evaluates the weights once so the file reads happen here.
@@ -184,7 +185,8 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
     let model: Box<dyn LanguageModel> = match model_type.as_str() {
         "qwen3" => Box::new(qwen3::Model::load(dir, &config, &mut store)?),
         "qwen3_moe" => Box::new(qwen3_moe::load(dir, &config, &mut store)?),
-        "qwen3_vl" => Box::new(qwen3_vl::Model::load(dir, &config, &mut store)?),
+        // qwen3_vl_moe is Qwen3-VL with experts in the text decoder (mlx-vlm `qwen3_vl_moe`).
+        "qwen3_vl" | "qwen3_vl_moe" => Box::new(qwen3_vl::Model::load(dir, &config, &mut store)?),
         "gemma4" => Box::new(gemma4::Model::load(dir, &config, &mut store)?),
         _ => unreachable!("checked above"),
     };
@@ -260,7 +262,7 @@ pub fn unread_config_keys(json: &serde_json::Value) -> Result<Vec<String>> {
     let family = match model_type {
         "qwen3" => round_trip::<qwen3::Config>(json)?,
         "qwen3_moe" => round_trip::<qwen3_moe::Config>(json)?,
-        "qwen3_vl" => round_trip::<qwen3_vl::config::Config>(json)?,
+        "qwen3_vl" | "qwen3_vl_moe" => round_trip::<qwen3_vl::config::Config>(json)?,
         "gemma4" => round_trip::<gemma4::config::Config>(json)?,
         other => return Err(EngineError::UnknownModelType(other.to_string())),
     };

@@ -269,7 +269,7 @@ pub(crate) enum FeedForward {
 }
 
 impl FeedForward {
-    fn forward(&self, x: &Array) -> Result<Array> {
+    pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
         match self {
             Self::Dense(mlp) => mlp.forward(x),
             Self::Experts(moe) => moe.forward(x),

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use mlx_rs::{ops, Array};
+use mlx_rs::{ops, ops::indexing::IndexOp, Array};
 use serde::{Deserialize, Serialize};
 
 use super::{
@@ -48,7 +48,7 @@ pub struct Config {
 
 impl MoeConfig {
     /// Whether layer `index` carries experts (mlx-lm's rule).
-    pub fn is_sparse(&self, index: usize) -> bool {
+    pub(crate) fn is_sparse(&self, index: usize) -> bool {
         !self.mlp_only_layers.contains(&(index as i32))
             && self.num_experts > 0
             && (index as i32 + 1) % self.decoder_sparse_step.max(1) == 0
@@ -100,6 +100,12 @@ impl SparseMoeBlock {
             top_k: moe.num_experts_per_tok,
             normalize: moe.norm_topk_prob,
         };
+        if let Some(fused) = Self::load_fused(store, prefix, hidden, moe)? {
+            return Ok(Self {
+                router,
+                switch_mlp: fused,
+            });
+        }
         let per_expert = store.contains(&format!("{prefix}.experts.0.gate_proj.weight"));
         let mut projection = |name: &str, in_dim: i32, out_dim: i32| -> Result<SwitchLinear> {
             if per_expert {
@@ -131,6 +137,43 @@ impl SparseMoeBlock {
             activation: GluActivation::Silu,
         };
         Ok(Self { router, switch_mlp })
+    }
+
+    /// Qwen3-VL-MoE's Hugging Face layout: `experts.gate_up_proj` `[E, hidden, 2·inter]` (gate
+    /// then up along the last axis) and `experts.down_proj` `[E, inter, hidden]`, both the
+    /// transpose of mlx's (mlx-vlm `qwen3_vl_moe.py` sanitize splits and transposes the same).
+    fn load_fused(
+        store: &mut WeightStore,
+        prefix: &str,
+        hidden: i32,
+        moe: &MoeConfig,
+    ) -> Result<Option<SwitchGlu>> {
+        let gate_up_name = format!("{prefix}.experts.gate_up_proj");
+        if !store.contains(&gate_up_name) {
+            return Ok(None);
+        }
+        let (experts, inter) = (moe.num_experts, moe.moe_intermediate_size);
+        let gate_up = store.take(
+            &gate_up_name,
+            &[experts, hidden, 2 * inter],
+            DtypeKind::Float,
+        )?;
+        let down = store.take(
+            &format!("{prefix}.experts.down_proj"),
+            &[experts, inter, hidden],
+            DtypeKind::Float,
+        )?;
+        let half = |range: std::ops::Range<i32>| -> Result<SwitchLinear> {
+            Ok(SwitchLinear::dense(
+                gate_up.index((.., .., range)).swap_axes(-1, -2)?,
+            ))
+        };
+        Ok(Some(SwitchGlu {
+            gate_proj: half(0..inter)?,
+            up_proj: half(inter..2 * inter)?,
+            down_proj: SwitchLinear::dense(down.swap_axes(-1, -2)?),
+            activation: GluActivation::Silu,
+        }))
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {

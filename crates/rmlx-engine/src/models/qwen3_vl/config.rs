@@ -32,6 +32,33 @@ pub struct TextConfig {
     pub hidden_act: Option<String>,
     #[serde(default)]
     pub attention_bias: bool,
+    /// The MoE keys of `qwen3_vl_moe` (Qwen3-VL-30B-A3B); absent in the dense releases.
+    #[serde(default)]
+    pub num_experts: Option<i32>,
+    #[serde(default)]
+    pub num_experts_per_tok: Option<i32>,
+    #[serde(default)]
+    pub moe_intermediate_size: Option<i32>,
+    #[serde(default)]
+    pub decoder_sparse_step: Option<i32>,
+    #[serde(default)]
+    pub mlp_only_layers: Option<Vec<i32>>,
+    #[serde(default)]
+    pub norm_topk_prob: Option<bool>,
+}
+
+impl TextConfig {
+    /// The experts' settings when the config has them (mlx-vlm's defaults otherwise).
+    pub fn moe(&self) -> Option<crate::models::qwen3_moe::MoeConfig> {
+        Some(crate::models::qwen3_moe::MoeConfig {
+            num_experts: self.num_experts?,
+            num_experts_per_tok: self.num_experts_per_tok?,
+            moe_intermediate_size: self.moe_intermediate_size?,
+            decoder_sparse_step: self.decoder_sparse_step.unwrap_or(1),
+            mlp_only_layers: self.mlp_only_layers.clone().unwrap_or_default(),
+            norm_topk_prob: self.norm_topk_prob.unwrap_or(true),
+        })
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

@@ -14,7 +14,8 @@ use crate::{
     config::QuantizationConfig,
     error::Result,
     models::{
-        qwen3::{Attention, AttentionShape, Mlp},
+        qwen3::{Attention, AttentionShape, FeedForward, Mlp},
+        qwen3_moe::SparseMoeBlock,
         Logits,
     },
     nn::{rotate_half, Embedding, Linear, RmsNorm},
@@ -144,7 +145,7 @@ impl RotaryAngles {
 
 struct DecoderLayer {
     self_attn: Attention,
-    mlp: Mlp,
+    mlp: FeedForward,
     input_layernorm: RmsNorm,
     post_attention_layernorm: RmsNorm,
 }
@@ -155,6 +156,7 @@ impl DecoderLayer {
         quant: Option<&QuantizationConfig>,
         prefix: &str,
         args: &TextConfig,
+        index: usize,
     ) -> Result<Self> {
         let norm = |store: &mut WeightStore, name: &str| {
             RmsNorm::load(
@@ -177,13 +179,23 @@ impl DecoderLayer {
                     eps: args.rms_norm_eps,
                 },
             )?,
-            mlp: Mlp::load(
-                store,
-                quant,
-                &format!("{prefix}.mlp"),
-                args.hidden_size,
-                args.intermediate_size,
-            )?,
+            // qwen3_vl_moe: routed experts where the config places them, the dense MLP elsewhere.
+            mlp: match args.moe().filter(|moe| moe.is_sparse(index)) {
+                Some(moe) => FeedForward::Experts(SparseMoeBlock::load(
+                    store,
+                    quant,
+                    &format!("{prefix}.mlp"),
+                    args.hidden_size,
+                    &moe,
+                )?),
+                None => FeedForward::Dense(Mlp::load(
+                    store,
+                    quant,
+                    &format!("{prefix}.mlp"),
+                    args.hidden_size,
+                    args.intermediate_size,
+                )?),
+            },
             input_layernorm: norm(store, "input_layernorm")?,
             post_attention_layernorm: norm(store, "post_attention_layernorm")?,
         })
@@ -249,6 +261,7 @@ impl LanguageModel {
                     quant,
                     &format!("language_model.model.layers.{i}"),
                     &args,
+                    i as usize,
                 )
             })
             .collect::<Result<Vec<_>>>()?;

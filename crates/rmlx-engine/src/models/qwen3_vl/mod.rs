@@ -40,6 +40,17 @@ impl Model {
         args.check_activations(dir)?;
         let rope = args.rope(dir)?;
         let quant = config.base.quantization.as_ref();
+        // The Hugging Face releases name the parts `model.language_model`, `model.visual` and
+        // `lm_head`; mlx conversions `language_model.model`, `vision_tower` and
+        // `language_model.lm_head` (mlx-vlm's sanitize renames the same way).
+        if store
+            .shape_of("model.language_model.embed_tokens.weight")
+            .is_some()
+        {
+            store.rename_prefix("model.language_model.", "language_model.model.");
+            store.rename_prefix("model.visual.", "vision_tower.");
+            store.rename_prefix("lm_head.", "language_model.lm_head.");
+        }
         // The vision tower is never quantized by mlx-vlm's convert; loading it dense makes a
         // stray quantized tower a strict-loading error instead of a silent mis-read.
         let vision = VisionModel::load(store, "vision_tower", &args.vision_config)?;

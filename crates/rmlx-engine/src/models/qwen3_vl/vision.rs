@@ -46,11 +46,15 @@ impl PatchEmbed {
             args.patch_size,
             args.in_channels,
         );
-        let weight = store.take(
-            &format!("{prefix}.proj.weight"),
-            &[hidden, t, p, p, c],
-            DtypeKind::Float,
-        )?;
+        // A Hugging Face release stores the PyTorch Conv3d layout [out, in, t, h, w]; MLX's is
+        // channels-last (mlx-vlm's sanitize transposes it the same way).
+        let name = format!("{prefix}.proj.weight");
+        let pytorch = [hidden, c, t, p, p];
+        if store.shape_of(&name).as_deref() == Some(&pytorch[..]) && pytorch != [hidden, t, p, p, c]
+        {
+            store.transform(&name, |w| Ok(w.transpose_axes(&[0, 2, 3, 4, 1])?))?;
+        }
+        let weight = store.take(&name, &[hidden, t, p, p, c], DtypeKind::Float)?;
         let bias = store.take(&format!("{prefix}.proj.bias"), &[hidden], DtypeKind::Float)?;
         Ok(Self {
             weight,

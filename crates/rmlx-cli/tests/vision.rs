@@ -148,8 +148,9 @@ fn image_prompts_respect_the_context_and_text_models_refuse_images() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
-/// The Qwen3-VL release fixtures (tests/fixtures/releases, Hugging Face layout, MoE included):
-/// an image prompt through the CLI gives the mlx-vlm golden's prompt and greedy ids.
+/// The vision release fixtures (tests/fixtures/releases: Qwen3-VL 2B-30B-A3B and every Gemma 4
+/// release, MoE, k_eq_v and audio towers included): an image prompt through the CLI gives the
+/// mlx-vlm golden's prompt and greedy ids.
 #[test]
 fn vision_releases_reproduce_their_mlx_vlm_goldens() {
     let index: serde_json::Value =
@@ -157,11 +158,8 @@ fn vision_releases_reproduce_their_mlx_vlm_goldens() {
             .unwrap();
     let mut checked = 0;
     for (name, entry) in index.as_object().unwrap() {
-        if !entry["model_type"]
-            .as_str()
-            .unwrap()
-            .starts_with("qwen3_vl")
-        {
+        let model_type = entry["model_type"].as_str().unwrap();
+        if !(model_type.starts_with("qwen3_vl") || model_type == "gemma4") {
             continue;
         }
         let model = format!("releases/{name}");
@@ -171,5 +169,5 @@ fn vision_releases_reproduce_their_mlx_vlm_goldens() {
         assert_eq!(out["token_ids"], golden["greedy_ids"], "{name}");
         checked += 1;
     }
-    assert_eq!(checked, 4);
+    assert_eq!(checked, 10);
 }

@@ -240,6 +240,18 @@ impl WeightStore {
         self.tensors.contains_key(name)
     }
 
+    /// The names of the tensors not yet taken, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.tensors.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// The file a tensor not yet taken came from.
+    pub fn file_of(&self, name: &str) -> Option<PathBuf> {
+        self.tensors.get(name).map(|(_, file)| file.clone())
+    }
+
     /// The shape of a tensor not yet taken.
     pub fn shape_of(&self, name: &str) -> Option<Vec<i32>> {
         self.tensors

@@ -278,3 +278,48 @@ fn prompt_over_the_context_is_refused_before_compute() {
     assert_eq!(completion.completion_tokens, 3);
     assert!(model.calls.get() > 0);
 }
+
+/// Gemma 4 E2B's audio tower (in the Google layout) is checked against `audio_config` and set
+/// aside: a missing tower tensor, one of the wrong shape, or a stray tensor under its prefix
+/// is refused by name; the intact checkpoint loads (tests/gemma4_golden.rs runs it).
+#[test]
+fn gemma4_audio_tower_is_checked_strictly_before_it_is_set_aside() {
+    let name = "releases/gemma-4-e2b-it";
+    let norm = "model.audio_tower.layers.1.norm_out.weight";
+
+    let dir = copy_fixture(name);
+    rewrite_weights(&dir.path().join("model.safetensors"), |arrays| {
+        arrays.remove(norm).unwrap();
+    });
+    let message = load_error(dir.path()).to_string();
+    assert!(
+        message.contains("audio_tower.layers.1.norm_out.weight"),
+        "{message}"
+    );
+
+    let dir = copy_fixture(name);
+    rewrite_weights(&dir.path().join("model.safetensors"), |arrays| {
+        arrays.insert(norm.into(), Array::from_slice(&[1.0f32; 3], &[3]));
+    });
+    let message = load_error(dir.path()).to_string();
+    assert!(
+        message.contains("audio_tower.layers.1.norm_out.weight") && message.contains("[3]"),
+        "{message}"
+    );
+
+    let dir = copy_fixture(name);
+    rewrite_weights(&dir.path().join("model.safetensors"), |arrays| {
+        arrays.insert(
+            "model.audio_tower.layers.9.norm_out.weight".into(),
+            Array::from_slice(&[1.0f32; 64], &[64]),
+        );
+    });
+    let message = load_error(dir.path()).to_string();
+    assert!(
+        message.contains("audio_tower.layers.9.norm_out.weight"),
+        "{message}"
+    );
+
+    let loaded = load_model(&fixture(name)).unwrap();
+    assert!(loaded.info.structure.contains("audio tower (not used)"));
+}

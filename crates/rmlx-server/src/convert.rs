@@ -117,6 +117,10 @@ fn template_content(text: String, parts: Vec<Value>) -> Value {
     }
 }
 
+/// Audio parts get one clear answer: Gemma 4 E2B/E4B load with their audio tower set aside.
+const AUDIO_UNSUPPORTED: &str = "audio input is not supported: rMLX runs the text and vision \
+     parts of its models (the Gemma 4 audio tower is loaded but not used); send a transcript as text";
+
 /// OpenAI content: a string, null, or parts (`text`, and `image_url` decoded into `images`).
 fn openai_text(content: Option<&Value>, images: &mut Images) -> Result<Value, ApiError> {
     match content {
@@ -144,6 +148,7 @@ fn openai_text(content: Option<&Value>, images: &mut Images) -> Result<Value, Ap
                         images.push(inline_image(url)?);
                         out.push(json!({"type": "image"}));
                     }
+                    Some("input_audio" | "audio") => return Err(bad(AUDIO_UNSUPPORTED)),
                     Some(other) => {
                         return Err(bad(format!("unsupported content part type `{other}`")))
                     }
@@ -396,6 +401,7 @@ pub fn anthropic_messages(
                     }
                     calls.push(call);
                 }
+                Some("audio" | "input_audio") => return Err(bad(AUDIO_UNSUPPORTED)),
                 Some("tool_result") if role == "user" => {
                     let mut tool = json!({"role": "tool", "content": tool_result_text(block.get("content"), model)?});
                     if let Some(id) = block.get("tool_use_id") {

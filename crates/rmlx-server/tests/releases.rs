@@ -185,3 +185,88 @@ async fn vision_moe_release_answers_about_an_image_like_mlx_vlm() {
     );
     assert_eq!(text, golden_answer(name, &case));
 }
+
+/// Gemma 4 E2B (audio tower set aside) and 26B-A4B (experts, k_eq_v) answer about a picture
+/// like mlx-vlm; an audio part gets a 400 that says what is unsupported, through both APIs.
+#[tokio::test]
+async fn gemma_releases_answer_images_and_refuse_audio_clearly() {
+    use base64::Engine as _;
+    let names = ["gemma-4-e2b-it", "gemma-4-26b-a4b-it"];
+    let (app, _) = router(ServerConfig {
+        models: names.iter().map(|name| release(name)).collect(),
+        ..common::config()
+    });
+    let png =
+        std::fs::read(release(names[0]).join("../../vision-images/gradient_64x48.png")).unwrap();
+    let data = base64::engine::general_purpose::STANDARD.encode(png);
+    for name in names {
+        let golden: Value = serde_json::from_str(
+            &std::fs::read_to_string(release(name).join("golden.json")).unwrap(),
+        )
+        .unwrap();
+        let case = golden["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|case| case["name"] == "single_image")
+            .unwrap()
+            .clone();
+        let reply = post(
+            &app,
+            "/v1/chat/completions",
+            &json!({
+                "model": name,
+                "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{data}")}},
+                    {"type": "text", "text": "What is in this image?"},
+                ]}],
+                "max_tokens": 16,
+                "temperature": 0,
+            }),
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{name}: {}", reply.text);
+        let json = reply.json();
+        assert_eq!(
+            json["usage"]["prompt_tokens"],
+            case["input_ids"].as_array().unwrap().len(),
+            "{name}"
+        );
+        let message = &json["choices"][0]["message"];
+        let text = format!(
+            "{}{}",
+            message["reasoning_content"].as_str().unwrap_or_default(),
+            message["content"].as_str().unwrap_or_default()
+        );
+        assert_eq!(text, golden_answer(name, &case), "{name}");
+
+        let audio = post(
+            &app,
+            "/v1/chat/completions",
+            &json!({"model": name, "messages": [{"role": "user", "content": [
+                {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+            ]}]}),
+        )
+        .await;
+        assert_eq!(audio.status, 400, "{}", audio.text);
+        assert!(
+            audio.text.contains("audio input is not supported"),
+            "{}",
+            audio.text
+        );
+        let audio = post(
+            &app,
+            "/v1/messages",
+            &json!({"model": name, "max_tokens": 8, "messages": [{"role": "user", "content": [
+                {"type": "audio", "source": {"type": "base64", "data": "UklGRg=="}},
+            ]}]}),
+        )
+        .await;
+        assert_eq!(audio.status, 400, "{}", audio.text);
+        assert!(
+            audio.text.contains("audio input is not supported"),
+            "{}",
+            audio.text
+        );
+    }
+}

@@ -1,6 +1,6 @@
 //! Gemma 4 config.json (`model_type: gemma4`): the text decoder under `text_config`, the
-//! vision tower under `vision_config`, image token ids at the top. Audio is not supported: a
-//! checkpoint with an audio tower is refused rather than loaded without it.
+//! vision tower under `vision_config`, image token ids at the top, the audio tower's settings
+//! under `audio_config` (its weights are checked and set aside: audio input is not supported).
 //! Reference: mlx-vlm `models/gemma4/config.py`.
 
 use std::path::Path;
@@ -137,17 +137,15 @@ impl Config {
     /// Checks what this implementation covers; anything else is a clear config error.
     pub fn validate(&self, dir: &Path) -> Result<()> {
         let text = &self.text_config;
-        if self.audio_config.as_ref().is_some_and(|a| !a.is_null()) {
-            return Err(config_error(dir, "Gemma 4 audio towers are not supported"));
-        }
         if text.enable_moe_block {
-            return Err(config_error(
-                dir,
-                "Gemma 4 MoE blocks are not supported yet",
-            ));
-        }
-        if text.attention_k_eq_v {
-            return Err(config_error(dir, "attention_k_eq_v is not supported yet"));
+            let top_k = text.top_k_experts.unwrap_or(0);
+            let experts = text.num_experts.unwrap_or(0);
+            if top_k < 1 || top_k > experts {
+                return Err(config_error(
+                    dir,
+                    &format!("top_k_experts {top_k} must be between 1 and num_experts {experts}"),
+                ));
+            }
         }
         let activations = [
             text.hidden_activation.as_deref(),

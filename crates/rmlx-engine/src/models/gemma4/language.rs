@@ -14,7 +14,10 @@ use crate::{
     cache::KvCache,
     config::QuantizationConfig,
     error::{EngineError, Result},
-    models::Logits,
+    models::{
+        switch::{combine, GluActivation, SwitchGlu, SwitchLinear},
+        Logits,
+    },
     nn::{gelu_approx, scalar, Embedding, Linear, RmsNorm},
     weights::{DtypeKind, WeightStore},
 };
@@ -198,6 +201,14 @@ impl ChunkMasks {
     }
 }
 
+/// A layer's own key and value projections. `v_proj` is None on `attention_k_eq_v` full
+/// layers: their values are the raw key projection (before k_norm and RoPE).
+struct KeyValue {
+    k_proj: Linear,
+    v_proj: Option<Linear>,
+    k_norm: RmsNorm,
+}
+
 struct Attention {
     n_heads: i32,
     n_kv_heads: i32,
@@ -205,7 +216,7 @@ struct Attention {
     sliding: bool,
     q_proj: Linear,
     /// None on KV-shared layers: they reuse an earlier layer's keys and values.
-    kv: Option<(Linear, Linear, RmsNorm)>,
+    kv: Option<KeyValue>,
     o_proj: Linear,
     q_norm: RmsNorm,
     eps: f32,
@@ -227,11 +238,13 @@ impl Attention {
             Some(global) if !sliding && global > 0 => global,
             _ => args.head_dim,
         };
-        let (heads, kv_heads, dim) = (
-            args.num_attention_heads,
-            args.num_key_value_heads,
-            args.hidden_size,
-        );
+        // Full layers of k_eq_v checkpoints have their own (global) KV head count and no v_proj.
+        let k_eq_v = args.attention_k_eq_v && !sliding;
+        let kv_heads = match args.num_global_key_value_heads {
+            Some(global) if k_eq_v => global,
+            _ => args.num_key_value_heads,
+        };
+        let (heads, dim) = (args.num_attention_heads, args.hidden_size);
         let linear = |store: &mut WeightStore, name: &str, i: i32, o: i32| {
             Linear::load(store, quant, &format!("{prefix}.{name}"), i, o, false)
         };
@@ -239,16 +252,20 @@ impl Attention {
         let kv = if shared {
             None
         } else {
-            Some((
-                linear(store, "k_proj", dim, kv_heads * head_dim)?,
-                linear(store, "v_proj", dim, kv_heads * head_dim)?,
-                RmsNorm::load(
+            Some(KeyValue {
+                k_proj: linear(store, "k_proj", dim, kv_heads * head_dim)?,
+                v_proj: if k_eq_v {
+                    None
+                } else {
+                    Some(linear(store, "v_proj", dim, kv_heads * head_dim)?)
+                },
+                k_norm: RmsNorm::load(
                     store,
                     &format!("{prefix}.k_norm"),
                     head_dim,
                     args.rms_norm_eps,
                 )?,
-            ))
+            })
         };
         Ok(Self {
             n_heads: heads,
@@ -288,14 +305,19 @@ impl Attention {
         let queries = self.rotary.apply(&queries, offset)?;
         let (keys, values) = match (shared, &self.kv) {
             (Some(shared), _) => shared.clone(),
-            (None, Some((k_proj, v_proj, k_norm))) => {
-                let keys = k_norm
-                    .forward(&split(k_proj.forward(x)?, self.n_kv_heads)?)?
+            (None, Some(own)) => {
+                let raw_keys = split(own.k_proj.forward(x)?, self.n_kv_heads)?;
+                let raw_values = match &own.v_proj {
+                    Some(v_proj) => split(v_proj.forward(x)?, self.n_kv_heads)?,
+                    None => raw_keys.clone(),
+                };
+                let keys = own
+                    .k_norm
+                    .forward(&raw_keys)?
                     .transpose_axes(&[0, 2, 1, 3])?;
                 let keys = self.rotary.apply(&keys, offset)?;
                 let values =
-                    fast::rms_norm(split(v_proj.forward(x)?, self.n_kv_heads)?, None, self.eps)?
-                        .transpose_axes(&[0, 2, 1, 3])?;
+                    fast::rms_norm(raw_values, None, self.eps)?.transpose_axes(&[0, 2, 1, 3])?;
                 let cache = cache.ok_or_else(|| {
                     EngineError::InvalidRequest("a Gemma 4 attention layer has no cache".into())
                 })?;
@@ -335,6 +357,146 @@ impl Attention {
     }
 }
 
+/// Gemma's expert router: the residual RMS-normalised with `scale / sqrt(hidden)`, projected
+/// to one score per expert, the top-k kept, a softmax over those k, times each expert's scale.
+struct Router {
+    proj: Linear,
+    scale: Array,
+    per_expert_scale: Array,
+    top_k: i32,
+    experts: i32,
+    eps: f32,
+}
+
+impl Router {
+    fn route(&self, h: &Array) -> Result<(Array, Array)> {
+        let hidden = h.shape()[h.ndim() - 1];
+        let weight = ops::multiply(
+            &self.scale,
+            scalar((hidden as f64).powf(-0.5), &self.scale)?,
+        )?;
+        let scores = self
+            .proj
+            .forward(&fast::rms_norm(h, Some(&weight), self.eps)?)?;
+        let first = self.experts - self.top_k;
+        let indices = ops::argpartition_axis(&scores, first, -1)?.index((.., .., first..));
+        let weights = ops::softmax_axis(&scores.take_along_axis(&indices, -1)?, -1, None)?;
+        let weights = ops::multiply(&weights, self.per_expert_scale.take_axis(&indices, 0)?)?;
+        Ok((indices, weights))
+    }
+}
+
+/// The 26B-A4B MoE block beside the dense MLP: its router, experts and three extra norms.
+struct MoeBlock {
+    router: Router,
+    experts: SwitchGlu,
+    pre_feedforward_layernorm_2: RmsNorm,
+    post_feedforward_layernorm_1: RmsNorm,
+    post_feedforward_layernorm_2: RmsNorm,
+}
+
+impl MoeBlock {
+    fn load(
+        store: &mut WeightStore,
+        quant: Option<&QuantizationConfig>,
+        prefix: &str,
+        args: &TextConfig,
+        dir: &std::path::Path,
+    ) -> Result<Self> {
+        let missing = |key: &str| {
+            super::config::config_error(dir, &format!("enable_moe_block needs text_config.{key}"))
+        };
+        let experts = args.num_experts.ok_or_else(|| missing("num_experts"))?;
+        let top_k = args.top_k_experts.ok_or_else(|| missing("top_k_experts"))?;
+        let inter = args
+            .moe_intermediate_size
+            .or(args.expert_intermediate_size)
+            .ok_or_else(|| missing("moe_intermediate_size"))?;
+        let hidden = args.hidden_size;
+        let norm = |store: &mut WeightStore, name: &str| {
+            RmsNorm::load(
+                store,
+                &format!("{prefix}.{name}"),
+                hidden,
+                args.rms_norm_eps,
+            )
+        };
+        let router = Router {
+            proj: Linear::load(
+                store,
+                quant,
+                &format!("{prefix}.router.proj"),
+                hidden,
+                experts,
+                false,
+            )?,
+            scale: store.take(
+                &format!("{prefix}.router.scale"),
+                &[hidden],
+                DtypeKind::Float,
+            )?,
+            per_expert_scale: store.take(
+                &format!("{prefix}.router.per_expert_scale"),
+                &[experts],
+                DtypeKind::Float,
+            )?,
+            top_k,
+            experts,
+            eps: args.rms_norm_eps,
+        };
+        let fused = format!("{prefix}.experts.gate_up_proj");
+        let experts_glu = if store.contains(&fused) {
+            // The Google release: gate and up fused along axis 1 (gate first), [E, out, in].
+            let gate_up = store.take(&fused, &[experts, 2 * inter, hidden], DtypeKind::Float)?;
+            let down = store.take(
+                &format!("{prefix}.experts.down_proj"),
+                &[experts, hidden, inter],
+                DtypeKind::Float,
+            )?;
+            SwitchGlu {
+                gate_proj: SwitchLinear::dense(gate_up.index((.., ..inter, ..))),
+                up_proj: SwitchLinear::dense(gate_up.index((.., inter.., ..))),
+                down_proj: SwitchLinear::dense(down),
+                activation: GluActivation::GeluApprox,
+            }
+        } else {
+            let linear = |store: &mut WeightStore, name: &str, i: i32, o: i32| {
+                SwitchLinear::load(
+                    store,
+                    quant,
+                    &format!("{prefix}.experts.switch_glu.{name}"),
+                    experts,
+                    i,
+                    o,
+                )
+            };
+            SwitchGlu {
+                gate_proj: linear(store, "gate_proj", hidden, inter)?,
+                up_proj: linear(store, "up_proj", hidden, inter)?,
+                down_proj: linear(store, "down_proj", inter, hidden)?,
+                activation: GluActivation::GeluApprox,
+            }
+        };
+        Ok(Self {
+            router,
+            experts: experts_glu,
+            pre_feedforward_layernorm_2: norm(store, "pre_feedforward_layernorm_2")?,
+            post_feedforward_layernorm_1: norm(store, "post_feedforward_layernorm_1")?,
+            post_feedforward_layernorm_2: norm(store, "post_feedforward_layernorm_2")?,
+        })
+    }
+
+    /// The experts' normed contribution for residual `h`.
+    fn forward(&self, h: &Array) -> Result<Array> {
+        let (indices, weights) = self.router.route(h)?;
+        let routed = self
+            .experts
+            .forward(&self.pre_feedforward_layernorm_2.forward(h)?, &indices)?;
+        self.post_feedforward_layernorm_2
+            .forward(&combine(&routed, &weights)?)
+    }
+}
+
 /// What the per-layer input embeddings add to a layer (2B/4B-style checkpoints).
 struct PerLayerGate {
     input_gate: Linear,
@@ -350,6 +512,7 @@ struct DecoderLayer {
     pre_feedforward_layernorm: RmsNorm,
     post_feedforward_layernorm: RmsNorm,
     per_layer: Option<PerLayerGate>,
+    moe: Option<MoeBlock>,
     layer_scalar: Array,
 }
 
@@ -423,6 +586,11 @@ impl DecoderLayer {
                 args.hidden_size,
             )?,
             per_layer,
+            moe: if args.enable_moe_block {
+                Some(MoeBlock::load(store, quant, prefix, args, dir)?)
+            } else {
+                None
+            },
             layer_scalar: store.take(&format!("{prefix}.layer_scalar"), &[1], DtypeKind::Float)?,
         })
     }
@@ -447,6 +615,14 @@ impl DecoderLayer {
         let fed = self
             .mlp
             .forward(&self.pre_feedforward_layernorm.forward(&h)?)?;
+        // With experts, the dense and routed outputs are each normed, summed, and normed again.
+        let fed = match &self.moe {
+            Some(moe) => ops::add(
+                moe.post_feedforward_layernorm_1.forward(&fed)?,
+                moe.forward(&h)?,
+            )?,
+            None => fed,
+        };
         let mut h = ops::add(&h, self.post_feedforward_layernorm.forward(&fed)?)?;
         if let (Some(gate), Some(input)) = (&self.per_layer, per_layer_input) {
             let gated = ops::multiply(gelu_approx(&gate.input_gate.forward(&h)?)?, input)?;

@@ -1,8 +1,10 @@
 //! Gemma 4 (`model_type: gemma4`): the vision tower's pooled features replace the prompt's
 //! `<|image|>` soft tokens (count checked, scattered on device); per-layer input embeddings
 //! see those positions as token 0; image soft tokens attend to their whole image during
-//! prefill. Audio towers are refused at load. Reference: mlx-vlm `models/gemma4/gemma4.py`.
+//! prefill. Audio towers are checked against their config and set aside (audio input is
+//! refused). Reference: mlx-vlm `models/gemma4/gemma4.py` (including `sanitize`).
 
+pub mod audio;
 pub mod config;
 pub mod language;
 pub mod vision;
@@ -27,6 +29,10 @@ impl Model {
     pub fn load(dir: &Path, config: &ConfigFile, store: &mut WeightStore) -> Result<Self> {
         let args: Config = config.family(dir)?;
         args.validate(dir)?;
+        sanitize(store, &args);
+        if let Some(audio) = args.audio_config.as_ref().filter(|audio| audio.is_object()) {
+            audio::check_and_skip(store, audio, args.text_config.hidden_size)?;
+        }
         let quant = config.base.quantization.as_ref();
         // The tower and embedder stay dense in mlx-vlm's conversions (QAT fp4 included);
         // loading them dense makes a stray quantized tower a strict-loading error.
@@ -42,7 +48,51 @@ impl Model {
     pub fn config(&self) -> &Config {
         &self.config
     }
+}
 
+/// The Google releases' names and the tensors mlx-vlm's sanitize drops: the `model.` prefix
+/// (`model.language_model.*` → `language_model.model.*`), rotary buffers, clip bounds no
+/// layer uses, and the k/v projections the KV-shared layers ship but never use. The experts'
+/// fused layout is read where the experts load.
+fn sanitize(store: &mut WeightStore, config: &Config) {
+    if store.contains("model.language_model.embed_tokens.weight") {
+        store.rename_prefix("model.language_model.", "language_model.model.");
+        for part in [
+            "vision_tower.",
+            "embed_vision.",
+            "audio_tower.",
+            "embed_audio.",
+        ] {
+            store.rename_prefix(&format!("model.{part}"), part);
+        }
+    }
+    let clip = ["input_min", "input_max", "output_min", "output_max"];
+    let vision_clipped = config.vision_config.use_clipped_linears;
+    for name in store.names() {
+        let leaf = name.rsplit('.').next().unwrap_or_default();
+        let unused_clip = clip.contains(&leaf)
+            && if name.starts_with("vision_tower.") {
+                !vision_clipped
+            } else {
+                !name.starts_with("audio_tower.")
+            };
+        if name.contains("rotary_emb") || unused_clip {
+            store.discard(&name);
+        }
+    }
+    let text = &config.text_config;
+    for layer in config.first_kv_shared_layer()..text.num_hidden_layers as usize {
+        for part in ["k_proj", "v_proj", "k_norm", "v_norm"] {
+            for suffix in ["weight", "scales", "biases"] {
+                store.discard(&format!(
+                    "language_model.model.layers.{layer}.self_attn.{part}.{suffix}"
+                ));
+            }
+        }
+    }
+}
+
+impl Model {
     /// Runs of image soft tokens (chunk-relative): each attends to itself both ways.
     fn image_runs(&self, ids: &[u32]) -> Vec<Range<usize>> {
         let mut runs: Vec<Range<usize>> = Vec::new();

@@ -18,6 +18,9 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import mlx.core as mx  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures"))
+from make_releases import patch_gather_qmm  # noqa: E402
 from mlx_lm import load  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
@@ -67,6 +70,9 @@ def main():
     args = parser.parse_args()
 
     mx.set_default_device(mx.cpu)
+    # mlx-lm 0.32.2 cannot run a quantized MoE on MLX 0.32.2 as shipped (global_scale=None
+    # reaches gather_qmm); the fixture script's one-line fix lets the 4-bit MoE run.
+    patch_gather_qmm()
     model, _ = load(args.model)
     vocab = model.args.vocab_size
     ids = prompt_ids(args.prompt_tokens, vocab)

@@ -3,7 +3,7 @@
 // a download through the page lands verified on disk, pauses and resumes to identical bytes,
 // loads, answers like the model it was copied from, unloads, and is deleted after a confirmation.
 
-import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { cpSync, existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import type { Browser, Page } from 'playwright-core';
@@ -106,6 +106,21 @@ describe.skipIf(skipReason !== null)('the Models view against rmlx serve and the
     expect((await api<{ data: unknown[] }>(server.apiUrl, '/admin/downloads')).data).toEqual([]);
     // `--model` folders are not the server's to delete.
     expect(await page.getByRole('button', { name: 'Delete qwen3-tiny' }).isDisabled()).toBe(true);
+    await page.context().close();
+  });
+
+  it('shows a release MoE checkpoint with its structure and loads it', async () => {
+    // The tiny Qwen3-30B-A3B built from its published config (tests/fixtures/releases).
+    const id = 'test/qwen3-30b-a3b';
+    cpSync(path.join(fixturesDir, 'releases', 'qwen3-30b-a3b'), path.join(models, 'test', 'qwen3-30b-a3b'), { recursive: true });
+    const page = await modelsPage();
+    await page.getByRole('button', { name: 'Refresh' }).click();
+    const row = page.locator(`tr[data-model-id="${id}"]`);
+    await row.waitFor();
+    expect(await row.locator('[data-testid=structure]').innerText()).toBe('MoE 16 experts top-8, untied lm_head');
+    await page.getByRole('button', { name: `Load ${id}` }).click();
+    await page.getByRole('button', { name: `Unload ${id}` }).waitFor();
+    await page.screenshot({ path: path.join(artifactsDir, 'models-real-moe.png'), fullPage: true });
     await page.context().close();
   });
 });

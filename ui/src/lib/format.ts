@@ -26,3 +26,14 @@ export function formatTokens(count: number | null | undefined): string {
   if (count >= 1000) return `${(count / 1000).toFixed(count >= 100_000 ? 0 : 1)}k`;
   return String(count);
 }
+
+/**
+ * The release structure the server recognised, without the model type it starts with:
+ * ("gemma4, MoE 128 experts top-8, k_eq_v", "gemma4") -> "MoE 128 experts top-8, k_eq_v".
+ */
+export function structureDetails(structure: string | undefined, modelType: string | undefined): string {
+  if (!structure) return '';
+  const prefix = modelType ? `${modelType}, ` : '';
+  if (structure === modelType) return '';
+  return prefix && structure.startsWith(prefix) ? structure.slice(prefix.length) : structure;
+}

@@ -73,6 +73,8 @@ export interface ModelInfo {
   deletable?: boolean;
   fits?: Fits | null;
   parameters?: number;
+  /** The release structure the server recognised, e.g. "gemma4, MoE 128 experts top-8, k_eq_v". */
+  structure?: string;
 }
 
 /** `GET /v1/models` top-level `memory`. */

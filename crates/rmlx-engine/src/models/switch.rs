@@ -171,7 +171,7 @@ mod tests {
             .max(None)
             .unwrap();
         diff.eval().unwrap();
-        diff.item::<f32>()
+        diff.item_exact::<f32>()
     }
 
     /// Quantized experts through `gather_qmm` equal the dequantized experts through

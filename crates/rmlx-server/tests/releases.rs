@@ -20,18 +20,62 @@ fn release(name: &str) -> PathBuf {
         .join(name)
 }
 
-fn plain_user_case(name: &str) -> Value {
-    let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(release(name).join("golden.json")).unwrap())
-            .unwrap();
-    golden["cases"][0].clone()
-}
-
 fn config() -> ServerConfig {
     ServerConfig {
         models: MOE.iter().map(|name| release(name)).collect(),
         ..common::config()
     }
+}
+
+/// The golden case `name` of a release fixture.
+fn golden_case(release_name: &str, name: &str) -> Value {
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(release(release_name).join("golden.json")).unwrap(),
+    )
+    .unwrap();
+    golden["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|case| case["name"] == name)
+        .unwrap()
+        .clone()
+}
+
+/// The gradient test picture as an OpenAI image part.
+fn gradient_part() -> Value {
+    use base64::Engine as _;
+    let png = std::fs::read(release("qwen3-0.6b").join("../../vision-images/gradient_64x48.png"))
+        .unwrap();
+    let data = base64::engine::general_purpose::STANDARD.encode(png);
+    json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{data}")}})
+}
+
+/// A greedy answer about the gradient picture: (prompt tokens, reasoning + content).
+async fn answer_about_the_gradient(app: &axum::Router, model: &str) -> (Value, String) {
+    let reply = post(
+        app,
+        "/v1/chat/completions",
+        &json!({
+            "model": model,
+            "messages": [{"role": "user", "content": [
+                gradient_part(),
+                {"type": "text", "text": "What is in this image?"},
+            ]}],
+            "max_tokens": 16,
+            "temperature": 0,
+        }),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{model}: {}", reply.text);
+    let json = reply.json();
+    let message = &json["choices"][0]["message"];
+    let text = format!(
+        "{}{}",
+        message["reasoning_content"].as_str().unwrap_or_default(),
+        message["content"].as_str().unwrap_or_default()
+    );
+    (json["usage"]["prompt_tokens"].clone(), text)
 }
 
 /// The golden greedy text up to the first EOS, as a client receives it.
@@ -49,7 +93,7 @@ fn golden_answer(name: &str, case: &Value) -> String {
 async fn moe_releases_answer_like_mlx_lm_through_both_apis_and_the_prefix_cache() {
     let (app, _) = router(config());
     for name in MOE {
-        let case = plain_user_case(name);
+        let case = golden_case(name, "plain_user");
         let want = golden_answer(name, &case);
         let prompt_tokens = case["input_ids"].as_array().unwrap().len();
         let body = json!({
@@ -139,50 +183,14 @@ async fn models_list_shows_the_moe_structure_and_fits_with_the_kv_at_max_ctx() {
 /// gives the mlx-vlm golden's prompt length and greedy answer.
 #[tokio::test]
 async fn vision_moe_release_answers_about_an_image_like_mlx_vlm() {
-    use base64::Engine as _;
     let name = "qwen3-vl-30b-a3b-instruct";
     let (app, _) = router(ServerConfig {
         models: vec![release(name)],
         ..common::config()
     });
-    let golden: Value =
-        serde_json::from_str(&std::fs::read_to_string(release(name).join("golden.json")).unwrap())
-            .unwrap();
-    let case = golden["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|case| case["name"] == "single_image")
-        .unwrap()
-        .clone();
-    let png = std::fs::read(release(name).join("../../vision-images/gradient_64x48.png")).unwrap();
-    let data = base64::engine::general_purpose::STANDARD.encode(png);
-    let reply = post(
-        &app,
-        "/v1/chat/completions",
-        &json!({
-            "model": name,
-            "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{data}")}},
-                {"type": "text", "text": "What is in this image?"},
-            ]}],
-            "max_tokens": 16,
-            "temperature": 0,
-        }),
-    )
-    .await;
-    assert_eq!(reply.status, 200, "{}", reply.text);
-    let json = reply.json();
-    assert_eq!(
-        json["usage"]["prompt_tokens"],
-        case["input_ids"].as_array().unwrap().len()
-    );
-    let message = &json["choices"][0]["message"];
-    let text = format!(
-        "{}{}",
-        message["reasoning_content"].as_str().unwrap_or_default(),
-        message["content"].as_str().unwrap_or_default()
-    );
+    let case = golden_case(name, "single_image");
+    let (prompt_tokens, text) = answer_about_the_gradient(&app, name).await;
+    assert_eq!(prompt_tokens, case["input_ids"].as_array().unwrap().len());
     assert_eq!(text, golden_answer(name, &case));
 }
 
@@ -190,53 +198,18 @@ async fn vision_moe_release_answers_about_an_image_like_mlx_vlm() {
 /// like mlx-vlm; an audio part gets a 400 that says what is unsupported, through both APIs.
 #[tokio::test]
 async fn gemma_releases_answer_images_and_refuse_audio_clearly() {
-    use base64::Engine as _;
     let names = ["gemma-4-e2b-it", "gemma-4-26b-a4b-it"];
     let (app, _) = router(ServerConfig {
         models: names.iter().map(|name| release(name)).collect(),
         ..common::config()
     });
-    let png =
-        std::fs::read(release(names[0]).join("../../vision-images/gradient_64x48.png")).unwrap();
-    let data = base64::engine::general_purpose::STANDARD.encode(png);
     for name in names {
-        let golden: Value = serde_json::from_str(
-            &std::fs::read_to_string(release(name).join("golden.json")).unwrap(),
-        )
-        .unwrap();
-        let case = golden["cases"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|case| case["name"] == "single_image")
-            .unwrap()
-            .clone();
-        let reply = post(
-            &app,
-            "/v1/chat/completions",
-            &json!({
-                "model": name,
-                "messages": [{"role": "user", "content": [
-                    {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{data}")}},
-                    {"type": "text", "text": "What is in this image?"},
-                ]}],
-                "max_tokens": 16,
-                "temperature": 0,
-            }),
-        )
-        .await;
-        assert_eq!(reply.status, 200, "{name}: {}", reply.text);
-        let json = reply.json();
+        let case = golden_case(name, "single_image");
+        let (prompt_tokens, text) = answer_about_the_gradient(&app, name).await;
         assert_eq!(
-            json["usage"]["prompt_tokens"],
+            prompt_tokens,
             case["input_ids"].as_array().unwrap().len(),
             "{name}"
-        );
-        let message = &json["choices"][0]["message"];
-        let text = format!(
-            "{}{}",
-            message["reasoning_content"].as_str().unwrap_or_default(),
-            message["content"].as_str().unwrap_or_default()
         );
         assert_eq!(text, golden_answer(name, &case), "{name}");
 

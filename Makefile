@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 
-.PHONY: run generate test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-build ui-test app-deps app-test clean-mlx bench
+.PHONY: run generate test scripts-test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-build ui-test app-deps app-test clean-mlx bench
 
 ## Provide the pinned MLX + mlx-c pair under .mlx/ (idempotent; apt packages when root).
 bootstrap:
@@ -72,7 +72,11 @@ app-test: bootstrap ui-build
 
 lint: fmt-check clippy
 
-test: fmt-check clippy cargo-test ui-test app-test
+## The set-up scripts' own promises (apt waits for a held dpkg lock; no direct apt-get calls).
+scripts-test:
+	tests/scripts/apt-lock.sh
+
+test: scripts-test fmt-check clippy cargo-test ui-test app-test
 
 ## rmlx vs mlx-lm on benchmark-sized random checkpoints (not part of `make test`).
 bench:

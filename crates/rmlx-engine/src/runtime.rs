@@ -159,21 +159,22 @@ pub fn total_memory() -> Option<u64> {
 }
 
 /// What serving the model at a context of `max_ctx` positions takes: [`memory_needed`] plus
-/// the KV cache filled to that context (the model's own context when None), from config.json.
-pub fn memory_needed_at(dir: &std::path::Path, max_ctx: Option<usize>) -> std::io::Result<u64> {
+/// the KV cache filled to that context (the model's own context when None), sized from its
+/// already-read `config` (config.json).
+pub fn memory_needed_at(
+    dir: &std::path::Path,
+    config: &serde_json::Value,
+    max_ctx: Option<usize>,
+) -> std::io::Result<u64> {
     let weights = memory_needed(dir)?;
-    let config: serde_json::Value = std::fs::read_to_string(dir.join("config.json"))
-        .ok()
-        .and_then(|text| serde_json::from_str(&text).ok())
-        .unwrap_or_default();
     let context = max_ctx.or_else(|| {
-        let text = config.get("text_config").unwrap_or(&config);
+        let text = config.get("text_config").unwrap_or(config);
         text.get("max_position_embeddings")
             .or_else(|| config.get("max_position_embeddings"))
             .and_then(serde_json::Value::as_u64)
             .map(|n| n as usize)
     });
-    let kv = crate::models::structure::kv_bytes_per_token(&config) * context.unwrap_or(0) as u64;
+    let kv = crate::models::structure::kv_bytes_per_token(config) * context.unwrap_or(0) as u64;
     Ok(weights + kv)
 }
 

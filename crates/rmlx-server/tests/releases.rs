@@ -172,10 +172,13 @@ async fn models_list_shows_the_moe_structure_and_fits_with_the_kv_at_max_ctx() {
     }
     // At the model's own context (40960 positions) the KV alone is 40960 × 2 layers × K and V
     // × 1 head × 16 × 2 bytes = 5.2 MB: more than the weights of this tiny checkpoint.
-    let weights = rmlx_engine::runtime::memory_needed(&release(MOE[0])).unwrap();
-    let full = rmlx_engine::runtime::memory_needed_at(&release(MOE[0]), None).unwrap();
+    let dir = release(MOE[0]);
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let weights = rmlx_engine::runtime::memory_needed(&dir).unwrap();
+    let full = rmlx_engine::runtime::memory_needed_at(&dir, &config, None).unwrap();
     assert_eq!(full - weights, 40960 * 2 * 2 * 16 * 2);
-    let capped = rmlx_engine::runtime::memory_needed_at(&release(MOE[0]), Some(1024)).unwrap();
+    let capped = rmlx_engine::runtime::memory_needed_at(&dir, &config, Some(1024)).unwrap();
     assert_eq!(capped - weights, 1024 * 2 * 2 * 16 * 2);
 }
 

@@ -125,6 +125,8 @@ pub struct WeightStore {
     tensors: HashMap<String, (Array, PathBuf)>,
     files: Vec<PathBuf>,
     taken: Vec<Array>,
+    /// Weights computed at load from taken tensors (stacked or re-laid-out experts).
+    derived: Vec<Array>,
     parameters: u64,
 }
 
@@ -232,6 +234,7 @@ impl WeightStore {
             tensors,
             files,
             taken: Vec::new(),
+            derived: Vec::new(),
             parameters: 0,
         })
     }
@@ -324,6 +327,16 @@ impl WeightStore {
         Ok(array)
     }
 
+    /// Registers a weight computed from taken tensors (a stack of per-expert matrices, a
+    /// transposed half of a fused one) as a row-major copy that the load evaluates with the rest,
+    /// so the first request neither builds it nor reads a strided view of it on every step. Its
+    /// sources were already counted.
+    pub fn derived(&mut self, array: Array) -> Result<Array> {
+        let array = array.contiguous()?;
+        self.derived.push(array.clone());
+        Ok(array)
+    }
+
     /// Counts parameters stored packed (quantized weights), which `take` cannot size.
     pub fn count_parameters(&mut self, count: u64) {
         self.parameters += count;
@@ -333,8 +346,10 @@ impl WeightStore {
     pub fn finish(self) -> Result<LoadSummary> {
         if self.tensors.is_empty() {
             let bytes = self.taken.iter().map(|array| array.nbytes() as u64).sum();
+            let mut arrays = self.taken;
+            arrays.extend(self.derived);
             return Ok(LoadSummary {
-                arrays: self.taken,
+                arrays,
                 parameters: self.parameters,
                 bytes,
             });

@@ -323,3 +323,29 @@ fn gemma4_audio_tower_is_checked_strictly_before_it_is_set_aside() {
     let loaded = load_model(&fixture(name)).unwrap();
     assert!(loaded.info.structure.contains("audio tower (not used)"));
 }
+
+/// Experts stacked (Qwen3-30B-A3B's per-expert tensors) or re-laid-out (fused `gate_up_proj`)
+/// at load are built then, once, and are not counted twice in the checkpoint's size.
+#[test]
+fn experts_built_at_load_count_once() {
+    for name in [
+        "releases/qwen3-30b-a3b",
+        "releases/qwen3-vl-30b-a3b-instruct",
+        "releases/gemma-4-26b-a4b",
+    ] {
+        let dir = fixture(name);
+        let on_disk: u64 = Array::load_safetensors(dir.join("model.safetensors"))
+            .unwrap()
+            .values()
+            .map(|array| array.nbytes() as u64)
+            .sum();
+        let loaded = load_model(&dir).unwrap();
+        // Gemma's audio tower and the unused KV-shared projections are set aside, not loaded.
+        assert!(loaded.info.weight_bytes <= on_disk, "{name}");
+        assert!(
+            loaded.info.weight_bytes * 10 >= on_disk * 9,
+            "{name}: {} of {on_disk}",
+            loaded.info.weight_bytes
+        );
+    }
+}

@@ -118,7 +118,7 @@ impl SparseMoeBlock {
                         )
                     })
                     .collect::<Result<Vec<_>>>()?;
-                Ok(SwitchLinear::dense(ops::stack(&rows, 0)?))
+                Ok(SwitchLinear::dense(store.derived(ops::stack(&rows, 0)?)?))
             } else {
                 SwitchLinear::load(
                     store,
@@ -163,15 +163,16 @@ impl SparseMoeBlock {
             &[experts, inter, hidden],
             DtypeKind::Float,
         )?;
-        let half = |range: std::ops::Range<i32>| -> Result<SwitchLinear> {
-            Ok(SwitchLinear::dense(
-                gate_up.index((.., .., range)).swap_axes(-1, -2)?,
-            ))
+        let mut half = |range: std::ops::Range<i32>| -> Result<SwitchLinear> {
+            let half = gate_up.index((.., .., range)).swap_axes(-1, -2)?;
+            Ok(SwitchLinear::dense(store.derived(half)?))
         };
+        let gate_proj = half(0..inter)?;
+        let up_proj = half(inter..2 * inter)?;
         Ok(Some(SwitchGlu {
-            gate_proj: half(0..inter)?,
-            up_proj: half(inter..2 * inter)?,
-            down_proj: SwitchLinear::dense(down.swap_axes(-1, -2)?),
+            gate_proj,
+            up_proj,
+            down_proj: SwitchLinear::dense(store.derived(down.swap_axes(-1, -2)?)?),
             activation: GluActivation::Silu,
         }))
     }

@@ -454,8 +454,8 @@ impl MoeBlock {
                 DtypeKind::Float,
             )?;
             SwitchGlu {
-                gate_proj: SwitchLinear::dense(gate_up.index((.., ..inter, ..))),
-                up_proj: SwitchLinear::dense(gate_up.index((.., inter.., ..))),
+                gate_proj: SwitchLinear::dense(store.derived(gate_up.index((.., ..inter, ..)))?),
+                up_proj: SwitchLinear::dense(store.derived(gate_up.index((.., inter.., ..)))?),
                 down_proj: SwitchLinear::dense(down),
                 activation: GluActivation::GeluApprox,
             }

@@ -69,13 +69,18 @@ async fn answer_about_the_gradient(app: &axum::Router, model: &str) -> (Value, S
     .await;
     assert_eq!(reply.status, 200, "{model}: {}", reply.text);
     let json = reply.json();
+    let text = answer_text(&json);
+    (json["usage"]["prompt_tokens"].clone(), text)
+}
+
+/// A chat completion's reasoning and content, as one text (the golden ids decode to both).
+fn answer_text(json: &Value) -> String {
     let message = &json["choices"][0]["message"];
-    let text = format!(
+    format!(
         "{}{}",
         message["reasoning_content"].as_str().unwrap_or_default(),
         message["content"].as_str().unwrap_or_default()
-    );
-    (json["usage"]["prompt_tokens"].clone(), text)
+    )
 }
 
 /// The golden greedy text up to the first EOS, as a client receives it.
@@ -107,12 +112,7 @@ async fn moe_releases_answer_like_mlx_lm_through_both_apis_and_the_prefix_cache(
             let reply = post(&app, "/v1/chat/completions", &body).await;
             assert_eq!(reply.status, 200, "{name}: {}", reply.text);
             let json = reply.json();
-            let message = &json["choices"][0]["message"];
-            let text = format!(
-                "{}{}",
-                message["reasoning_content"].as_str().unwrap_or_default(),
-                message["content"].as_str().unwrap_or_default()
-            );
+            let text = answer_text(&json);
             assert_eq!(text, want, "{name}");
             assert_eq!(json["usage"]["prompt_tokens"], prompt_tokens, "{name}");
             cached.push(
@@ -244,5 +244,46 @@ async fn gemma_releases_answer_images_and_refuse_audio_clearly() {
             "{}",
             audio.text
         );
+    }
+}
+
+/// Every release fixture through `/v1/chat/completions`: the golden's prompt length and its
+/// greedy answer (text releases: the plain question; vision releases: the gradient picture).
+#[tokio::test]
+async fn every_release_answers_like_its_reference_through_the_server() {
+    let index: Value =
+        serde_json::from_str(&std::fs::read_to_string(release("releases.json")).unwrap()).unwrap();
+    let names: Vec<String> = index.as_object().unwrap().keys().cloned().collect();
+    assert_eq!(names.len(), 16);
+    let (app, _) = router(ServerConfig {
+        models: names.iter().map(|name| release(name)).collect(),
+        ..common::config()
+    });
+    for name in &names {
+        let vision =
+            index[name]["model_type"] != "qwen3" && index[name]["model_type"] != "qwen3_moe";
+        let (case, prompt_tokens, text) = if vision {
+            let case = golden_case(name, "single_image");
+            let (tokens, text) = answer_about_the_gradient(&app, name).await;
+            (case, tokens, text)
+        } else {
+            let case = golden_case(name, "plain_user");
+            let reply = post(
+                &app,
+                "/v1/chat/completions",
+                &json!({"model": name, "messages": case["messages"], "max_tokens": 24, "temperature": 0}),
+            )
+            .await;
+            assert_eq!(reply.status, 200, "{name}: {}", reply.text);
+            let json = reply.json();
+            let text = answer_text(&json);
+            (case, json["usage"]["prompt_tokens"].clone(), text)
+        };
+        assert_eq!(
+            prompt_tokens,
+            case["input_ids"].as_array().unwrap().len(),
+            "{name}"
+        );
+        assert_eq!(text, golden_answer(name, &case), "{name}");
     }
 }

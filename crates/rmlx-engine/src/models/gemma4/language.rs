@@ -361,7 +361,8 @@ impl Attention {
 /// to one score per expert, the top-k kept, a softmax over those k, times each expert's scale.
 struct Router {
     proj: Linear,
-    scale: Array,
+    /// `router.scale / sqrt(hidden)`, formed once at load in the weights' dtype.
+    norm_weight: Array,
     per_expert_scale: Array,
     top_k: i32,
     experts: i32,
@@ -370,14 +371,9 @@ struct Router {
 
 impl Router {
     fn route(&self, h: &Array) -> Result<(Array, Array)> {
-        let hidden = h.shape()[h.ndim() - 1];
-        let weight = ops::multiply(
-            &self.scale,
-            scalar((hidden as f64).powf(-0.5), &self.scale)?,
-        )?;
         let scores = self
             .proj
-            .forward(&fast::rms_norm(h, Some(&weight), self.eps)?)?;
+            .forward(&fast::rms_norm(h, Some(&self.norm_weight), self.eps)?)?;
         let first = self.experts - self.top_k;
         let indices = ops::argpartition_axis(&scores, first, -1)?.index((.., .., first..));
         let weights = ops::softmax_axis(&scores.take_along_axis(&indices, -1)?, -1, None)?;
@@ -430,11 +426,15 @@ impl MoeBlock {
                 experts,
                 false,
             )?,
-            scale: store.take(
-                &format!("{prefix}.router.scale"),
-                &[hidden],
-                DtypeKind::Float,
-            )?,
+            norm_weight: {
+                let scale = store.take(
+                    &format!("{prefix}.router.scale"),
+                    &[hidden],
+                    DtypeKind::Float,
+                )?;
+                let root = scalar((hidden as f64).powf(-0.5), &scale)?;
+                store.derived(ops::multiply(&scale, root)?)?
+            },
             per_expert_scale: store.take(
                 &format!("{prefix}.router.per_expert_scale"),
                 &[experts],
@@ -659,13 +659,8 @@ impl LanguageModel {
         config: &Config,
         dir: &std::path::Path,
     ) -> Result<Self> {
+        // Config::validate has refused untied checkpoints (the logits use embed_tokens).
         let args = config.text_config.clone();
-        if !args.tie_word_embeddings {
-            return Err(super::config::config_error(
-                dir,
-                "Gemma 4 with an untied lm_head is not supported",
-            ));
-        }
         let prefix = "language_model.model";
         let embed_tokens = Embedding::load(
             store,

@@ -296,9 +296,17 @@ fn info(model: &Path, json: bool) -> anyhow::Result<()> {
         kv_at_context as f64 / 1e6,
         info.context_length
     );
+    if info.recurrent_state_bytes > 0 {
+        println!(
+            "linear state:  {:.1} MB per sequence (Gated DeltaNet conv + recurrent state)",
+            info.recurrent_state_bytes as f64 / 1e6
+        );
+    }
     println!(
-        "memory:        {:.1} MB to serve the full context (weights + a tenth + KV)",
-        (info.weight_bytes + info.weight_bytes / 10 + kv_at_context) as f64 / 1e6
+        "memory:        {:.1} MB to serve the full context (weights + a tenth + KV + state)",
+        (info.weight_bytes + info.weight_bytes / 10 + kv_at_context + info.recurrent_state_bytes)
+            as f64
+            / 1e6
     );
     Ok(())
 }

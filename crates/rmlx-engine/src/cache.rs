@@ -1,6 +1,8 @@
 //! Per-layer KV cache that grows in steps of 256 positions (as mlx-lm's `KVCache`) but never past
 //! the request's effective context, so memory follows the prompt, not a fixed constant.
-//! Reference: mlx-lm `models/cache.py` (`KVCache.update_and_fetch`).
+//! Linear-attention layers (Qwen3.5's Gated DeltaNet) keep a fixed-size recurrent state in the
+//! same slot instead: it cannot be rewound, only replaced by a snapshot taken at a given length.
+//! Reference: mlx-lm `models/cache.py` (`KVCache.update_and_fetch`, `ArraysCache`).
 
 use mlx_rs::{ops, ops::indexing::IndexOp, Array, Stream};
 
@@ -20,6 +22,16 @@ pub struct KvCache {
     /// MRoPE models (Qwen3-VL): rotary position minus cache position for tokens after an
     /// image prompt (image blocks use fewer positions than tokens). 0 for text models.
     rope_delta: i32,
+    /// A linear-attention layer's state after `offset` tokens (None for attention layers).
+    recurrent: Option<RecurrentState>,
+}
+
+/// What a Gated DeltaNet layer carries between tokens: the last `kernel - 1` inputs of its
+/// causal conv (activation dtype) and the delta-rule state `[B, Hv, Dv, Dk]` (float32).
+#[derive(Clone)]
+pub struct RecurrentState {
+    pub conv: Array,
+    pub state: Array,
 }
 
 impl KvCache {
@@ -30,7 +42,34 @@ impl KvCache {
             offset: 0,
             max_ctx: max_ctx.min(i32::MAX as usize) as i32,
             rope_delta: 0,
+            recurrent: None,
         }
+    }
+
+    /// The recurrent state of a linear-attention layer, None before its first token.
+    pub fn recurrent(&self) -> Option<&RecurrentState> {
+        self.recurrent.as_ref()
+    }
+
+    /// Stores a linear-attention layer's state after `advanced` more tokens. The context bound
+    /// holds as for keys and values.
+    pub fn set_recurrent(&mut self, state: RecurrentState, advanced: i32) -> Result<()> {
+        let end = self.offset + advanced;
+        if end > self.max_ctx {
+            return Err(EngineError::ContextOverflow {
+                prompt_tokens: end as usize,
+                max_ctx: self.max_ctx as usize,
+            });
+        }
+        self.recurrent = Some(state);
+        self.offset = end;
+        Ok(())
+    }
+
+    /// Whether the cache can be cut back to `len` positions: a KV cache always can, a recurrent
+    /// state only to the length it was taken at.
+    pub fn can_truncate_to(&self, len: i32) -> bool {
+        self.recurrent.is_none() || len >= self.offset
     }
 
     /// Positions already stored (the next token's position).
@@ -48,7 +87,12 @@ impl KvCache {
     }
 
     /// Forgets every position from `len` on (the arrays stay; later writes overwrite them).
+    /// A recurrent state cannot forget tokens: callers check [`Self::can_truncate_to`] first.
     pub fn truncate(&mut self, len: i32) {
+        debug_assert!(
+            self.can_truncate_to(len),
+            "a recurrent state cannot be rewound"
+        );
         self.offset = self.offset.min(len.max(0));
     }
 
@@ -118,7 +162,15 @@ impl KvCache {
 
     /// The arrays to evaluate between prefill chunks.
     pub fn state(&self) -> Vec<&Array> {
-        self.keys.iter().chain(self.values.iter()).collect()
+        let recurrent = self
+            .recurrent
+            .iter()
+            .flat_map(|state| [&state.conv, &state.state]);
+        self.keys
+            .iter()
+            .chain(self.values.iter())
+            .chain(recurrent)
+            .collect()
     }
 
     /// Bytes the cache holds (allocated, not just used).

@@ -152,6 +152,10 @@ enum Job {
     },
 }
 
+/// The default snapshot budget: 2 GiB, about 30 snapshots of Qwen3.6-35B-A3B's 63 MB Gated
+/// DeltaNet state (five 6-turn conversations), a few hundred for the small dense models.
+pub const DEFAULT_PREFIX_SNAPSHOT_BYTES: u64 = 2 << 30;
+
 /// How the engine thread is sized.
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
@@ -161,6 +165,9 @@ pub struct EngineOptions {
     pub max_loaded: usize,
     /// Bytes of KV the prefix cache keeps for reuse (0 turns it off).
     pub prefix_cache_bytes: u64,
+    /// Bytes of recurrent-model snapshots (Qwen3.5: KV + Gated DeltaNet state at message
+    /// boundaries) the prefix cache keeps, apart from the KV entries (0 turns them off).
+    pub prefix_snapshot_bytes: u64,
     /// Memory a model may take; None = what the OS reports available when it loads.
     pub memory_budget: Option<u64>,
 }
@@ -171,6 +178,7 @@ impl Default for EngineOptions {
             max_queue: 64,
             max_loaded: 1,
             prefix_cache_bytes: 1 << 30,
+            prefix_snapshot_bytes: DEFAULT_PREFIX_SNAPSHOT_BYTES,
             memory_budget: None,
         }
     }
@@ -236,7 +244,10 @@ impl Engine {
                     lru: Vec::new(),
                     max_loaded: options.max_loaded.max(1),
                     memory_budget: options.memory_budget,
-                    prefix: PrefixCache::new(options.prefix_cache_bytes),
+                    prefix: PrefixCache::new(
+                        options.prefix_cache_bytes,
+                        options.prefix_snapshot_bytes,
+                    ),
                     metrics: worker_metrics,
                     queued: worker_queued,
                     published: worker_resident,
@@ -426,7 +437,7 @@ impl EngineThread {
         };
         self.lru.retain(|resident| *resident != key);
         self.prefix.forget_model(&key);
-        self.metrics.set_prefix_cache_bytes(self.prefix.bytes());
+        self.metrics.set_prefix_cache_usage(self.prefix.usage());
         let removed = self.models.remove(&key).is_some();
         self.publish_resident();
         removed
@@ -582,10 +593,14 @@ impl EngineThread {
         self.metrics
             .record_completion(&model_id, request.request_id.as_deref(), &completion);
         if completion.finish_reason != FinishReason::Cancelled && !has_images {
-            let evicted = self.prefix.insert(&key, sequence.tokens, sequence.caches);
+            let mut evicted = 0;
+            for snapshot in sequence.snapshots {
+                evicted += self.prefix.insert(&key, snapshot.tokens, snapshot.caches);
+            }
+            evicted += self.prefix.insert(&key, sequence.tokens, sequence.caches);
             self.metrics.record_prefix_evictions(&model_id, evicted);
         }
-        self.metrics.set_prefix_cache_bytes(self.prefix.bytes());
+        self.metrics.set_prefix_cache_usage(self.prefix.usage());
         Ok(completion)
     }
 }

@@ -292,17 +292,42 @@ pub fn generate_reusing(
         )?;
     }
     let text_body = if images.is_some() {
-        &[][..]
+        0..0
     } else {
-        &body[cached_tokens..]
+        cached_tokens..body.len()
     };
-    for piece in text_body.chunks(chunk) {
+    // A recurrent state cannot be cut back to a shorter prefix, so it is snapshotted where a
+    // later prompt is likely to diverge: before each message of the rendered prompt and at
+    // the end of the prompt (turn N+1 of a chat re-renders everything after its last
+    // unchanged message).
+    let cuts = if model.rewindable() || text_body.is_empty() {
+        Vec::new()
+    } else {
+        snapshot_points(
+            prompt_ids,
+            text_body.clone(),
+            tokenizer.token_id(MESSAGE_START),
+        )
+    };
+    let mut snapshots = Vec::new();
+    for piece in split_at_cuts(text_body, chunk, &cuts) {
         if cancel.load(Ordering::Relaxed) {
             let sequence = CachedSequence::new(prompt_ids, &[], caches);
             return Ok((cancelled(prompt_ids, cached_tokens, started), sequence));
         }
-        model.forward(&as_input(piece), &mut caches, Logits::Last)?;
+        model.forward(
+            &as_input(&prompt_ids[piece.clone()]),
+            &mut caches,
+            Logits::Last,
+        )?;
         transforms::eval(caches.iter().flat_map(|cache| cache.state()))?;
+        if cuts.contains(&piece.end) {
+            snapshots.push(CachedSequence {
+                tokens: prompt_ids[..piece.end].to_vec(),
+                caches: caches.clone(),
+                snapshots: Vec::new(),
+            });
+        }
     }
 
     let mut stop_ids: Vec<u32> = params.stop_token_ids.clone();
@@ -478,7 +503,8 @@ pub fn generate_reusing(
     } else {
         timings.itl_ms.len() as f64 / (decode_ms / 1000.0).max(1e-9)
     };
-    let sequence = CachedSequence::new(prompt_ids, &token_ids, caches);
+    let mut sequence = CachedSequence::new(prompt_ids, &token_ids, caches);
+    sequence.snapshots = snapshots;
     let completion = Completion {
         text,
         prompt_ids: prompt_ids.to_vec(),
@@ -494,11 +520,50 @@ pub fn generate_reusing(
     Ok((completion, sequence))
 }
 
+/// The token each chat message of the rendered prompt starts with (Qwen's ChatML opener).
+const MESSAGE_START: &str = "<|im_start|>";
+
+/// Prompt lengths to snapshot a recurrent model's state at, within `range` (the positions to
+/// prefill): before every `message_start` token, and the end of the range.
+pub(crate) fn snapshot_points(
+    prompt: &[u32],
+    range: std::ops::Range<usize>,
+    message_start: Option<u32>,
+) -> Vec<usize> {
+    let mut cuts: Vec<usize> = (range.start + 1..range.end)
+        .filter(|&at| Some(prompt[at]) == message_start)
+        .collect();
+    cuts.push(range.end);
+    cuts
+}
+
+/// `range` in pieces of at most `chunk` positions that also end at every cut.
+fn split_at_cuts(
+    range: std::ops::Range<usize>,
+    chunk: usize,
+    cuts: &[usize],
+) -> Vec<std::ops::Range<usize>> {
+    let mut pieces = Vec::new();
+    let mut start = range.start;
+    while start < range.end {
+        let mut end = (start + chunk.max(1)).min(range.end);
+        if let Some(&cut) = cuts.iter().find(|&&cut| cut > start && cut < end) {
+            end = cut;
+        }
+        pieces.push(start..end);
+        start = end;
+    }
+    pieces
+}
+
 /// A request's caches and exactly the tokens they hold: the prompt and the generated tokens
 /// that were fed back (the decode loop may have fed one more than it read out).
 pub struct CachedSequence {
     pub tokens: Vec<u32>,
     pub caches: Vec<KvCache>,
+    /// States of a recurrent model taken during prefill at message boundaries (each its own
+    /// prefix of `tokens` with the caches as they were then); empty for attention-only models.
+    pub snapshots: Vec<CachedSequence>,
 }
 
 impl CachedSequence {
@@ -507,12 +572,27 @@ impl CachedSequence {
             .first()
             .map_or(0, |cache| cache.offset().max(0) as usize);
         let tokens: Vec<u32> = prompt.iter().chain(generated).copied().take(held).collect();
+        // A recurrent state holding a token without an id cannot be cut back: keep nothing.
+        if !caches
+            .iter()
+            .all(|cache| cache.can_truncate_to(tokens.len() as i32))
+        {
+            return Self {
+                tokens: Vec::new(),
+                caches: Vec::new(),
+                snapshots: Vec::new(),
+            };
+        }
         let mut caches = caches;
         // A fed token that was never read back has no id here: drop its position.
         caches
             .iter_mut()
             .for_each(|cache| cache.truncate(tokens.len() as i32));
-        Self { tokens, caches }
+        Self {
+            tokens,
+            caches,
+            snapshots: Vec::new(),
+        }
     }
 
     pub fn nbytes(&self) -> u64 {
@@ -539,5 +619,26 @@ fn cancelled(prompt_ids: &[u32], cached_tokens: usize, started: Instant) -> Comp
             total_ms: ms(started.elapsed()),
             ..Timings::default()
         },
+    }
+}
+
+#[cfg(test)]
+mod snapshot_tests {
+    use super::*;
+
+    #[test]
+    fn pieces_end_at_every_message_boundary_and_stay_within_the_chunk() {
+        // 7 = the message opener.
+        let prompt = [7, 1, 2, 3, 7, 4, 5, 6, 7, 8, 9];
+        let cuts = snapshot_points(&prompt, 0..10, Some(7));
+        assert_eq!(cuts, vec![4, 8, 10]);
+        assert_eq!(
+            split_at_cuts(0..10, 3, &cuts),
+            vec![0..3, 3..4, 4..7, 7..8, 8..10]
+        );
+        assert_eq!(split_at_cuts(0..10, 100, &cuts), vec![0..4, 4..8, 8..10]);
+        // A reused prefix: only boundaries after it count.
+        assert_eq!(snapshot_points(&prompt, 4..10, Some(7)), vec![8, 10]);
+        assert_eq!(snapshot_points(&prompt, 0..10, None), vec![10]);
     }
 }

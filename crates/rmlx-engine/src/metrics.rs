@@ -167,6 +167,8 @@ pub struct Metrics {
     in_flight: AtomicUsize,
     kv_bytes: AtomicU64,
     prefix_cache_bytes: AtomicU64,
+    prefix_snapshot_bytes: AtomicU64,
+    prefix_snapshots: AtomicUsize,
 }
 
 /// Per-model figures in a snapshot.
@@ -198,8 +200,11 @@ pub struct MetricsSnapshot {
     pub in_flight: usize,
     /// KV bytes of requests running now.
     pub kv_cache_bytes: u64,
-    /// KV bytes kept for reuse by the prefix cache.
+    /// KV bytes kept for reuse by the prefix cache (snapshots included).
     pub prefix_cache_bytes: u64,
+    /// Recurrent-model snapshots kept (Qwen3.5 / 3.6, one per message boundary) and their bytes.
+    pub prefix_snapshots: usize,
+    pub prefix_snapshot_bytes: u64,
     pub mlx_active_bytes: u64,
     pub mlx_peak_bytes: u64,
     pub mlx_cache_bytes: u64,
@@ -308,8 +313,13 @@ impl Metrics {
         self.kv_bytes.store(kv_bytes, Ordering::Relaxed);
     }
 
-    pub(crate) fn set_prefix_cache_bytes(&self, bytes: u64) {
-        self.prefix_cache_bytes.store(bytes, Ordering::Relaxed);
+    pub(crate) fn set_prefix_cache_usage(&self, usage: crate::prefix_cache::CacheUsage) {
+        self.prefix_cache_bytes
+            .store(usage.bytes + usage.snapshot_bytes, Ordering::Relaxed);
+        self.prefix_snapshot_bytes
+            .store(usage.snapshot_bytes, Ordering::Relaxed);
+        self.prefix_snapshots
+            .store(usage.snapshots, Ordering::Relaxed);
     }
 
     pub fn snapshot(&self) -> MetricsSnapshot {
@@ -345,6 +355,8 @@ impl Metrics {
             in_flight: self.in_flight.load(Ordering::Relaxed),
             kv_cache_bytes: self.kv_bytes.load(Ordering::Relaxed),
             prefix_cache_bytes: self.prefix_cache_bytes.load(Ordering::Relaxed),
+            prefix_snapshots: self.prefix_snapshots.load(Ordering::Relaxed),
+            prefix_snapshot_bytes: self.prefix_snapshot_bytes.load(Ordering::Relaxed),
             mlx_active_bytes: memory.0,
             mlx_peak_bytes: memory.1,
             mlx_cache_bytes: memory.2,

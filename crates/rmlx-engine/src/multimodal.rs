@@ -143,7 +143,8 @@ pub fn place_images(
     let mut row_len = 0;
     // Each family's preprocessing, image tokens and the turn opener the splice fallback uses.
     let (names, opener, bos) = match model_type {
-        "qwen3_vl" | "qwen3_vl_moe" => {
+        // Qwen3.5 / 3.6 use Qwen3-VL's processor and image block unchanged.
+        "qwen3_vl" | "qwen3_vl_moe" | "qwen3_5" | "qwen3_5_moe" => {
             let config = crate::vision::preprocess::QwenPreprocessorConfig::load(dir)
                 .map_err(|error| preprocessor_error(dir, &error))?;
             for (index, image) in images.iter().enumerate() {

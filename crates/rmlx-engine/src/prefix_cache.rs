@@ -1,7 +1,10 @@
 //! Prompt prefix cache: the KV of finished requests, kept per model and reused by any later
 //! request that starts with the same tokens (multi-turn chats, shared system prompts, agents
 //! re-sending their history). Byte-bounded, least recently used evicted first.
-//! Reference: mlx-lm `server.py` (`LRUPromptCache`) and `models/cache.py` (`trim`).
+//! A model with a recurrent state (Qwen3.5's Gated DeltaNet) cannot cut an entry back to a
+//! shorter prefix: its entries are snapshots, each serving exactly its own tokens, kept under a
+//! budget of their own. Reference: mlx-lm `server.py` (`LRUPromptCache`) and
+//! `models/cache.py` (`trim`).
 
 use std::path::{Path, PathBuf};
 
@@ -14,6 +17,8 @@ struct Entry {
     caches: Vec<KvCache>,
     bytes: u64,
     last_used: u64,
+    /// Holds a recurrent state: serves only prompts that start with all of `tokens`.
+    snapshot: bool,
 }
 
 /// A reusable prefix found for a prompt.
@@ -26,7 +31,17 @@ pub struct Reuse {
 pub struct PrefixCache {
     entries: Vec<Entry>,
     budget_bytes: u64,
+    snapshot_budget_bytes: u64,
     clock: u64,
+}
+
+/// What the cache holds, by kind (for `/metrics/cache`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheUsage {
+    pub entries: usize,
+    pub bytes: u64,
+    pub snapshots: usize,
+    pub snapshot_bytes: u64,
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -34,16 +49,36 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 impl PrefixCache {
-    pub fn new(budget_bytes: u64) -> Self {
+    /// `budget_bytes` bounds the KV entries, `snapshot_budget_bytes` the recurrent snapshots.
+    pub fn new(budget_bytes: u64, snapshot_budget_bytes: u64) -> Self {
         Self {
             entries: Vec::new(),
             budget_bytes,
+            snapshot_budget_bytes,
             clock: 0,
         }
     }
 
     pub fn bytes(&self) -> u64 {
         self.entries.iter().map(|entry| entry.bytes).sum()
+    }
+
+    fn class_bytes(&self, snapshot: bool) -> u64 {
+        self.entries
+            .iter()
+            .filter(|entry| entry.snapshot == snapshot)
+            .map(|entry| entry.bytes)
+            .sum()
+    }
+
+    pub fn usage(&self) -> CacheUsage {
+        let snapshots = self.entries.iter().filter(|entry| entry.snapshot).count();
+        CacheUsage {
+            entries: self.entries.len() - snapshots,
+            bytes: self.class_bytes(false),
+            snapshots,
+            snapshot_bytes: self.class_bytes(true),
+        }
     }
 
     /// The longest stored prefix of `prompt` for `model`. At least the last prompt token is
@@ -56,7 +91,15 @@ impl PrefixCache {
             .iter()
             .enumerate()
             .filter(|(_, entry)| entry.model == model)
-            .map(|(index, entry)| (index, common_prefix(&entry.tokens, prompt).min(usable)))
+            .map(|(index, entry)| {
+                let shared = common_prefix(&entry.tokens, prompt).min(usable);
+                // A recurrent state (linear attention) serves only the whole entry.
+                let rewindable = entry
+                    .caches
+                    .iter()
+                    .all(|cache| cache.can_truncate_to(shared as i32));
+                (index, if rewindable { shared } else { 0 })
+            })
             .max_by_key(|&(_, shared)| shared)?;
         if shared == 0 {
             return None;
@@ -74,19 +117,25 @@ impl PrefixCache {
     }
 
     /// Keeps a finished request's KV for `tokens`; returns how many entries were evicted.
-    /// An entry that is a prefix of the new one is replaced: the new one serves it too.
+    /// An entry that is a prefix of the new one is replaced when the new one can serve it (a
+    /// KV cache can be cut back; a snapshot cannot, so shorter snapshots stay).
     pub fn insert(&mut self, model: &Path, tokens: Vec<u32>, caches: Vec<KvCache>) -> u64 {
         if tokens.is_empty() {
             return 0;
         }
         self.clock += 1;
+        let snapshot = !caches.iter().all(|cache| cache.can_truncate_to(0));
         self.entries.retain(|entry| {
-            !(entry.model == model
-                && entry.tokens.len() <= tokens.len()
-                && tokens.starts_with(&entry.tokens))
+            let served = entry.tokens.len() <= tokens.len() && tokens.starts_with(&entry.tokens);
+            !(entry.model == model && served && (!snapshot || entry.tokens == tokens))
         });
+        let budget = if snapshot {
+            self.snapshot_budget_bytes
+        } else {
+            self.budget_bytes
+        };
         let bytes = caches.iter().map(|cache| cache.nbytes() as u64).sum();
-        if bytes > self.budget_bytes {
+        if bytes > budget {
             return 0;
         }
         self.entries.push(Entry {
@@ -95,13 +144,15 @@ impl PrefixCache {
             caches,
             bytes,
             last_used: self.clock,
+            snapshot,
         });
         let mut evicted = 0;
-        while self.bytes() > self.budget_bytes {
+        while self.class_bytes(snapshot) > budget {
             let oldest = self
                 .entries
                 .iter()
                 .enumerate()
+                .filter(|(_, entry)| entry.snapshot == snapshot)
                 .min_by_key(|(_, entry)| entry.last_used)
                 .map(|(index, _)| index)
                 .expect("over budget means not empty");

@@ -175,7 +175,7 @@ pub fn memory_needed_at(
             .map(|n| n as usize)
     });
     let kv = crate::models::structure::kv_bytes_per_token(config) * context.unwrap_or(0) as u64;
-    Ok(weights + kv)
+    Ok(weights + kv + crate::models::structure::recurrent_state_bytes(config))
 }
 
 /// What loading the model in `dir` needs: its `.safetensors` weights (every expert included)

@@ -331,7 +331,7 @@ fn prefix_cache_reuse_gives_the_logits_of_a_fresh_run() {
     model
         .forward(&ids_array(&earlier), &mut caches, Logits::All)
         .unwrap();
-    let mut prefix = PrefixCache::new(1 << 30);
+    let mut prefix = PrefixCache::new(1 << 30, 1 << 30);
     assert_eq!(prefix.insert(&dir, earlier, caches), 0);
 
     for attempt in 0..2 {

@@ -23,7 +23,7 @@ fn read(path: PathBuf) -> Value {
         .unwrap_or_else(|error| panic!("{}: {error}", path.display()))
 }
 
-/// The releases issue 13 names: each must load (none is pending any more once its family
+/// The releases issues 13 and 14 name: each must load (none is pending any more once its family
 /// lands; a release still listed in PENDING must be refused today, so the list cannot go stale).
 const RELEASES: &[&str] = &[
     "google__gemma-4-E2B-it",
@@ -41,6 +41,15 @@ const RELEASES: &[&str] = &[
     "Qwen__Qwen3-VL-4B-Instruct",
     "Qwen__Qwen3-VL-8B-Instruct",
     "Qwen__Qwen3-VL-30B-A3B-Instruct",
+    "Qwen__Qwen3.5-0.8B",
+    "Qwen__Qwen3.5-2B",
+    "Qwen__Qwen3.5-4B",
+    "Qwen__Qwen3.5-9B",
+    "Qwen__Qwen3.5-27B",
+    "Qwen__Qwen3.5-35B-A3B",
+    "Qwen__Qwen3.6-27B",
+    "Qwen__Qwen3.6-35B-A3B",
+    "mlx-community__Qwen3.5-9B-4bit",
 ];
 
 /// Model types whose loader has not landed yet (issue 13 steps c-e).

@@ -53,6 +53,10 @@ pub struct ServerConfig {
     pub cors_origins: Vec<String>,
     pub max_queue: usize,
     pub max_body_mb: usize,
+    /// Bytes the prefix cache keeps of finished requests' KV.
+    pub prefix_cache_bytes: u64,
+    /// Bytes of recurrent-model snapshots (Qwen3.5 / 3.6) the prefix cache keeps.
+    pub prefix_snapshot_bytes: u64,
     /// A built web UI to serve at `/` (no API key needed for its files; its API calls still
     /// send one).
     pub ui_dir: Option<PathBuf>,
@@ -72,6 +76,8 @@ impl Default for ServerConfig {
             api_key: None,
             cors_origins: Vec::new(),
             max_queue: 64,
+            prefix_cache_bytes: EngineOptions::default().prefix_cache_bytes,
+            prefix_snapshot_bytes: EngineOptions::default().prefix_snapshot_bytes,
             ui_dir: None,
             // A 2560x2560 RGBA PNG is at most ~26 MB, ~35 MB as base64 in a data URI.
             max_body_mb: 64,
@@ -96,6 +102,8 @@ impl AppState {
         let engine = Engine::start_with(EngineOptions {
             max_queue: config.max_queue,
             max_loaded: config.max_loaded,
+            prefix_cache_bytes: config.prefix_cache_bytes,
+            prefix_snapshot_bytes: config.prefix_snapshot_bytes,
             ..EngineOptions::default()
         })
         .context("cannot start the engine")?;

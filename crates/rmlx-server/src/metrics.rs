@@ -94,6 +94,8 @@ pub fn cache_json(snapshot: &MetricsSnapshot) -> Value {
         "in_flight": snapshot.in_flight,
         "kv_cache_bytes": snapshot.kv_cache_bytes,
         "prefix_cache_bytes": snapshot.prefix_cache_bytes,
+        "prefix_snapshots": snapshot.prefix_snapshots,
+        "prefix_snapshot_bytes": snapshot.prefix_snapshot_bytes,
         "active_memory_bytes": snapshot.mlx_active_bytes,
         "peak_memory_bytes": snapshot.mlx_peak_bytes,
         "error_counts": snapshot.error_counts,

@@ -254,7 +254,7 @@ async fn every_release_answers_like_its_reference_through_the_server() {
     let index: Value =
         serde_json::from_str(&std::fs::read_to_string(release("releases.json")).unwrap()).unwrap();
     let names: Vec<String> = index.as_object().unwrap().keys().cloned().collect();
-    assert_eq!(names.len(), 16);
+    assert_eq!(names.len(), 27);
     let (app, _) = router(ServerConfig {
         models: names.iter().map(|name| release(name)).collect(),
         ..common::config()

@@ -64,6 +64,14 @@ pub const IGNORED_CONFIG_KEYS: &[(&str, &str)] = &[
         "weight of the load-balancing loss in training",
     ),
     (
+        "text_config.output_router_logits",
+        "returns router logits for the training loss",
+    ),
+    (
+        "text_config.router_aux_loss_coef",
+        "weight of the load-balancing loss in training",
+    ),
+    (
         "text_config.model_type",
         "the sub-model's class tag; the outer model_type picks the family",
     ),

@@ -3,6 +3,7 @@
 pub mod gemma4;
 pub mod ignored_keys;
 pub mod qwen3;
+pub mod qwen3_5;
 pub mod qwen3_moe;
 pub mod qwen3_vl;
 pub mod structure;
@@ -39,6 +40,12 @@ pub trait LanguageModel {
         (0..self.num_layers())
             .map(|_| KvCache::new(max_ctx))
             .collect()
+    }
+
+    /// Whether every layer's cache can be cut back to a shorter prefix (a KV cache can; a
+    /// recurrent state cannot, so the prefix cache keeps snapshots for those models).
+    fn rewindable(&self) -> bool {
+        true
     }
 
     /// The image entry points of a vision-language model; None for text-only families.
@@ -160,6 +167,8 @@ pub struct ModelInfo {
     pub structure: String,
     /// KV cache bytes per position of context.
     pub kv_bytes_per_token: u64,
+    /// Fixed per-sequence state of linear-attention layers (0 for attention-only models).
+    pub recurrent_state_bytes: u64,
 }
 
 /// A model ready to run, with its facts.
@@ -169,8 +178,15 @@ pub struct LoadedModel {
 }
 
 /// The config.json `model_type`s rMLX loads.
-pub const SUPPORTED_MODEL_TYPES: &[&str] =
-    &["qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe", "gemma4"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "gemma4",
+];
 
 /// Reads config.json, builds the family's model strictly from the weights (every parameter
 /// filled, nothing left over) and evaluates the weights once so the file reads happen here.
@@ -187,6 +203,8 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
         "qwen3_moe" => Box::new(qwen3_moe::load(dir, &config, &mut store)?),
         // qwen3_vl_moe is Qwen3-VL with experts in the text decoder (mlx-vlm `qwen3_vl_moe`).
         "qwen3_vl" | "qwen3_vl_moe" => Box::new(qwen3_vl::Model::load(dir, &config, &mut store)?),
+        // qwen3_5_moe is Qwen3.5 with routed experts in every layer (mlx-vlm `qwen3_5_moe`).
+        "qwen3_5" | "qwen3_5_moe" => Box::new(qwen3_5::Model::load(dir, &config, &mut store)?),
         "gemma4" => Box::new(gemma4::Model::load(dir, &config, &mut store)?),
         _ => unreachable!("checked above"),
     };
@@ -214,6 +232,7 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
         weight_bytes: summary.bytes,
         structure: structure::describe(&config.json),
         kv_bytes_per_token: structure::kv_bytes_per_token(&config.json),
+        recurrent_state_bytes: structure::recurrent_state_bytes(&config.json),
     };
     Ok(LoadedModel { model, info })
 }
@@ -263,6 +282,7 @@ pub fn unread_config_keys(json: &serde_json::Value) -> Result<Vec<String>> {
         "qwen3" => round_trip::<qwen3::Config>(json)?,
         "qwen3_moe" => round_trip::<qwen3_moe::Config>(json)?,
         "qwen3_vl" | "qwen3_vl_moe" => round_trip::<qwen3_vl::config::Config>(json)?,
+        "qwen3_5" | "qwen3_5_moe" => round_trip::<qwen3_5::config::Config>(json)?,
         "gemma4" => round_trip::<gemma4::config::Config>(json)?,
         other => return Err(EngineError::UnknownModelType(other.to_string())),
     };

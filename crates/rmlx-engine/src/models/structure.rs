@@ -50,10 +50,20 @@ pub fn describe(config: &Value) -> String {
             .iter()
             .filter(|t| t.as_str() == Some("sliding_attention"))
             .count();
+        let linear = types
+            .iter()
+            .filter(|t| t.as_str() == Some("linear_attention"))
+            .count();
         if sliding > 0 {
             parts.push(format!(
                 "{sliding} sliding + {} full attention layers",
                 types.len() - sliding
+            ));
+        }
+        if linear > 0 {
+            parts.push(format!(
+                "{linear} Gated DeltaNet + {} full attention layers",
+                types.len() - linear
             ));
         }
     }
@@ -98,10 +108,14 @@ pub fn kv_bytes_per_token(config: &Value) -> u64 {
     let types = text.get("layer_types").and_then(Value::as_array);
     (0..layers.saturating_sub(shared))
         .map(|layer| {
-            let full = types
+            let kind = types
                 .and_then(|types| types.get(layer as usize))
-                .and_then(Value::as_str)
-                == Some("full_attention");
+                .and_then(Value::as_str);
+            // Linear-attention layers (Qwen3.5) keep a fixed state instead of a KV.
+            if kind == Some("linear_attention") {
+                return 0;
+            }
+            let full = kind == Some("full_attention");
             // Gemma's full layers use their own (global) head size and KV heads.
             let (kv, dim) = if full && types.is_some() {
                 (global_kv_heads, global_head_dim)
@@ -111,6 +125,35 @@ pub fn kv_bytes_per_token(config: &Value) -> u64 {
             2 * kv * dim * bytes
         })
         .sum()
+}
+
+/// Bytes of the fixed per-sequence state of the linear-attention layers (Qwen3.5's Gated
+/// DeltaNet): the conv window in the activations' dtype and the float32 delta-rule state,
+/// whatever the context length. 0 for attention-only models.
+pub fn recurrent_state_bytes(config: &Value) -> u64 {
+    let text = text(config);
+    let Some(types) = text.get("layer_types").and_then(Value::as_array) else {
+        return 0;
+    };
+    let linear = types
+        .iter()
+        .filter(|t| t.as_str() == Some("linear_attention"))
+        .count() as u64;
+    let key_heads = int(text, "linear_num_key_heads").unwrap_or(0);
+    let value_heads = int(text, "linear_num_value_heads").unwrap_or(0);
+    let key_dim = int(text, "linear_key_head_dim").unwrap_or(0);
+    let value_dim = int(text, "linear_value_head_dim").unwrap_or(0);
+    let kernel = int(text, "linear_conv_kernel_dim").unwrap_or(1);
+    let dtype = text.get("dtype").or_else(|| text.get("torch_dtype"));
+    let bytes = if dtype.and_then(Value::as_str) == Some("float32") {
+        4
+    } else {
+        2
+    };
+    let conv_dim = 2 * key_heads * key_dim + value_heads * value_dim;
+    let conv = kernel.saturating_sub(1) * conv_dim * bytes;
+    let state = value_heads * value_dim * key_dim * 4;
+    linear * (conv + state)
 }
 
 #[cfg(test)]

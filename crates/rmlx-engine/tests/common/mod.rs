@@ -53,3 +53,36 @@ pub struct Tolerance {
     pub logits: f32,
     pub logprobs: f32,
 }
+
+/// Qwen3-VL / Qwen3.5 pixel rows of a resized PNG (tests/fixtures/README.md's formula): `(f32(u8) * f32(1/255) - 0.5) / 0.5`, CHW, patches in merge-block
+/// order `(bh, bw, mh, mw)`, each row `[C=3][T=2, the frame repeated][16][16]`.
+pub fn qwen_patchify(path: &str) -> (Vec<f32>, [i32; 3]) {
+    let image = image::open(fixture(path)).unwrap().to_rgb8();
+    let (width, height) = (image.width() as usize, image.height() as usize);
+    let (patch, merge, temporal) = (16usize, 2usize, 2usize);
+    let (grid_h, grid_w) = (height / patch, width / patch);
+    let value = |c: usize, y: usize, x: usize| {
+        let byte = image.get_pixel(x as u32, y as u32)[c];
+        (byte as f32 * (1.0f32 / 255.0) - 0.5f32) / 0.5f32
+    };
+    let mut out = Vec::with_capacity(grid_h * grid_w * 3 * temporal * patch * patch);
+    for bh in 0..grid_h / merge {
+        for bw in 0..grid_w / merge {
+            for mh in 0..merge {
+                for mw in 0..merge {
+                    let (py, px) = ((bh * merge + mh) * patch, (bw * merge + mw) * patch);
+                    for c in 0..3 {
+                        for _ in 0..temporal {
+                            for y in 0..patch {
+                                for x in 0..patch {
+                                    out.push(value(c, py + y, px + x));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (out, [1, grid_h as i32, grid_w as i32])
+}

@@ -34,11 +34,29 @@ pub struct MropePositions {
 /// three rows; each image block holds (t, h/merge, w/merge) coordinates offset by the position
 /// after the preceding text; the next text resumes at the block's max + 1.
 pub fn rope_index(ids: &[u32], grids: &[[i32; 3]], config: &Config) -> MropePositions {
+    let tokens = ImageTokenIds {
+        image: config.image_token_id,
+        vision_start: config.vision_start_token_id,
+        merge: config.vision_config.spatial_merge_size,
+    };
+    rope_index_for(ids, grids, tokens)
+}
+
+/// The ids and merge size `get_rope_index` reads (Qwen3-VL and Qwen3.5 share the function).
+#[derive(Debug, Clone, Copy)]
+pub struct ImageTokenIds {
+    pub image: u32,
+    pub vision_start: u32,
+    pub merge: i32,
+}
+
+/// [`rope_index`] for any family with Qwen3-VL's image blocks.
+pub fn rope_index_for(ids: &[u32], grids: &[[i32; 3]], tokens: ImageTokenIds) -> MropePositions {
     let len = ids.len();
-    let merge = config.vision_config.spatial_merge_size;
+    let merge = tokens.merge;
     let image_nums = ids
         .windows(2)
-        .filter(|pair| pair[0] == config.vision_start_token_id && pair[1] == config.image_token_id)
+        .filter(|pair| pair[0] == tokens.vision_start && pair[1] == tokens.image)
         .count();
     if grids.is_empty() || image_nums == 0 {
         let positions: Vec<i32> = (0..len as i32).collect();
@@ -51,10 +69,7 @@ pub fn rope_index(ids: &[u32], grids: &[[i32; 3]], config: &Config) -> MropePosi
     let mut next = 0; // max of the previous run + 1
     let mut start = 0;
     for &[t, h, w] in grids.iter().take(image_nums) {
-        let Some(found) = ids[start..]
-            .iter()
-            .position(|&id| id == config.image_token_id)
-        else {
+        let Some(found) = ids[start..].iter().position(|&id| id == tokens.image) else {
             break;
         };
         let end = start + found;
@@ -105,14 +120,15 @@ pub(super) fn position_selector(section: [i32; 3], freq_dim: i32) -> Vec<usize> 
     selector
 }
 
-/// cos/sin `[1, 1, L, head_dim]` for positions `rows` (t, h, w) of `L` tokens.
-pub(super) struct RotaryAngles {
+/// cos/sin `[1, 1, L, rotary_dim]` for positions `rows` (t, h, w) of `L` tokens. Qwen3-VL
+/// rotates whole heads; Qwen3.5 only the first `rotary_dim` dims (the rest pass through).
+pub(crate) struct RotaryAngles {
     cos: Array,
     sin: Array,
 }
 
 impl RotaryAngles {
-    pub(super) fn new(rows: &[&[i32]; 3], rope: &Rope, head_dim: i32) -> Result<Self> {
+    pub(crate) fn new(rows: &[&[i32]; 3], rope: &Rope, head_dim: i32) -> Result<Self> {
         let len = rows[0].len();
         let freq_dim = head_dim / 2;
         let selector = position_selector(rope.mrope_section, freq_dim);
@@ -132,14 +148,28 @@ impl RotaryAngles {
         })
     }
 
-    fn apply(&self, x: &Array) -> Result<Array> {
+    pub(crate) fn apply(&self, x: &Array) -> Result<Array> {
         // mlx-vlm casts cos/sin to the activations' dtype before rotating.
         let cos = self.cos.as_dtype(x.dtype())?;
         let sin = self.sin.as_dtype(x.dtype())?;
-        Ok(ops::add(
-            ops::multiply(x, &cos)?,
-            ops::multiply(rotate_half(x)?, &sin)?,
-        )?)
+        let rotary_dim = cos.shape()[3];
+        let head_dim = x.shape()[3];
+        let (rotated, passed) = if rotary_dim < head_dim {
+            (
+                x.index((.., .., .., ..rotary_dim)),
+                Some(x.index((.., .., .., rotary_dim..))),
+            )
+        } else {
+            (x.clone(), None)
+        };
+        let out = ops::add(
+            ops::multiply(&rotated, &cos)?,
+            ops::multiply(rotate_half(&rotated)?, &sin)?,
+        )?;
+        Ok(match passed {
+            Some(passed) => ops::concatenate(&[out, passed], -1)?,
+            None => out,
+        })
     }
 }
 

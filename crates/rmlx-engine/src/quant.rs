@@ -355,7 +355,7 @@ pub fn gather_mm(
 }
 
 /// Moves the arrays out of an mlx_vector_array and frees it.
-unsafe fn take_vector(vector: mlx_sys::mlx_vector_array) -> Vec<Array> {
+pub(crate) unsafe fn take_vector(vector: mlx_sys::mlx_vector_array) -> Vec<Array> {
     let len = mlx_sys::mlx_vector_array_size(vector);
     let mut arrays = Vec::with_capacity(len);
     for index in 0..len {

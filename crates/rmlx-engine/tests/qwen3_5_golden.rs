@@ -303,6 +303,35 @@ fn prefill_chunks_carry_conv_and_recurrent_state_exactly() {
     assert!(diff <= FP32.logits, "whole prefill vs golden: {diff}");
 }
 
+/// A long prompt prefilled in one piece takes the chunked Gated DeltaNet form; token by token
+/// it takes the sequential steps: the next token's logits agree to float32 reassociation.
+#[test]
+fn chunked_prefill_equals_the_sequential_steps() {
+    for name in ["qwen3.5-27b", "qwen3.6-35b-a3b"] {
+        let loaded = load_model(&fixture(&release(name))).unwrap();
+        let ids: Vec<u32> = (0..300).map(|i| (i * 37 + 11) % 900).collect();
+        let next = |chunk: usize| {
+            let mut caches = loaded.model.new_cache(4096);
+            for piece in ids.chunks(chunk) {
+                loaded
+                    .model
+                    .forward(&ids_array(piece), &mut caches, Logits::Last)
+                    .unwrap();
+                mlx_rs::transforms::eval(caches.iter().flat_map(|c| c.state())).unwrap();
+            }
+            let logits = loaded
+                .model
+                .forward(&ids_array(&[5]), &mut caches, Logits::Last)
+                .unwrap();
+            rows(&logits)[0].clone()
+        };
+        let (chunked, sequential) = (next(ids.len()), next(100));
+        let diff = max_diff(&chunked, &sequential);
+        eprintln!("{name}: chunked vs sequential prefill of 300 tokens: {diff:e}");
+        assert!(diff < 1e-3, "{name}: {diff}");
+    }
+}
+
 /// The recurrent layers count positions like the attention layers, so the context bound is
 /// the same typed error, and a recurrent state refuses to be cut back.
 #[test]

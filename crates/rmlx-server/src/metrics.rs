@@ -79,7 +79,7 @@ pub fn cache_json(snapshot: &MetricsSnapshot) -> Value {
         .map(|record| {
             json!({"id": record.id, "model": record.model, "ttft_ms": record.ttft_ms,
                    "itl_p50_ms": record.itl_p50_ms, "itl_ms": record.itl_ms,
-                   "tokens_in": record.tokens_in,
+                   "tokens_in": record.tokens_in, "cached_tokens": record.cached_tokens,
                    "tokens_out": record.tokens_out, "ended": record.ended})
         })
         .collect();

@@ -184,6 +184,27 @@ mod tests {
              28 sliding + 7 full attention layers, vision tower, audio tower (not used)"
         );
         assert_eq!(describe(&real("Qwen__Qwen3-0.6B")), "qwen3");
+        assert_eq!(
+            describe(&real("Qwen__Qwen3.6-35B-A3B")),
+            "qwen3_5_moe, MoE 256 experts top-8, 30 Gated DeltaNet + 10 full attention layers, \
+             vision tower, untied lm_head"
+        );
+    }
+
+    /// Qwen3.6-35B-A3B (qwen3_5.md §11): 10 full layers × K and V × 2 heads × 256 × bf16 =
+    /// 20 KiB a token; 30 Gated DeltaNet layers × (32 × 128 × 128 fp32 state + 3 × 8192 bf16
+    /// conv rows) = 62.9 + 1.5 MB a sequence, whatever its length.
+    #[test]
+    fn linear_layers_keep_a_fixed_state_instead_of_kv() {
+        let config = real("Qwen__Qwen3.6-35B-A3B");
+        assert_eq!(kv_bytes_per_token(&config), 10 * 2 * 2 * 256 * 2);
+        assert_eq!(kv_bytes_per_token(&config), 20 * 1024);
+        let conv_dim = 2 * 16 * 128 + 32 * 128;
+        assert_eq!(
+            recurrent_state_bytes(&config),
+            30 * (32 * 128 * 128 * 4 + 3 * conv_dim * 2)
+        );
+        assert_eq!(recurrent_state_bytes(&real("Qwen__Qwen3-4B")), 0);
     }
 
     #[test]

@@ -61,8 +61,24 @@ describe('DashboardSeries', () => {
       models: [{ model_id: 'a', prefix_cache_hits: 3, prefix_cache_misses: 1 }, { model_id: 'b', prefix_cache_hits: 1, prefix_cache_misses: 4 }],
     }), 500);
     series.ingest(snapshot([], { mlx_active_bytes: 7, mlx_peak_bytes: 9 }), 1000);
-    expect(series.samples[0]).toEqual({ t: 0.5, activeBytes: 1000, peakBytes: 2000, kvBytes: 300, inFlight: 1, queueDepth: 2, prefixHits: 4, prefixMisses: 5 });
+    expect(series.samples[0]).toEqual({
+      t: 0.5, activeBytes: 1000, peakBytes: 2000, kvBytes: 300, inFlight: 1, queueDepth: 2, prefixHits: 4, prefixMisses: 5, snapshots: null, snapshotBytes: null,
+    });
     expect(series.samples[1]).toMatchObject({ activeBytes: 7, peakBytes: 9, kvBytes: null, prefixHits: 0 });
+  });
+
+  it('reports the share of prompt tokens the prefix cache served in the window, and the snapshots', () => {
+    const series = new DashboardSeries();
+    expect(series.cachedShare(0)).toBeNull();
+    series.ingest(snapshot([
+      { ...request('t1', 1000, 5), tokens_in: 600, cached_tokens: 0 },
+      { ...request('t2', 2000, 5), tokens_in: 700, cached_tokens: 599 },
+      { ...request('t3', 3000, 5), tokens_in: 800, cached_tokens: 699 },
+    ], { prefix_snapshots: 7, prefix_snapshot_bytes: 4096 }), 3000);
+    expect(series.cachedShare(0)).toBeCloseTo(1298 / 2100);
+    expect(series.cachedShare(1.5)).toBeCloseTo(1298 / 1500);
+    expect(series.lastRequest?.cachedTokens).toBe(699);
+    expect(series.lastSample).toMatchObject({ snapshots: 7, snapshotBytes: 4096 });
   });
 
   it('keeps every history bounded, and never re-adds a request the server still lists', () => {

@@ -14,6 +14,8 @@ export interface RequestPoint {
   ttftMs: number;
   itlP50Ms: number | null;
   tokensIn: number;
+  /** Of tokensIn, how many the prefix cache served. */
+  cachedTokens: number;
   tokensOut: number;
   /** tokens_out over the summed gaps (as under an answer); null without gaps. */
   tokensPerSecond: number | null;
@@ -28,6 +30,8 @@ export interface Sample {
   queueDepth: number;
   prefixHits: number;
   prefixMisses: number;
+  snapshots: number | null;
+  snapshotBytes: number | null;
 }
 
 export interface TokenPoint {
@@ -70,6 +74,7 @@ export function toRequestPoint(entry: RecentRequest): RequestPoint {
     ttftMs: entry.ttft_ms,
     itlP50Ms: num(entry.itl_p50_ms) ?? median(gaps),
     tokensIn: entry.tokens_in,
+    cachedTokens: num(entry.cached_tokens) ?? 0,
     tokensOut: entry.tokens_out,
     tokensPerSecond: sum > 0 ? entry.tokens_out / (sum / 1000) : null,
   };
@@ -124,6 +129,8 @@ export class DashboardSeries {
       queueDepth: num(snapshot.queue_depth) ?? 0,
       prefixHits: models.reduce((sum, m) => sum + (num(m.prefix_cache_hits) ?? 0), 0),
       prefixMisses: models.reduce((sum, m) => sum + (num(m.prefix_cache_misses) ?? 0), 0),
+      snapshots: num(snapshot.prefix_snapshots),
+      snapshotBytes: num(snapshot.prefix_snapshot_bytes),
     });
     this.trim(recent.map(requestKey));
     return added;
@@ -136,6 +143,19 @@ export class DashboardSeries {
     if (this.tokens.length > tokens) this.tokens.splice(0, this.tokens.length - tokens);
     // Forget ids no longer shown, except those the server still lists (they must not come back).
     if (this.seen.size > 2 * requests) this.seen = new Set([...this.requests.map((r) => r.key), ...current]);
+  }
+
+  /** Share of prompt tokens the prefix cache served over the requests that ended since
+   * `since` (seconds); null before any prompt token. */
+  cachedShare(since: number): number | null {
+    let input = 0;
+    let cached = 0;
+    for (const r of this.requests) {
+      if (r.t < since) continue;
+      input += r.tokensIn;
+      cached += r.cachedTokens;
+    }
+    return input > 0 ? cached / input : null;
   }
 
   get lastRequest(): RequestPoint | null {

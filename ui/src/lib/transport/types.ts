@@ -121,6 +121,8 @@ export interface RecentRequest {
   itl_p50_ms?: number;
   itl_ms?: number[];
   tokens_in: number;
+  /** Prompt tokens served from the prefix cache (KV entries or recurrent snapshots). */
+  cached_tokens?: number;
   tokens_out: number;
   ended: number;
 }
@@ -141,6 +143,9 @@ export interface MetricsSnapshot {
   models?: ModelMetrics[];
   kv_cache_bytes?: number;
   prefix_cache_bytes?: number;
+  /** Recurrent-model (Qwen3.5) snapshots kept, one per message boundary, and their bytes. */
+  prefix_snapshots?: number;
+  prefix_snapshot_bytes?: number;
   /** MLX's allocator (docs/SERVER.md's names; `mlx_active_bytes` / `mlx_peak_bytes` are read too). */
   active_memory_bytes?: number;
   peak_memory_bytes?: number;

@@ -1,7 +1,9 @@
 //! The gated delta rule (Yang et al. 2024) as MLX ops: per token and value head,
 //! `S ← g·S; δ = (v − S·k)·β; S ← S + δ ⊗ k; y = S·q`, the state `[B, Hv, Dv, Dk]` in float32.
-//! This sequential form is what the references compute on a Mac (their Metal kernel) and on
-//! any backend for decode; it carries the state exactly across prefill chunks.
+//! The sequential form is what the references compute on a Mac (their Metal kernel) and on
+//! any backend for decode; it carries the state exactly across prefill chunks. Long prefill
+//! pieces take the chunked form (as mlx-vlm does without its kernel), equal up to float32
+//! reassociation.
 //! Reference: mlx-vlm `models/qwen3_5/gated_delta.py` (`_gated_delta_step_ops`,
 //! `gated_delta_ops`, `compute_g`), mlx-lm `models/gated_delta.py`.
 
@@ -49,6 +51,42 @@ pub fn gated_delta_ops(
     beta: &Array,
     state: &Array,
 ) -> Result<(Array, Array)> {
+    // On a Mac's GPU one Metal kernel runs the whole chunk (checked against this form first).
+    #[cfg(target_os = "macos")]
+    {
+        if on_gpu() {
+            if let Some(result) = super::metal::try_apply(q, k, v, g, beta, state) {
+                return result;
+            }
+        }
+    }
+    if q.shape()[1] >= CHUNKED_FROM {
+        return chunked_ops(q, k, v, g, beta, state);
+    }
+    sequential_ops(q, k, v, g, beta, state)
+}
+
+/// Prefill pieces at least this long take the chunked form elsewhere than on a Mac's GPU: it
+/// replaces T small steps by a few dozen matmuls. Shorter pieces (decode, short turns, the
+/// golden prompts) take the sequential steps, the form the references' goldens are made with.
+pub const CHUNKED_FROM: i32 = 4 * CHUNK;
+
+#[cfg(target_os = "macos")]
+fn on_gpu() -> bool {
+    mlx_rs::Device::try_default()
+        .and_then(|device| device.get_type())
+        .is_ok_and(|kind| matches!(kind, mlx_rs::DeviceType::Gpu))
+}
+
+/// The recurrence as MLX ops, one token at a time (the reference the kernel is checked with).
+pub fn sequential_ops(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: &Array,
+) -> Result<(Array, Array)> {
     let (len, key_heads) = (q.shape()[1], q.shape()[2]);
     let value_heads = v.shape()[2];
     let repeat = value_heads / key_heads;
@@ -75,6 +113,158 @@ pub fn gated_delta_ops(
         state = next;
     }
     Ok((ops::stack(&ys, 1)?, state))
+}
+
+/// Tokens per block of the chunked form.
+pub const CHUNK: i32 = 64;
+
+/// The same recurrence computed a block of [`CHUNK`] tokens at a time (the WY form of the delta
+/// rule, Yang et al. 2024): inside a block every update is written in terms of the block's
+/// starting state, which turns the T sequential steps into matmuls, one forward substitution
+/// over the block's rows (batched over all blocks and heads) and T / CHUNK state hand-overs.
+/// Everything in float32; equal to [`sequential_ops`] up to float32 reassociation. mlx-vlm
+/// prefills this way on backends without its Metal kernel (`gated_delta_chunked`).
+///
+/// With Γ_i the running product of the decays and u_j each token's effective write,
+/// `S_i = Γ_i S_0 + Σ_{j≤i} (Γ_i/Γ_j) u_j k_jᵀ`, and the writes solve the unit lower-triangular
+/// system `u_j + Σ_{l<j} β_j (Γ_j/Γ_l)(k_l·k_j) u_l = β_j (v_j − Γ_j S_0 k_j)`.
+pub fn chunked_ops(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: &Array,
+) -> Result<(Array, Array)> {
+    let [batch, len, key_heads, key_dim] = dims4(q);
+    let [_, _, value_heads, value_dim] = dims4(v);
+    let out_dtype = q.dtype();
+    let repeat = value_heads / key_heads;
+    let widen = |x: &Array| -> Result<Array> {
+        let x = x.as_dtype(Dtype::Float32)?;
+        Ok(if repeat > 1 {
+            Array::repeat_axis::<f32>(x, repeat, 2)?
+        } else {
+            x
+        })
+    };
+    let (mut q, mut k) = (widen(q)?, widen(k)?);
+    let mut v = v.as_dtype(Dtype::Float32)?;
+    let mut g = g.as_dtype(Dtype::Float32)?;
+    let mut beta = beta.as_dtype(Dtype::Float32)?;
+    // Padding tokens neither decay (g = 1) nor write (β = 0): the state passes them unchanged.
+    let pad = (CHUNK - len % CHUNK) % CHUNK;
+    if pad > 0 {
+        let extend = |x: &Array, fill: f32| -> Result<Array> {
+            let mut shape = x.shape().to_vec();
+            shape[1] = pad;
+            let tail = ops::full::<f32>(&shape, Array::from_f32(fill))?;
+            Ok(ops::concatenate(&[x, &tail], 1)?)
+        };
+        q = extend(&q, 0.0)?;
+        k = extend(&k, 0.0)?;
+        v = extend(&v, 0.0)?;
+        g = extend(&g, 1.0)?;
+        beta = extend(&beta, 0.0)?;
+    }
+    let blocks = (len + pad) / CHUNK;
+    // [B, T, H, D] → [B, H, blocks, C, D]; [B, T, H] → [B, H, blocks, C].
+    let rows = |x: &Array, dim: i32| -> Result<Array> {
+        Ok(x.reshape(&[batch, blocks, CHUNK, value_heads, dim])?
+            .transpose_axes(&[0, 3, 1, 2, 4])?)
+    };
+    let per_token = |x: &Array| -> Result<Array> {
+        Ok(x.reshape(&[batch, blocks, CHUNK, value_heads])?
+            .transpose_axes(&[0, 3, 1, 2])?)
+    };
+    let (q, k, v) = (rows(&q, key_dim)?, rows(&k, key_dim)?, rows(&v, value_dim)?);
+    let (g, beta) = (per_token(&g)?, per_token(&beta)?);
+
+    // log Γ within each block; a decay that underflowed to 0 is held at 1e-6 so logs stay finite.
+    let log_g = ops::log(ops::maximum(&g, Array::from_f32(1e-6))?)?;
+    let log_cum = log_g.cumsum(-1, None, None)?;
+    let cum = ops::exp(&log_cum)?;
+    let inclusive = ops::tri::<f32>(CHUNK, None, Some(0))?;
+    let strict = ops::tri::<f32>(CHUNK, None, Some(-1))?;
+    // Γ_i / Γ_j for j ≤ i; above the diagonal the exponent is pinned low before exp (it would
+    // overflow, and inf · 0 is NaN).
+    let exponent = ops::subtract(log_cum.expand_dims(-1)?, log_cum.expand_dims(-2)?)?;
+    let ratio = ops::exp(ops::select(
+        &ops::gt(&inclusive, Array::from_f32(0.0))?,
+        &exponent,
+        Array::from_f32(-1e30),
+    )?)?;
+    let k_t = k.swap_axes(-1, -2)?;
+    let beta_col = beta.expand_dims(-1)?;
+    let coupling = ops::multiply(
+        ops::multiply(&beta_col, &ratio)?,
+        ops::multiply(ops::matmul(&k, &k_t)?, &strict)?,
+    )?;
+    // Right-hand sides solved together: β v (the writes' own part) and β Γ k (what the block's
+    // starting state contributes, applied to S_0 below).
+    let rhs = ops::concatenate(
+        &[
+            ops::multiply(&beta_col, &v)?,
+            ops::multiply(ops::multiply(&beta, &cum)?.expand_dims(-1)?, &k)?,
+        ],
+        -1,
+    )?;
+    let solved = forward_substitute(&coupling, &rhs)?;
+    let parts = solved.split_at_indices(&[value_dim], -1)?;
+    let (writes, state_part) = (&parts[0], &parts[1]);
+    let attend = ops::multiply(ops::multiply(&ratio, ops::matmul(&q, &k_t)?)?, &inclusive)?;
+    let from_writes = ops::matmul(&attend, writes)?;
+    let query_state = ops::subtract(
+        ops::multiply(cum.expand_dims(-1)?, &q)?,
+        ops::matmul(&attend, state_part)?,
+    )?;
+    let last = log_cum.index((.., .., .., (CHUNK - 1)..));
+    let to_end = ops::exp(ops::subtract(&last, &log_cum)?)?;
+    let decay_all = ops::exp(&last)?;
+
+    let mut state = state.as_dtype(Dtype::Float32)?;
+    let mut ys = Vec::with_capacity(blocks as usize);
+    for block in 0..blocks {
+        let at = |x: &Array| x.index((.., .., block));
+        let start_t = state.swap_axes(-1, -2)?;
+        ys.push(ops::add(
+            at(&from_writes),
+            ops::matmul(at(&query_state), &start_t)?,
+        )?);
+        let block_writes = ops::subtract(at(writes), ops::matmul(at(state_part), &start_t)?)?;
+        let scaled = ops::multiply(at(&to_end).expand_dims(-1)?, &block_writes)?;
+        state = ops::add(
+            ops::multiply(at(&decay_all).expand_dims(-1)?, &state)?,
+            ops::matmul(scaled.swap_axes(-1, -2)?, at(&k))?,
+        )?;
+    }
+    let y = ops::stack(&ys, 2)?
+        .transpose_axes(&[0, 2, 3, 1, 4])?
+        .reshape(&[batch, len + pad, value_heads, value_dim])?
+        .index((.., ..len))
+        .as_dtype(out_dtype)?;
+    Ok((y, state))
+}
+
+/// Solves `(I + L) x = rhs` for strictly lower-triangular `L` `[.., C, C]` row by row
+/// (`x_i = rhs_i − L_i,<i · x_<i`), batched over the leading axes.
+fn forward_substitute(lower: &Array, rhs: &Array) -> Result<Array> {
+    let size = lower.shape()[lower.ndim() - 1];
+    let mut solved = rhs.index((.., .., .., 0..1));
+    for row in 1..size {
+        let coefficients = lower.index((.., .., .., row..row + 1, ..row));
+        let next = ops::subtract(
+            rhs.index((.., .., .., row..row + 1)),
+            ops::matmul(&coefficients, &solved)?,
+        )?;
+        solved = ops::concatenate(&[&solved, &next], -2)?;
+    }
+    Ok(solved)
+}
+
+fn dims4(x: &Array) -> [i32; 4] {
+    let shape = x.shape();
+    [shape[0], shape[1], shape[2], shape[3]]
 }
 
 /// The depthwise causal conv over `input` `[B, K − 1 + T, C]` (the cached window, then the
@@ -108,7 +298,7 @@ mod tests {
     }
 
     fn host(a: &Array) -> Vec<f32> {
-        let a = a.as_dtype(Dtype::Float32).unwrap();
+        let a = a.as_dtype(Dtype::Float32).unwrap().contiguous().unwrap();
         a.eval().unwrap();
         a.as_slice::<f32>().to_vec()
     }
@@ -197,6 +387,32 @@ mod tests {
             assert_eq!(host(&chunked), host(&whole), "chunk {chunk}");
             assert_eq!(host(&state), host(&whole_state), "chunk {chunk}");
         }
+    }
+
+    /// The chunked form equals the sequential one (float32 reassociation only), across a block
+    /// boundary, with padding, and carrying a starting state; bf16 inputs come back as bf16.
+    #[test]
+    fn chunked_form_equals_the_sequential_steps() {
+        for len in [5, 64, 150] {
+            let [q, k, v, g, beta, state] = inputs(len);
+            let (y, out) = sequential_ops(&q, &k, &v, &g, &beta, &state).unwrap();
+            let (yc, outc) = chunked_ops(&q, &k, &v, &g, &beta, &state).unwrap();
+            assert_eq!(yc.shape(), y.shape());
+            let worst = |a: &Array, b: &Array| {
+                host(a)
+                    .iter()
+                    .zip(host(b))
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max)
+            };
+            let (dy, ds) = (worst(&y, &yc), worst(&out, &outc));
+            assert!(dy < 1e-4 && ds < 1e-4, "len {len}: y {dy}, state {ds}");
+        }
+        let [q, k, v, g, beta, state] = inputs(70);
+        let half = |x: &Array| x.as_dtype(Dtype::Bfloat16).unwrap();
+        let (y, _) =
+            chunked_ops(&half(&q), &half(&k), &half(&v), &g, &half(&beta), &state).unwrap();
+        assert_eq!(y.dtype(), Dtype::Bfloat16);
     }
 
     /// The float32 decode conv equals MLX's conv1d on the same window (fp32 weights).

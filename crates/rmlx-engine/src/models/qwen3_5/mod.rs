@@ -7,6 +7,9 @@
 pub mod config;
 pub mod gated_delta;
 pub mod language;
+// Compiled everywhere so it is type-checked on Linux; only macOS calls it.
+#[cfg_attr(not(target_os = "macos"), allow(dead_code))]
+pub mod metal;
 
 use std::path::Path;
 

@@ -12,42 +12,16 @@
 
 mod common;
 
-use common::{fixture, ids_array, log_softmax_rows, max_diff, qwen_patchify, rows, Tolerance};
+use common::{
+    fixture, ids_array, log_softmax_rows, max_diff,
+    qwen_vision::{check_teacher_forced, image_input, Golden},
+    rows, Tolerance,
+};
 use mlx_rs::Array;
 use rmlx_engine::{
-    models::{load_model, qwen3_5, ImageInput, LoadedModel, Logits},
+    models::{load_model, qwen3_5, Logits},
     EngineError,
 };
-
-#[derive(serde::Deserialize)]
-struct Golden {
-    preprocessed_images: std::collections::HashMap<String, Preprocessed>,
-    cases: Vec<Case>,
-    #[serde(default)]
-    chunked_prefill_max_abs_logprob_diff: Option<f32>,
-}
-
-#[derive(serde::Deserialize)]
-struct Preprocessed {
-    resized_file: String,
-}
-
-#[derive(serde::Deserialize)]
-struct Case {
-    name: String,
-    images: Vec<String>,
-    input_ids: Vec<u32>,
-    #[serde(default)]
-    image_grid_thw: Option<Vec<[i32; 3]>>,
-    #[serde(default)]
-    mrope_position_ids: Option<Vec<Vec<i32>>>,
-    #[serde(default)]
-    mrope_rope_delta: Option<i32>,
-    step0_logits: Vec<f32>,
-    greedy_ids: Vec<u32>,
-    greedy_step_logprobs: Vec<f32>,
-    teacher_forced_logprobs: Vec<f32>,
-}
 
 /// Every fp32 release structure: dense 0.8B (tied), 2B, 4B (2 value heads per key head), 9B
 /// (untied, tie flag only at the top), 27B (3 per key head), Qwen3.6-27B, and the MoE 35B-A3B
@@ -88,74 +62,6 @@ const QUANTIZED: Tolerance = Tolerance {
 
 fn release(name: &str) -> String {
     format!("releases/{name}")
-}
-
-fn image_input(golden: &Golden, names: &[String]) -> ImageInput {
-    let mut pixels = Vec::new();
-    let mut grid_thw = Vec::new();
-    for name in names {
-        let (rows, grid) = qwen_patchify(&golden.preprocessed_images[name].resized_file);
-        pixels.extend(rows);
-        grid_thw.push(grid);
-    }
-    let patches = (pixels.len() / 1536) as i32;
-    ImageInput {
-        pixel_values: Array::from_slice(&pixels, &[patches, 1536]),
-        grid_thw,
-    }
-}
-
-/// One forward over prompt + greedy ids[..n-1] with the case's images: step-0 logits and the
-/// teacher-forced log-probs against the golden. Returns the worst log-prob difference.
-fn check_teacher_forced(
-    loaded: &LoadedModel,
-    golden: &Golden,
-    case: &Case,
-    tol: &Tolerance,
-) -> f32 {
-    let vision = loaded.model.as_vision().expect("qwen3_5 sees images");
-    let features = (!case.images.is_empty()).then(|| {
-        vision
-            .encode_images(&image_input(golden, &case.images))
-            .unwrap()
-    });
-    let mut ids = case.input_ids.clone();
-    ids.extend(&case.greedy_ids[..case.greedy_ids.len() - 1]);
-    let mut caches = loaded.model.new_cache(4096);
-    let logits = vision
-        .forward_with_images(
-            &ids_array(&ids),
-            features.as_ref(),
-            &mut caches,
-            Logits::All,
-        )
-        .unwrap();
-    let prompt = case.input_ids.len();
-    let step0 = rows(&logits)[prompt - 1].clone();
-    let logit_diff = max_diff(&step0, &case.step0_logits);
-    let logprobs = log_softmax_rows(&logits);
-    let got: Vec<f32> = case
-        .greedy_ids
-        .iter()
-        .enumerate()
-        .map(|(i, &id)| logprobs[prompt - 1 + i][id as usize])
-        .collect();
-    let diff = max_diff(&got, &case.teacher_forced_logprobs);
-    eprintln!(
-        "  {}: step-0 logits {logit_diff:e}, teacher-forced log-probs {diff:e}",
-        case.name
-    );
-    assert!(
-        logit_diff <= tol.logits,
-        "{}: step-0 logits differ by {logit_diff}",
-        case.name
-    );
-    assert!(
-        diff <= tol.logprobs,
-        "{}: log-probs differ by {diff}",
-        case.name
-    );
-    diff
 }
 
 fn check_release(name: &str, tol: &Tolerance) {

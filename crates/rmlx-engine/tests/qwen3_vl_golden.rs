@@ -8,77 +8,17 @@ use std::collections::HashMap;
 mod common;
 
 use common::{
-    fixture, ids_array, log_softmax_rows, max_diff, qwen_patchify as patchify, rows, Tolerance,
+    fixture, ids_array, log_softmax_rows, max_diff, qwen_patchify as patchify,
+    qwen_vision::{check_teacher_forced, image_input, Golden},
+    Tolerance,
 };
-use mlx_rs::Array;
 use rmlx_engine::{
-    models::{
-        load_model, qwen3_vl::config::Config, qwen3_vl::language::rope_index, ImageInput,
-        LoadedModel, Logits,
-    },
+    models::{load_model, qwen3_vl::config::Config, qwen3_vl::language::rope_index, Logits},
     EngineError,
 };
 
-#[derive(serde::Deserialize)]
-struct Golden {
-    preprocessed_images: HashMap<String, Preprocessed>,
-    flip_check: FlipCheck,
-    cases: Vec<Case>,
-}
-
-#[derive(serde::Deserialize)]
-struct FlipCheck {
-    step0_logits_max_abs_diff: f32,
-}
-
-#[derive(serde::Deserialize)]
-struct Preprocessed {
-    resized_file: String,
-    grid_thw: [i32; 3],
-    pixel_values: PixelRecord,
-}
-
-#[derive(serde::Deserialize)]
-struct PixelRecord {
-    shape: [usize; 2],
-    first64: Vec<f32>,
-    sum: f64,
-}
-
-#[derive(serde::Deserialize)]
-struct Case {
-    name: String,
-    images: Vec<String>,
-    input_ids: Vec<u32>,
-    #[serde(default)]
-    image_grid_thw: Option<Vec<[i32; 3]>>,
-    #[serde(default)]
-    mrope_position_ids: Option<Vec<Vec<i32>>>,
-    #[serde(default)]
-    mrope_rope_delta: Option<i32>,
-    step0_logits: Vec<f32>,
-    greedy_ids: Vec<u32>,
-    greedy_step_logprobs: Vec<f32>,
-    teacher_forced_logprobs: Vec<f32>,
-}
-
 fn golden(dir: &str) -> Golden {
     common::golden(dir)
-}
-
-fn image_input(golden: &Golden, names: &[String]) -> ImageInput {
-    let mut pixels = Vec::new();
-    let mut grid_thw = Vec::new();
-    for name in names {
-        let (rows, grid) = patchify(&golden.preprocessed_images[name].resized_file);
-        pixels.extend(rows);
-        grid_thw.push(grid);
-    }
-    let patches = (pixels.len() / 1536) as i32;
-    ImageInput {
-        pixel_values: Array::from_slice(&pixels, &[patches, 1536]),
-        grid_thw,
-    }
 }
 
 #[test]
@@ -122,57 +62,6 @@ fn mrope_position_ids_equal_get_rope_index() {
             case.name
         );
     }
-}
-
-/// One forward over prompt + greedy ids[..15] with the case's images: step-0 logits and the
-/// teacher-forced log-probs against the golden; returns the step-0 logits.
-fn check_teacher_forced(
-    loaded: &LoadedModel,
-    golden: &Golden,
-    case: &Case,
-    tol: &Tolerance,
-) -> Vec<f32> {
-    let vision = loaded.model.as_vision().expect("qwen3_vl sees images");
-    let features = (!case.images.is_empty()).then(|| {
-        vision
-            .encode_images(&image_input(golden, &case.images))
-            .unwrap()
-    });
-    let mut ids = case.input_ids.clone();
-    ids.extend(&case.greedy_ids[..case.greedy_ids.len() - 1]);
-    let mut caches = loaded.model.new_cache(4096);
-    let logits = vision
-        .forward_with_images(
-            &ids_array(&ids),
-            features.as_ref(),
-            &mut caches,
-            Logits::All,
-        )
-        .unwrap();
-    let prompt = case.input_ids.len();
-    let step0 = rows(&logits)[prompt - 1].clone();
-    let diff = max_diff(&step0, &case.step0_logits);
-    eprintln!("{}: step-0 logits max diff {diff:e}", case.name);
-    assert!(
-        diff <= tol.logits,
-        "{}: step-0 logits differ by {diff}",
-        case.name
-    );
-    let logprobs = log_softmax_rows(&logits);
-    let got: Vec<f32> = case
-        .greedy_ids
-        .iter()
-        .enumerate()
-        .map(|(i, &id)| logprobs[prompt - 1 + i][id as usize])
-        .collect();
-    let diff = max_diff(&got, &case.teacher_forced_logprobs);
-    eprintln!("{}: teacher-forced log-prob max diff {diff:e}", case.name);
-    assert!(
-        diff <= tol.logprobs,
-        "{}: log-probs differ by {diff}",
-        case.name
-    );
-    step0
 }
 
 /// Measured on the CPU backend: step-0 logits within 9.1e-6, log-probs within 5.8e-6 (the

@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use mlx_rs::{ops, Array, Dtype};
 
+pub mod qwen_vision;
+
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures")

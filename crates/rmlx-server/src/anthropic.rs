@@ -22,8 +22,8 @@ use crate::{
     convert,
     error::{Api, ApiError, ApiJson},
     forced::{self, ForcedCall},
-    generation::{new_id, prompt_opens_think, Generation, Step},
-    parse::{OutputParser, Piece, ToolCall},
+    generation::{inspect_prompt, new_id, Generation, PromptInfo, Step},
+    parse::{log_warnings, OutputParser, Piece, ToolCall},
     registry::ModelEntry,
     sse::{self, EventSource},
     AppState,
@@ -57,7 +57,6 @@ struct Prepared {
     messages: Vec<Value>,
     images: convert::Images,
     options: TemplateOptions,
-    tools: bool,
     /// The client's assistant prefill (a last assistant message of text).
     prefill: Option<String>,
     forced: Option<ForcedCall>,
@@ -88,7 +87,6 @@ fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError
         entry,
         messages,
         images,
-        tools: tools.is_some(),
         prefill,
         forced,
         options: TemplateOptions {
@@ -101,17 +99,17 @@ fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError
 }
 
 impl Prepared {
-    /// Renders the prompt: whether the answer starts in reasoning, and the whole assistant
-    /// prefill (the client's, then a forced call's opening).
-    async fn prefill(&self, state: &AppState) -> Result<(bool, Option<String>), ApiError> {
+    /// Renders the prompt: whether the answer starts in reasoning, how the model writes calls,
+    /// and the whole assistant prefill (the client's, then a forced call's opening).
+    async fn prefill(&self, state: &AppState) -> Result<(PromptInfo, Option<String>), ApiError> {
         let before = self.prefill.as_deref().unwrap_or("");
-        let in_reasoning =
-            prompt_opens_think(state, &self.entry, &self.messages, &self.options, before).await?;
+        let info =
+            inspect_prompt(state, &self.entry, &self.messages, &self.options, before).await?;
         let prefill = match &self.forced {
-            Some(forced) => Some(forced.prefill(before, in_reasoning)),
+            Some(forced) => Some(forced.prefill(before, info.in_reasoning, info.tool_format)),
             None => self.prefill.clone(),
         };
-        Ok((in_reasoning, prefill))
+        Ok((info, prefill))
     }
 }
 
@@ -195,22 +193,23 @@ pub async fn messages(
         max_ctx: state.config.max_ctx,
         ..GenerateParams::default()
     };
-    let (in_reasoning, assistant_prefill) = prepared.prefill(&state).await?;
+    let (info, assistant_prefill) = prepared.prefill(&state).await?;
     let Prepared {
         entry,
         messages,
         images,
         options,
-        tools,
         forced,
         ..
     } = prepared;
     let parser = match &forced {
         Some(forced) => {
-            params.response_format = forced.response_format();
-            OutputParser::forced_call()
+            params.response_format = forced.response_format(info.tool_format);
+            forced.parser(info.tool_format)
         }
-        None => OutputParser::new(in_reasoning, tools),
+        None => {
+            OutputParser::for_tools(info.in_reasoning, info.tool_format, options.tools.as_ref())
+        }
     };
     let id = new_id("msg_");
     let engine_request = Request {
@@ -236,7 +235,8 @@ pub async fn messages(
         }));
     }
     let completion = generation.complete().await?;
-    let parsed = parser.parse(&completion.text);
+    let mut parsed = parser.parse(&completion.text);
+    log_warnings(std::mem::take(&mut parsed.warnings));
     let mut content = Vec::new();
     if let Some(reasoning) = &parsed.reasoning {
         content.push(json!({"type": "thinking", "thinking": reasoning, "signature": ""}));
@@ -314,6 +314,7 @@ impl MessageStream {
     }
 
     fn pieces(&mut self, pieces: Vec<Piece>, events: &mut Vec<Event>) {
+        log_warnings(self.parser.take_warnings());
         for piece in pieces {
             let (index, delta) = match piece {
                 Piece::Content(text) => (
@@ -443,6 +444,39 @@ mod tests {
         let error = &events[4].1;
         assert_eq!(error["type"], "error");
         assert_eq!(error["error"]["type"], "api_error");
+    }
+
+    #[tokio::test]
+    async fn xml_tool_calls_become_tool_use_blocks() {
+        let tools = json!([{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                            "days": {"type": "integer"}}}}}]);
+        let text = "\nplan\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>";
+        let pieces = vec![
+            delta(&text[..9]),
+            delta(&text[9..50]),
+            delta(&text[50..]),
+            done(text, 9, FinishReason::Stop),
+        ];
+        let mut messages = stream(pieces, true);
+        messages.parser =
+            OutputParser::for_tools(true, crate::parse::ToolFormat::Xml, Some(&tools));
+        let events = events(sse::respond(messages)).await;
+        let starts: Vec<&Value> = events
+            .iter()
+            .filter(|(name, _)| name.as_deref() == Some("content_block_start"))
+            .map(|(_, data)| &data["content_block"])
+            .collect();
+        assert_eq!(starts[0]["type"], "thinking");
+        assert_eq!(starts[1]["type"], "tool_use");
+        assert_eq!(starts[1]["name"], "get_weather");
+        let input = events
+            .iter()
+            .find_map(|(_, data)| data["delta"]["partial_json"].as_str())
+            .unwrap();
+        assert_eq!(input, r#"{"city":"Paris","days":2}"#);
+        let last = &events[events.len() - 2].1;
+        assert_eq!(last["delta"]["stop_reason"], "tool_use");
     }
 
     #[tokio::test]

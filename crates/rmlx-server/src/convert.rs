@@ -218,8 +218,12 @@ pub fn openai_messages(messages: &[Value], _model: &str) -> Result<(Vec<Value>, 
                     if let Some(calls) = message.get("tool_calls").filter(|c| !c.is_null()) {
                         out["tool_calls"] = template_tool_calls(calls)?;
                     }
-                    if let Some(reasoning) =
-                        message.get("reasoning_content").filter(|r| r.is_string())
+                    // Past reasoning (vLLM and OpenRouter also send it as `reasoning`): the
+                    // template decides which turns keep it (Qwen3.5 / 3.6: those after the last
+                    // user query, or all with `preserve_thinking`).
+                    if let Some(reasoning) = ["reasoning_content", "reasoning"]
+                        .iter()
+                        .find_map(|key| message.get(*key).filter(|r| r.is_string()))
                     {
                         out["reasoning_content"] = reasoning.clone();
                     }

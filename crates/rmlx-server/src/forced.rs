@@ -1,15 +1,30 @@
 //! Forced tool calls (OpenAI `tool_choice: "required"` or a named function, Anthropic `any` or
-//! `tool`): the prompt is prefilled with the opening of a Qwen3 call and the answer constrained
-//! to that call's JSON, `{"name": NAME, "arguments": ARGS}` with NAME an offered tool and ARGS
-//! valid for its parameters, so the call is valid whatever the model would have written.
-//! Reference: vLLM's `tool_choice="required"` (a JSON-schema guided decode over the tools).
+//! `tool`): the prompt is prefilled with the opening of a call and the answer constrained to that
+//! call's JSON, so the call is valid whatever the model would have written.
+//!
+//! - Qwen3's JSON format: the prompt ends in `<tool_call>\n` and the answer is
+//!   `{"name": NAME, "arguments": ARGS}` with NAME an offered tool and ARGS valid for its
+//!   parameters.
+//! - The XML format (Qwen3.5 / 3.6, `xml_calls`) with one tool to call (a named one, or the only
+//!   one offered): the prompt ends in `<tool_call>\n<function=NAME>\n` and the answer is ARGS,
+//!   the JSON object of the arguments, valid for the parameters. The grammar the engine takes is
+//!   JSON (a JSON schema, then only EOS), which cannot write `<parameter=KEY>\nVALUE\n</parameter>`
+//!   blocks with raw string values, so the arguments come as one JSON object inside the opened
+//!   function rather than as parameter blocks: every value and the object's own keywords
+//!   (`required`, `additionalProperties`, ...) are enforced, in the one generation. With several
+//!   tools to choose from the name cannot be left open in XML (`<function=` then a grammar over
+//!   raw names), so those calls use the JSON form above, `<tool_call>\n{"name", "arguments"}`.
+//!
+//! Reference: vLLM's `tool_choice="required"` (a JSON-schema guided decode over the tools,
+//! whatever the model's own call format).
 
 use rmlx_engine::constrain::ResponseFormat;
 use serde_json::{json, Value};
 
 use crate::{
     error::ApiError,
-    parse::{THINK_CLOSE, TOOL_OPEN},
+    parse::{OutputParser, ToolFormat, THINK_CLOSE, TOOL_OPEN},
+    xml_calls::FUNCTION_OPEN,
 };
 
 /// OpenAI: `"required"`, or `{"type": "function", "function": {"name": ..}}`.
@@ -28,10 +43,10 @@ pub fn anthropic_requires_call(choice: Option<&Value>) -> bool {
 }
 
 /// The call a request obliges: one of `tools` (the template's function tools, already narrowed
-/// to the named one).
+/// to the named one), as (name, parameters schema).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ForcedCall {
-    format: ResponseFormat,
+    tools: Vec<(String, Value)>,
 }
 
 impl ForcedCall {
@@ -48,7 +63,7 @@ impl ForcedCall {
                     "`tool_choice` requires a call but no `tools` are given".into(),
                 )
             })?;
-        let calls: Vec<Value> = tools
+        let tools = tools
             .iter()
             .map(|tool| {
                 let function = &tool["function"];
@@ -58,26 +73,55 @@ impl ForcedCall {
                     .filter(|p| !p.is_null())
                     .cloned()
                     .unwrap_or_else(|| json!({"type": "object", "properties": {}}));
+                let name = function["name"].as_str().unwrap_or_default().to_string();
+                (name, parameters)
+            })
+            .collect();
+        Ok(Some(Self { tools }))
+    }
+
+    /// The function the prompt names, when the format writes the name as text (XML) and there is
+    /// only one to call.
+    fn named(&self, format: ToolFormat) -> Option<&(String, Value)> {
+        match (format, self.tools.as_slice()) {
+            (ToolFormat::Xml, [only]) => Some(only),
+            _ => None,
+        }
+    }
+
+    /// The grammar of the answer: the call's JSON, or the named function's arguments.
+    pub fn response_format(&self, format: ToolFormat) -> ResponseFormat {
+        // Lenient: a keyword the grammar cannot enforce is skipped rather than failing the call.
+        if let Some((_, parameters)) = self.named(format) {
+            return ResponseFormat::json_schema(parameters.clone(), false);
+        }
+        let calls: Vec<Value> = self
+            .tools
+            .iter()
+            .map(|(name, parameters)| {
                 json!({"type": "object",
-                       "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+                       "properties": {"name": {"const": name}, "arguments": parameters},
                        "required": ["name", "arguments"], "additionalProperties": false})
             })
             .collect();
-        // Lenient: a keyword the grammar cannot enforce is skipped rather than failing the call.
-        let format = ResponseFormat::json_schema(json!({"anyOf": calls}), false);
-        Ok(Some(Self { format }))
+        ResponseFormat::json_schema(json!({"anyOf": calls}), false)
     }
 
-    /// The grammar of the call's JSON.
-    pub fn response_format(&self) -> ResponseFormat {
-        self.format.clone()
+    /// The parser of the answer (held whole to the end).
+    pub fn parser(&self, format: ToolFormat) -> OutputParser {
+        match self.named(format) {
+            Some((name, _)) => OutputParser::forced_arguments(name),
+            None => OutputParser::forced_call(),
+        }
     }
 
-    /// The assistant prefill: the client's own (Anthropic), then the call's opening tag as
-    /// Qwen3 writes it, after closing a think block the prompt left open.
-    pub fn prefill(&self, before: &str, in_reasoning: bool) -> String {
+    /// The assistant prefill: the client's own (Anthropic), then the call's opening as the model
+    /// writes it, after closing a think block the prompt left open (as the template writes an
+    /// empty one: `<think>\n\n</think>\n\n`).
+    pub fn prefill(&self, before: &str, in_reasoning: bool, format: ToolFormat) -> String {
         let mut prefill = before.to_string();
         if in_reasoning {
+            prefill.push('\n');
             prefill.push_str(THINK_CLOSE);
             prefill.push_str("\n\n");
         } else if !prefill.is_empty() && !prefill.ends_with('\n') {
@@ -85,6 +129,9 @@ impl ForcedCall {
         }
         prefill.push_str(TOOL_OPEN);
         prefill.push('\n');
+        if let Some((name, _)) = self.named(format) {
+            prefill.push_str(&format!("{FUNCTION_OPEN}{name}>\n"));
+        }
         prefill
     }
 }
@@ -122,21 +169,25 @@ mod tests {
         let city = json!({"type": "object", "properties": {"city": {"type": "string"}}});
         let tools = json!([tool("w", Some(city.clone())), tool("now", None)]);
         let forced = ForcedCall::new(true, Some(&tools)).unwrap().unwrap();
-        let ResponseFormat::JsonSchema { json_schema } = forced.response_format() else {
-            panic!("a JSON schema");
-        };
-        assert_eq!(json_schema.strict, Some(false));
-        let calls = json_schema.schema["anyOf"].as_array().unwrap();
-        assert_eq!(
-            calls[0],
-            json!({"type": "object",
-                   "properties": {"name": {"const": "w"}, "arguments": city},
-                   "required": ["name", "arguments"], "additionalProperties": false})
-        );
-        assert_eq!(
-            calls[1]["properties"]["arguments"],
-            json!({"type": "object", "properties": {}})
-        );
+        // With several tools the XML format takes the JSON form too.
+        for format in [ToolFormat::Json, ToolFormat::Xml] {
+            let ResponseFormat::JsonSchema { json_schema } = forced.response_format(format) else {
+                panic!("a JSON schema");
+            };
+            assert_eq!(json_schema.strict, Some(false));
+            let calls = json_schema.schema["anyOf"].as_array().unwrap();
+            assert_eq!(
+                calls[0],
+                json!({"type": "object",
+                       "properties": {"name": {"const": "w"}, "arguments": city},
+                       "required": ["name", "arguments"], "additionalProperties": false})
+            );
+            assert_eq!(
+                calls[1]["properties"]["arguments"],
+                json!({"type": "object", "properties": {}})
+            );
+            assert_eq!(forced.prefill("", false, format), "<tool_call>\n");
+        }
         assert_eq!(ForcedCall::new(false, Some(&tools)).unwrap(), None);
         for missing in [None, Some(json!([]))] {
             let error = ForcedCall::new(true, missing.as_ref()).unwrap_err();
@@ -145,18 +196,47 @@ mod tests {
     }
 
     #[test]
+    fn one_xml_tool_is_named_in_the_prompt_and_its_arguments_are_the_answer() {
+        let city = json!({"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]});
+        let forced = ForcedCall::new(true, Some(&json!([tool("w", Some(city.clone()))])))
+            .unwrap()
+            .unwrap();
+        let ResponseFormat::JsonSchema { json_schema } = forced.response_format(ToolFormat::Xml)
+        else {
+            panic!("a JSON schema");
+        };
+        assert_eq!(json_schema.schema, city);
+        assert_eq!(
+            forced.prefill("", true, ToolFormat::Xml),
+            "\n</think>\n\n<tool_call>\n<function=w>\n"
+        );
+        let parsed = forced
+            .parser(ToolFormat::Xml)
+            .parse("{\"city\": \"Paris\"}");
+        assert_eq!(parsed.tool_calls[0].name, "w");
+        assert_eq!(parsed.tool_calls[0].arguments, json!({"city": "Paris"}));
+        // Qwen3's JSON form names the function in the answer even for one tool.
+        assert_eq!(forced.prefill("", false, ToolFormat::Json), "<tool_call>\n");
+        let parsed = forced
+            .parser(ToolFormat::Json)
+            .parse("{\"name\": \"w\", \"arguments\": {}}");
+        assert_eq!(parsed.tool_calls[0].name, "w");
+    }
+
+    #[test]
     fn the_prefill_opens_the_call() {
         let forced = ForcedCall::new(true, Some(&json!([tool("w", None)])))
             .unwrap()
             .unwrap();
-        assert_eq!(forced.prefill("", false), "<tool_call>\n");
+        assert_eq!(forced.prefill("", false, ToolFormat::Json), "<tool_call>\n");
         assert_eq!(
-            forced.prefill("", true),
-            "</think>\n\n<tool_call>\n",
-            "a think block the template opened is closed first"
+            forced.prefill("", true, ToolFormat::Json),
+            "\n</think>\n\n<tool_call>\n",
+            "a think block the template opened is closed first, as an empty one"
         );
         assert_eq!(
-            forced.prefill("Checking.", false),
+            forced.prefill("Checking.", false, ToolFormat::Json),
             "Checking.\n<tool_call>\n"
         );
     }

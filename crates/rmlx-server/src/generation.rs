@@ -13,7 +13,12 @@ use rmlx_engine::{
 };
 use tokio::sync::mpsc;
 
-use crate::{error::ApiError, parse::THINK_OPEN, registry::ModelEntry, AppState};
+use crate::{
+    error::ApiError,
+    parse::{ToolFormat, THINK_OPEN},
+    registry::ModelEntry,
+    AppState,
+};
 
 /// How often an idle forwarder checks whether its client is still there (prefill sends no
 /// events, so a disconnect during a long prompt is noticed at this pace).
@@ -164,16 +169,26 @@ pub fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Whether the rendered prompt, with `prefill` after it, ends inside an open `<think>`
-/// (templates that force thinking), so the output parser starts in reasoning mode. Rendering
-/// here also surfaces template errors as a 400 before the request is queued.
-pub async fn prompt_opens_think(
+/// What rendering a chat prompt tells the handlers before it is queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptInfo {
+    /// The prompt, with the prefill after it, ends inside an open `<think>` (templates that
+    /// force thinking), so the output parser starts in reasoning mode.
+    pub in_reasoning: bool,
+    /// How the model's template writes tool calls.
+    pub tool_format: ToolFormat,
+}
+
+/// Renders the prompt (with `prefill` after it) to see whether it ends inside an open `<think>`,
+/// and reads how the model writes tool calls. Rendering here also surfaces template errors as a
+/// 400 before the request is queued.
+pub async fn inspect_prompt(
     state: &AppState,
     entry: &ModelEntry,
     messages: &[serde_json::Value],
     options: &rmlx_engine::chat::TemplateOptions,
     prefill: &str,
-) -> Result<bool, ApiError> {
+) -> Result<PromptInfo, ApiError> {
     let (registry, path) = (state.registry.clone(), entry.path.clone());
     let (messages, options) = (messages.to_vec(), options.clone());
     let prefill = prefill.to_string();
@@ -183,7 +198,10 @@ pub async fn prompt_opens_think(
             .render(&messages, &options)
             .map_err(|error| ApiError::from(EngineError::Chat(error)))?;
         let tail = format!("{prompt}{prefill}");
-        Ok(tail.trim_end().ends_with(THINK_OPEN))
+        Ok(PromptInfo {
+            in_reasoning: tail.trim_end().ends_with(THINK_OPEN),
+            tool_format: registry.tool_format(&path)?,
+        })
     })
     .await
     .map_err(|error| ApiError::Internal(error.to_string()))?

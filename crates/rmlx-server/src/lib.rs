@@ -19,6 +19,7 @@ pub mod openai;
 pub mod parse;
 pub mod registry;
 mod sse;
+pub mod xml_calls;
 
 use std::{path::PathBuf, sync::Arc};
 

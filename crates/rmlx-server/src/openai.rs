@@ -23,9 +23,9 @@ use crate::{
     convert,
     error::{Api, ApiError, ApiJson},
     forced::{self, ForcedCall},
-    generation::{new_id, prompt_opens_think, unix_now, Generation, Step},
+    generation::{inspect_prompt, new_id, unix_now, Generation, Step},
     logprobs,
-    parse::{OutputParser, Piece, ToolCall},
+    parse::{log_warnings, OutputParser, Piece, ToolCall},
     registry::ModelEntry,
     sse::{self, EventSource},
     AppState,
@@ -220,15 +220,18 @@ pub async fn chat_completions(
     )?;
     let mut params = request.sampling.params(&state, max_tokens, logprobs)?;
     params.response_format = response_format;
-    let in_reasoning = prompt_opens_think(&state, &entry, &messages, &options, "").await?;
+    let info = inspect_prompt(&state, &entry, &messages, &options, "").await?;
     // A forced call is all the answer holds: its grammar replaces any response_format.
     let (parser, assistant_prefill) = match &forced {
         Some(forced) => {
-            params.response_format = forced.response_format();
-            let prefill = forced.prefill("", in_reasoning);
-            (OutputParser::forced_call(), Some(prefill))
+            params.response_format = forced.response_format(info.tool_format);
+            let prefill = forced.prefill("", info.in_reasoning, info.tool_format);
+            (forced.parser(info.tool_format), Some(prefill))
         }
-        None => (OutputParser::new(in_reasoning, tools.is_some()), None),
+        None => (
+            OutputParser::for_tools(info.in_reasoning, info.tool_format, tools.as_ref()),
+            None,
+        ),
     };
     let (id, created) = (new_id("chatcmpl-"), unix_now());
     let engine_request = Request {
@@ -253,7 +256,8 @@ pub async fn chat_completions(
         }));
     }
     let completion = generation.complete().await?;
-    let parsed = parser.parse(&completion.text);
+    let mut parsed = parser.parse(&completion.text);
+    log_warnings(std::mem::take(&mut parsed.warnings));
     let mut message = json!({"role": "assistant", "content": parsed.content});
     if let Some(reasoning) = &parsed.reasoning {
         message["reasoning_content"] = json!(reasoning);
@@ -307,6 +311,7 @@ impl ChatStream {
     }
 
     fn pieces(&mut self, pieces: Vec<Piece>) -> Vec<Event> {
+        log_warnings(self.parser.take_warnings());
         pieces
             .into_iter()
             .map(|piece| match piece {
@@ -512,6 +517,44 @@ mod tests {
             tool_calls: 0,
             logprobs: logprobs::Pending::default(),
         }
+    }
+
+    #[tokio::test]
+    async fn xml_tool_calls_stream_as_typed_arguments_and_bad_ones_as_text() {
+        let tools = json!([{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                            "days": {"type": "integer"}}}}}]);
+        let bad = "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</function>\n</tool_call>";
+        let text = format!("\nplan\n</think>\n\nChecking.\n\n{bad}\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>");
+        let pieces: Vec<Event> = text
+            .as_bytes()
+            .chunks(7)
+            .map(|chunk| delta(std::str::from_utf8(chunk).unwrap()))
+            .chain([done(&text, 40, FinishReason::Stop)])
+            .collect();
+        let mut chat = stream(pieces, true);
+        chat.parser = OutputParser::for_tools(true, crate::parse::ToolFormat::Xml, Some(&tools));
+        let events = events(sse::respond(chat)).await;
+        let collect = |key: &str| -> String {
+            events
+                .iter()
+                .filter_map(|(_, d)| d["choices"][0]["delta"][key].as_str())
+                .collect()
+        };
+        assert_eq!(collect("reasoning_content"), "plan\n");
+        assert_eq!(collect("content"), format!("Checking.\n\n{bad}"));
+        let calls: Vec<Value> = events
+            .iter()
+            .filter_map(|(_, d)| d["choices"][0]["delta"]["tool_calls"].get(0).cloned())
+            .collect();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        assert_eq!(
+            calls[0]["function"]["arguments"],
+            r#"{"city":"Paris","days":2}"#
+        );
+        let n = events.len();
+        assert_eq!(events[n - 3].1["choices"][0]["finish_reason"], "tool_calls");
     }
 
     #[tokio::test]

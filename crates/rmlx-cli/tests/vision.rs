@@ -11,7 +11,8 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-const FAMILIES: [&str; 2] = ["qwen3-vl-tiny", "gemma4-tiny"];
+// The Qwen3.6 MoE release: its prefill also carries the Gated DeltaNet state across chunks.
+const FAMILIES: [&str; 3] = ["qwen3-vl-tiny", "gemma4-tiny", "releases/qwen3.6-35b-a3b"];
 
 fn golden_case(model: &str, name: &str) -> serde_json::Value {
     let path = fixture(model).join("golden.json");

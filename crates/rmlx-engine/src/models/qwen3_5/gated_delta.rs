@@ -267,6 +267,32 @@ fn dims4(x: &Array) -> [i32; 4] {
     [shape[0], shape[1], shape[2], shape[3]]
 }
 
+/// A random input of the recurrence's shapes (batch 1, `len` tokens, value heads twice the key
+/// heads, unit-norm q and k as the layer makes them, gates in (0, 1)): what the kernel's
+/// first-use check and the tests run both forms on. `[q, k, v, g, beta, state]`.
+pub fn sample_inputs(len: i32, key_dim: i32, value_dim: i32) -> Result<[Array; 6]> {
+    let (key_heads, value_heads) = (2, 4);
+    let randn = |shape: &[i32], seed: u64| -> Result<Array> {
+        let key = mlx_rs::random::key(seed)?;
+        Ok(mlx_rs::random::normal::<f32>(shape, None, None, &key)?)
+    };
+    let unit = |x: Array| -> Result<Array> {
+        let norm = ops::sqrt(ops::multiply(&x, &x)?.sum_axis(-1, true)?)?;
+        Ok(ops::divide(&x, &norm)?)
+    };
+    Ok([
+        unit(randn(&[1, len, key_heads, key_dim], 1)?)?,
+        unit(randn(&[1, len, key_heads, key_dim], 2)?)?,
+        randn(&[1, len, value_heads, value_dim], 3)?,
+        ops::sigmoid(randn(&[1, len, value_heads], 4)?)?,
+        ops::sigmoid(randn(&[1, len, value_heads], 5)?)?,
+        ops::multiply(
+            randn(&[1, value_heads, value_dim, key_dim], 6)?,
+            Array::from_f32(0.1),
+        )?,
+    ])
+}
+
 /// The depthwise causal conv over `input` `[B, K − 1 + T, C]` (the cached window, then the
 /// chunk) with `weight` `[C, K, 1]`: `out_t = Σ_j w[c, j] · input[t + j]` → `[B, T, C]`.
 /// A bf16/fp16 decode step sums in float32 as mlx-vlm's `_qwen3_5_decode_depthwise_conv` does;
@@ -304,19 +330,7 @@ mod tests {
     }
 
     fn inputs(len: i32) -> [Array; 6] {
-        let (b, hk, hv, dk, dv) = (1, 2, 4, 8, 4);
-        let unit = |x: Array| {
-            let norm =
-                ops::sqrt(ops::multiply(&x, &x).unwrap().sum_axis(-1, true).unwrap()).unwrap();
-            ops::divide(&x, &norm).unwrap()
-        };
-        let q = unit(randn(&[b, len, hk, dk], 1));
-        let k = unit(randn(&[b, len, hk, dk], 2));
-        let v = randn(&[b, len, hv, dv], 3);
-        let g = ops::sigmoid(randn(&[b, len, hv], 4)).unwrap();
-        let beta = ops::sigmoid(randn(&[b, len, hv], 5)).unwrap();
-        let state = ops::multiply(randn(&[b, hv, dv, dk], 6), Array::from_f32(0.1)).unwrap();
-        [q, k, v, g, beta, state]
+        sample_inputs(len, 8, 4).unwrap()
     }
 
     /// The ops form against the rule written out on the host in f64.

@@ -230,24 +230,10 @@ impl GatedDeltaKernel {
     }
 
     /// Runs the kernel and the ops form on a small random input (two value heads per key
-    /// head, 5 tokens, Dk 64); Ok when they agree within float32 rounding.
+    /// head, 5 tokens, Dk 64, Dv 16); Ok when they agree within float32 rounding.
     pub fn self_check(&self) -> Result<()> {
-        use mlx_rs::{ops, random};
-        let randn = |shape: &[i32], seed: u64| -> Result<Array> {
-            let key = random::key(seed)?;
-            Ok(random::normal::<f32>(shape, None, None, &key)?)
-        };
-        let unit = |x: Array| -> Result<Array> {
-            let norm = ops::sqrt(ops::multiply(&x, &x)?.sum_axis(-1, true)?)?;
-            Ok(ops::divide(&x, &norm)?)
-        };
-        let (b, t, hk, hv, dk, dv) = (1, 5, 2, 4, 64, 16);
-        let q = unit(randn(&[b, t, hk, dk], 1)?)?;
-        let k = unit(randn(&[b, t, hk, dk], 2)?)?;
-        let v = randn(&[b, t, hv, dv], 3)?;
-        let g = ops::sigmoid(randn(&[b, t, hv], 4)?)?;
-        let beta = ops::sigmoid(randn(&[b, t, hv], 5)?)?;
-        let state = ops::multiply(randn(&[b, hv, dv, dk], 6)?, Array::from_f32(0.1))?;
+        use mlx_rs::ops;
+        let [q, k, v, g, beta, state] = super::gated_delta::sample_inputs(5, 64, 16)?;
         let (y, out) = self.apply(&q, &k, &v, &g, &beta, &state)?;
         let (y_ops, out_ops) = super::gated_delta::sequential_ops(&q, &k, &v, &g, &beta, &state)?;
         let worst = |a: &Array, b: &Array| -> Result<f32> {

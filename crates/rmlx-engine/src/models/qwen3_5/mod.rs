@@ -19,7 +19,7 @@ use self::{config::Config, language::LanguageModel as TextModel};
 use super::{
     host_ids,
     qwen3_vl::{
-        language::{rope_index_for, ImageTokenIds},
+        language::{chunk_base, image_rows, rope_index_for, text_rows, ImageTokenIds},
         vision::VisionModel,
         MropePositions,
     },
@@ -171,28 +171,19 @@ impl VisionLanguageModel for Model {
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
-        let (offset, delta) = caches
-            .first()
-            .map_or((0, 0), |cache| (cache.offset(), cache.rope_delta()));
-        // Positions continue from the cache (offset + the image prompt's rope delta).
-        let base = offset + delta;
+        let (base, delta) = chunk_base(caches);
         let mut h = self.language.embed_tokens.forward(inputs)?;
         let Some(features) = features else {
-            let len = inputs.shape()[inputs.ndim() - 1];
-            let positions: Vec<i32> = (base..base + len).collect();
-            let rows = [&positions[..], &positions[..], &positions[..]];
+            let rows = text_rows(inputs.shape()[inputs.ndim() - 1], base);
+            let rows = [&rows[0][..], &rows[1][..], &rows[2][..]];
             return self.language.forward_embeddings(h, &rows, caches, logits);
         };
         let ids = host_ids(inputs)?;
         let scatter = ImageScatter::new(&ids, self.config.image_token_id);
         h = scatter.apply(&h, &features.embeds)?;
         let positions = rope_index_for(&ids, &features.grid_thw, self.image_tokens());
-        let shifted: Vec<Vec<i32>> = positions
-            .rows
-            .iter()
-            .map(|row| row.iter().map(|p| p + base).collect())
-            .collect();
-        let rows = [&shifted[0][..], &shifted[1][..], &shifted[2][..]];
+        let rows = image_rows(&positions, base);
+        let rows = [&rows[0][..], &rows[1][..], &rows[2][..]];
         let out = self.language.forward_embeddings(h, &rows, caches, logits)?;
         for cache in caches.iter_mut() {
             cache.set_rope_delta(delta + positions.rope_delta);

@@ -106,6 +106,30 @@ pub fn rope_index_for(ids: &[u32], grids: &[[i32; 3]], tokens: ImageTokenIds) ->
     }
 }
 
+/// Where the next chunk starts in rotary positions, and the rope delta the caches carry: the
+/// caches hold `offset` tokens, and tokens after an image prompt sit at offset + delta (image
+/// blocks use fewer positions than tokens). A chunk's own image blocks shift by the same base.
+pub(crate) fn chunk_base(caches: &[KvCache]) -> (i32, i32) {
+    let (offset, delta) = caches
+        .first()
+        .map_or((0, 0), |cache| (cache.offset(), cache.rope_delta()));
+    (offset + delta, delta)
+}
+
+/// The three rotary rows of a text chunk of `len` tokens: one count from `base` on every row.
+pub(crate) fn text_rows(len: i32, base: i32) -> [Vec<i32>; 3] {
+    let row: Vec<i32> = (base..base + len).collect();
+    [row.clone(), row.clone(), row]
+}
+
+/// `get_rope_index`'s rows of a chunk with images, moved to start at `base`.
+pub(crate) fn image_rows(positions: &MropePositions, base: i32) -> [Vec<i32>; 3] {
+    positions
+        .rows
+        .clone()
+        .map(|row| row.into_iter().map(|p| p + base).collect())
+}
+
 /// Interleaved MRoPE: frequency `i` takes its position from row `selector[i]` (h at
 /// i ≡ 1 mod 3 and w at i ≡ 2 mod 3 within their sections, t elsewhere).
 pub(super) fn position_selector(section: [i32; 3], freq_dim: i32) -> Vec<usize> {

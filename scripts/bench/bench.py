@@ -7,8 +7,9 @@ prompt tokens / TTFT; decode tok/s = (tokens - 1) / (last token time - first tok
 
 References (--reference):
   mlx-lm   (default) mlx-lm 0.32.2's `generate_step`; rmlx through `rmlx bench` (one process
-           per run, its fixed seed-0 prompt, after its own 16-token warm-up), as in
-           docs/PERFORMANCE.md's dense and MoE tables.
+           per run). Both warm up at the measured shape on the seed-999 ids and time run r on
+           fresh ids (seed 1000 + r, the same for both; `rmlx bench --seed`), so nothing is
+           served from a prefix cache; who goes first alternates each run.
   mlx-vlm  mlx-vlm 0.7.6's own `generate_step` on the language model (text only, no pixel
            values; the qwen3_5 / qwen3_5_moe family). rmlx runs behind one `rmlx serve` and gets
            the same ids through /v1/completions; both engines are warmed up once at the measured
@@ -89,15 +90,20 @@ class MlxLm:
         patch_gather_qmm()
         self.model, _ = load(model_dir)
         self.vocab = self.model.args.vocab_size
+        from mlx_lm.sample_utils import make_logits_processors
+
         self.generate_step, self.sampler = generate_step, make_sampler(temp=0.0)
+        self.processors = make_logits_processors
         self.prefill_chunk = prefill_chunk
 
     def run(self, ids, gen_tokens, logit_bias=None):
-        assert not logit_bias
+        # The same EOS bias as the rmlx server side gets (serve mode), through mlx-lm's own
+        # logits processor.
+        processors = self.processors(logit_bias=logit_bias) if logit_bias else None
         start = time.perf_counter()
         stamps = []
         for token, _ in self.generate_step(mx.array(ids), self.model, max_tokens=gen_tokens, sampler=self.sampler,
-                                           prefill_step_size=self.prefill_chunk):
+                                           logits_processors=processors, prefill_step_size=self.prefill_chunk):
             stamps.append(time.perf_counter())
         return stamps_to_metrics(start, stamps, len(ids))
 
@@ -135,10 +141,11 @@ class MlxVlm:
 # ---------------------------------------------------------------------------------------------
 # rmlx
 # ---------------------------------------------------------------------------------------------
-def run_rmlx_bench(binary, model_dir, prompt_tokens, gen_tokens, prefill_chunk):
+def run_rmlx_bench(binary, model_dir, prompt_tokens, gen_tokens, prefill_chunk, seed):
     out = subprocess.run(
         [binary, "bench", "--model", model_dir, "--prompt-tokens", str(prompt_tokens),
-         "--gen-tokens", str(gen_tokens), "--prefill-chunk", str(prefill_chunk), "--json"],
+         "--gen-tokens", str(gen_tokens), "--prefill-chunk", str(prefill_chunk), "--runs", "1",
+         "--seed", str(seed), "--json"],
         check=True, capture_output=True, text=True,
     )
     return json.loads(out.stdout)
@@ -297,9 +304,6 @@ def main():
     parser.add_argument("--chat-turns", type=int, default=0, help="two-turn conversations (rmlx serve)")
     parser.add_argument("--chat-words", type=int, default=400, help="words in each conversation's first user message")
     parser.add_argument("--chat-max-tokens", type=int, default=8)
-    parser.add_argument("--probe-bench-reuse", action="store_true",
-                        help="(serve) first replay what `rmlx bench --runs 2` submits to its engine (seed-0 ids: "
-                             "16-token warm-up, then the full prompt twice) and print the cached tokens of each")
     parser.add_argument("--json-out")
     parser.add_argument("--server-log", default="/tmp/rmlx-bench-serve.log")
     args = parser.parse_args()
@@ -321,7 +325,6 @@ def main():
 
     engines = references
     server = None
-    probe = []
     if via == "serve":
         limit = plain_vocab(args.model, vocab)
         bias = {i: -1e9 for i in eos_ids(args.model)}
@@ -330,17 +333,6 @@ def main():
         print(f"rmlx serve up in {time.perf_counter() - t0:.1f} s (model {server.model}); prompt ids < {limit}, "
               f"EOS ids biased: {sorted(bias)}", file=sys.stderr)
         engines = [server] + references
-        if args.probe_bench_reuse:
-            same = prompt_ids(args.prompt_tokens, vocab)  # rmlx bench's ids: seed 0 over the padded vocab
-            for n, (ids_, gen) in enumerate([(same[:16], 4), (same, args.gen_tokens), (same, args.gen_tokens)]):
-                try:
-                    r = server.run(ids_, gen, bias)
-                except (OSError, SystemExit) as error:
-                    print(f"rmlx bench replay failed: {error}", file=sys.stderr)
-                    break
-                probe.append(r)
-                print(f"rmlx bench replay {['warm-up ids[:16]', 'run 1', 'run 2'][n]}: prompt {r['prompt_tokens']} "
-                      f"cached {r['cached_tokens']} ttft {r['ttft_ms']:.0f} ms", file=sys.stderr)
         # Warm-up at the measured shape, fresh ids, every engine.
         warm = prompt_ids(args.prompt_tokens, limit, seed=999)
         for engine in engines:
@@ -349,8 +341,8 @@ def main():
             print(f"warm-up {engine.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     else:
         limit, bias = vocab, None
-        ids = prompt_ids(args.prompt_tokens, vocab)
-        references[0].run(ids[:16], 4)  # warm-up, as `rmlx bench` does its own
+        # Warm-up at the measured shape on the ids `rmlx bench --seed 1000+r` warms up on.
+        references[0].run(prompt_ids(args.prompt_tokens, vocab, seed=999), args.gen_tokens)
 
     results = {"rmlx": []} if via == "bench" else {}
     results.update({e.name: [] for e in engines})
@@ -362,10 +354,13 @@ def main():
                 for engine in order:
                     results[engine.name].append(engine.run(ids, args.gen_tokens, bias))
             else:
-                results["rmlx"].append(run_rmlx_bench(args.rmlx, args.model, args.prompt_tokens, args.gen_tokens,
-                                                      args.prefill_chunk))
-                for engine in references:
-                    results[engine.name].append(engine.run(ids, args.gen_tokens))
+                ids = prompt_ids(args.prompt_tokens, vocab, seed=1000 + run)
+                ours = lambda: results["rmlx"].append(run_rmlx_bench(  # noqa: E731
+                    args.rmlx, args.model, args.prompt_tokens, args.gen_tokens, args.prefill_chunk, 1000 + run))
+                theirs = lambda: results[references[0].name].append(  # noqa: E731
+                    references[0].run(ids, args.gen_tokens))
+                for side in ([ours, theirs] if run % 2 == 0 else [theirs, ours]):
+                    side()
             print(f"run {run + 1}: " + "  ".join(f"{k} {v[-1]}" for k, v in results.items()), file=sys.stderr)
         chats = chat_turns(server, args.chat_turns, args.chat_words, args.chat_max_tokens, bias) \
             if server and args.chat_turns else []
@@ -393,9 +388,6 @@ def main():
         ratio = ours / theirs if higher_better else theirs / ours
         print(f"{label:14s}{cells}{ratio:17.2f}x")
     print("(ratio > 1 means rmlx is faster)")
-    for n, r in enumerate(probe):
-        print(f"rmlx bench replay {['warm-up ids[:16]', 'run 1', 'run 2'][n]}: prompt {r['prompt_tokens']} "
-              f"cached {r['cached_tokens']} TTFT {r['ttft_ms']:.0f} ms")
     if via == "serve":
         print(f"rmlx cached_tokens per run: {[r['cached_tokens'] for r in results['rmlx']]}")
     for c, row in enumerate(chats):
@@ -410,7 +402,7 @@ def main():
         Path(args.json_out).write_text(json.dumps(
             {"model": args.model, "device": args.device, "prompt_tokens": args.prompt_tokens,
              "gen_tokens": args.gen_tokens, "runs": args.runs, "rmlx_via": via, "reference": args.reference,
-             "results": results, "chats": chats, "bench_replay": probe}, indent=1) + "\n")
+             "results": results, "chats": chats}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-//! `rmlx`: the engine on the command line (generate, info, doctor, serve, pull).
+//! `rmlx`: the engine on the command line (generate, info, bench, doctor, serve, pull).
 
 use std::{
     io::Write,
@@ -6,6 +6,7 @@ use std::{
     process::ExitCode,
 };
 
+mod bench;
 mod pull;
 mod serve;
 
@@ -38,7 +39,7 @@ enum Command {
         json: bool,
     },
     /// Time prefill and decode on random prompt ids (scripts/bench/run compares with mlx-lm).
-    Bench(BenchArgs),
+    Bench(bench::BenchArgs),
     /// Serve OpenAI- and Anthropic-compatible HTTP APIs on 127.0.0.1.
     Serve(serve::ServeArgs),
     /// Download a model from the Hugging Face hub into the models folder (reruns resume).
@@ -103,23 +104,6 @@ struct GenerateArgs {
     json: bool,
 }
 
-#[derive(clap::Args)]
-struct BenchArgs {
-    #[arg(long)]
-    model: PathBuf,
-    #[arg(long, default_value_t = 512)]
-    prompt_tokens: usize,
-    #[arg(long, default_value_t = 64)]
-    gen_tokens: usize,
-    #[arg(long)]
-    prefill_chunk: Option<usize>,
-    /// Measured runs after one warm-up; the median is reported.
-    #[arg(long, default_value_t = 1)]
-    runs: usize,
-    #[arg(long)]
-    json: bool,
-}
-
 fn main() -> ExitCode {
     // A bug must still read as a message, not a backtrace (RUST_BACKTRACE=1 shows one).
     if std::env::var_os("RUST_BACKTRACE").is_none() {
@@ -133,7 +117,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => generate(args),
         Command::Info { model, json } => info(&model, json),
-        Command::Bench(args) => bench(args),
+        Command::Bench(args) => bench::bench(args),
         Command::Doctor { json } => doctor(json),
         Command::Serve(args) => serve::serve(args),
         Command::Pull(args) => pull::pull(args),
@@ -308,67 +292,6 @@ fn info(model: &Path, json: bool) -> anyhow::Result<()> {
             as f64
             / 1e6
     );
-    Ok(())
-}
-
-/// The same LCG as scripts/bench/bench.py, so both engines get identical prompts.
-fn bench_prompt(count: usize, vocab: usize) -> Vec<u32> {
-    let mut state: u64 = 0;
-    (0..count)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 33) % vocab as u64) as u32
-        })
-        .collect()
-}
-
-fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    check_model_dir(&args.model)?;
-    let engine = Engine::start(1)?;
-    let info = engine.model_info(&args.model)?;
-    let ids = bench_prompt(args.prompt_tokens, info.vocab_size);
-    let run = |ids: Vec<u32>, max_tokens: usize| {
-        let request = Request {
-            model: args.model.clone(),
-            prompt: Prompt::Ids(ids),
-            params: GenerateParams {
-                max_tokens,
-                ignore_eos: true,
-                prefill_chunk: args.prefill_chunk,
-                ..GenerateParams::default()
-            },
-            ..Request::default()
-        };
-        engine.submit(request)?.wait()
-    };
-    run(ids[..ids.len().min(16)].to_vec(), 4)?; // warm-up, as the mlx-lm side does
-    let mut timings = Vec::new();
-    for _ in 0..args.runs.max(1) {
-        timings.push(run(ids.clone(), args.gen_tokens)?.timings);
-    }
-    let median = |key: fn(&rmlx_engine::generate::Timings) -> f64| {
-        let mut values: Vec<f64> = timings.iter().map(key).collect();
-        values.sort_by(f64::total_cmp);
-        values[values.len() / 2]
-    };
-    let (ttft, prefill, decode) = (
-        median(|t| t.ttft_ms),
-        median(|t| t.prefill_tps),
-        median(|t| t.decode_tps),
-    );
-    if args.json {
-        println!(
-            "{}",
-            serde_json::json!({"ttft_ms": ttft, "prefill_tps": prefill, "decode_tps": decode})
-        );
-    } else {
-        println!(
-            "prompt {} tokens, {} generated: TTFT {ttft:.1} ms, prefill {prefill:.1} tok/s, decode {decode:.1} tok/s",
-            args.prompt_tokens, args.gen_tokens
-        );
-    }
     Ok(())
 }
 

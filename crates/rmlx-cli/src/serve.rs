@@ -38,6 +38,10 @@ pub struct ServeArgs {
     /// Requests waiting for the engine before new ones get 429.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
+    /// Requests decoding together in one batch (continuous batching; 1 runs them one after
+    /// another).
+    #[arg(long, default_value_t = rmlx_engine::engine::DEFAULT_MAX_BATCH)]
+    max_batch: usize,
     /// Largest request body, in MB (images arrive inline as base64).
     #[arg(long, default_value_t = 64)]
     max_body_mb: usize,
@@ -70,6 +74,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         api_key: args.api_key,
         cors_origins: args.cors_origins,
         max_queue: args.max_queue,
+        max_batch: args.max_batch,
         max_body_mb: args.max_body_mb,
         prefix_cache_bytes: args.prefix_cache_mb << 20,
         prefix_snapshot_bytes: args.prefix_snapshot_mb << 20,

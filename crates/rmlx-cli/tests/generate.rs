@@ -317,3 +317,37 @@ fn every_text_release_reproduces_its_golden_and_shows_in_info() {
     }
     assert!(checked >= 6, "checked {checked} text releases");
 }
+
+/// `rmlx bench` reports medians with their spread for one stream and for several at once
+/// (every stream generating its full count, so the aggregate counts them all).
+#[test]
+fn bench_reports_single_and_concurrent_streams() {
+    let model = fixture("qwen3-tiny");
+    for concurrency in ["1", "3"] {
+        let report = generate_json(&[
+            "bench",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt-tokens",
+            "24",
+            "--gen-tokens",
+            "6",
+            "--runs",
+            "2",
+            "--concurrency",
+            concurrency,
+            "--json",
+        ]);
+        assert_eq!(report["concurrency"], concurrency.parse::<u64>().unwrap());
+        assert_eq!(report["runs"], 2);
+        for key in ["ttft_ms", "prefill_tps", "decode_tps", "aggregate_tps"] {
+            let [median, min, max] = [0, 1, 2].map(|i| report["spread"][key][i].as_f64().unwrap());
+            assert!(
+                min > 0.0 && min <= median && median <= max,
+                "{key}: {report}"
+            );
+            assert_eq!(report[key].as_f64().unwrap(), median);
+        }
+        assert!(report["ttft_p50_ms"].as_f64().unwrap() <= report["ttft_p95_ms"].as_f64().unwrap());
+    }
+}

@@ -1,13 +1,75 @@
-//! Query-tiled attention for vision towers: a large image is thousands of patches attending
+//! The masks of attention over a KV cache, and query-tiled attention for vision towers: a large image is thousands of patches attending
 //! to each other in one bidirectional block, and one SDPA over all of them is one huge graph
 //! (the seed's large-image crashes; the Metal watchdog kills command buffers past ~10 s).
 //! Tiling the queries bounds each piece of work and its scores to `tile × seq`.
 //! Reference: mlx-vlm's vision attention (one `scaled_dot_product_attention` call), which the
 //! tiled form must equal.
 
-use mlx_rs::{fast, ops, ops::indexing::IndexOp, transforms, Array};
+use mlx_rs::{
+    fast::{self, ScaledDotProductAttentionMask},
+    ops,
+    ops::indexing::IndexOp,
+    transforms, Array,
+};
 
-use crate::error::Result;
+use crate::{
+    cache::KvCache,
+    error::{EngineError, Result},
+};
+
+/// The mask of one attention call.
+pub(crate) enum Mask {
+    None,
+    Causal,
+    Array(Array),
+}
+
+impl Mask {
+    pub(crate) fn as_sdpa(&self) -> Option<ScaledDotProductAttentionMask<'_>> {
+        match self {
+            Mask::None => None,
+            Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
+            Mask::Array(mask) => Some(ScaledDotProductAttentionMask::Array(mask)),
+        }
+    }
+}
+
+/// `len` new queries against keys `start..cache.offset()` of an updated cache: causal for a
+/// prompt chunk, none for one query, the padding mask for one query of a padded batch.
+pub(crate) fn cached_mask(cache: &KvCache, len: i32, start: i32) -> Result<Mask> {
+    if len > 1 {
+        if cache.is_padded() {
+            return Err(EngineError::InvalidRequest(
+                "a batch decodes one token per row at a time; prompts prefill alone".into(),
+            ));
+        }
+        return Ok(Mask::Causal);
+    }
+    Ok(match cache.padding_mask(start, cache.offset())? {
+        Some(mask) => Mask::Array(mask),
+        None => Mask::None,
+    })
+}
+
+/// Scaled dot-product attention of `queries` `[B, heads, L, dim]` against the keys and values
+/// just fetched from `cache`, under [`cached_mask`].
+pub(crate) fn attend_cached(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    cache: &KvCache,
+) -> Result<Array> {
+    let mask = cached_mask(cache, queries.shape()[2], 0)?;
+    Ok(fast::scaled_dot_product_attention(
+        queries,
+        keys,
+        values,
+        scale,
+        mask.as_sdpa(),
+        None,
+    )?)
+}
 
 /// When and how to tile: tiling starts above `threshold` query positions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,7 +2,11 @@
 //! the request's effective context, so memory follows the prompt, not a fixed constant.
 //! Linear-attention layers (Qwen3.5's Gated DeltaNet) keep a fixed-size recurrent state in the
 //! same slot instead: it cannot be rewound, only replaced by a snapshot taken at a given length.
-//! Reference: mlx-lm `models/cache.py` (`KVCache.update_and_fetch`, `ArraysCache`).
+//! Several requests decoding together share one cache per layer (`join`, `retain_rows`,
+//! `row`): rows are left-padded so every row's next token lands in the same column, and the
+//! padding is masked out of attention.
+//! Reference: mlx-lm `models/cache.py` (`KVCache.update_and_fetch`, `ArraysCache`,
+//! `BatchKVCache`: `extend`, `filter`, `extract`).
 
 use mlx_rs::{ops, ops::indexing::IndexOp, Array, Stream};
 
@@ -24,6 +28,23 @@ pub struct KvCache {
     rope_delta: i32,
     /// A linear-attention layer's state after `offset` tokens (None for attention layers).
     recurrent: Option<RecurrentState>,
+    /// None for one request's cache; Some when this cache holds a batch's rows.
+    rows: Option<Rows>,
+}
+
+/// The rows of a batched cache. Row `b` holds its tokens in columns `left_padding[b]..offset`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Rows {
+    left_padding: Vec<i32>,
+    /// Each row's `rope_delta`.
+    rope_deltas: Vec<i32>,
+}
+
+/// Where rotary positions start: one number for a single sequence (or rows that agree), one
+/// per row for a padded batch.
+pub enum RopeOffset {
+    At(i32),
+    PerRow(Array),
 }
 
 /// What a Gated DeltaNet layer carries between tokens: the last `kernel - 1` inputs of its
@@ -43,7 +64,216 @@ impl KvCache {
             max_ctx: max_ctx.min(i32::MAX as usize) as i32,
             rope_delta: 0,
             recurrent: None,
+            rows: None,
         }
+    }
+
+    /// Rows this cache holds (1 for a single request's cache).
+    pub fn batch_size(&self) -> usize {
+        self.rows.as_ref().map_or(1, |rows| rows.left_padding.len())
+    }
+
+    /// Whether this cache has held a batch's rows (joined, even if one row is left).
+    pub fn is_batched(&self) -> bool {
+        self.rows.is_some()
+    }
+
+    /// Whether some row starts after column 0, so attention must mask the columns before it.
+    pub fn is_padded(&self) -> bool {
+        self.rows
+            .as_ref()
+            .is_some_and(|rows| rows.left_padding.iter().any(|&pad| pad > 0))
+    }
+
+    /// Tokens each row holds: the next token's position in that row.
+    pub fn row_offsets(&self) -> Vec<i32> {
+        match &self.rows {
+            Some(rows) => rows
+                .left_padding
+                .iter()
+                .map(|pad| self.offset - pad)
+                .collect(),
+            None => vec![self.offset],
+        }
+    }
+
+    /// Each row's next MRoPE position: its offset plus its rope delta.
+    pub fn row_rope_bases(&self) -> Vec<i32> {
+        match &self.rows {
+            Some(rows) => self
+                .row_offsets()
+                .iter()
+                .zip(&rows.rope_deltas)
+                .map(|(offset, delta)| offset + delta)
+                .collect(),
+            None => vec![self.offset + self.rope_delta],
+        }
+    }
+
+    /// The `offset` of `fast::rope` for the next tokens.
+    pub fn rope_offset(&self) -> RopeOffset {
+        if !self.is_padded() {
+            return RopeOffset::At(self.offset);
+        }
+        let offsets = self.row_offsets();
+        RopeOffset::PerRow(Array::from_slice(&offsets, &[offsets.len() as i32]))
+    }
+
+    /// Which of key columns `start..end` each row may attend to, `[B, 1, 1, end - start]`;
+    /// None when no row is padded (every column holds a token).
+    pub fn padding_mask(&self, start: i32, end: i32) -> Result<Option<Array>> {
+        let Some(rows) = self.rows.as_ref().filter(|_| self.is_padded()) else {
+            return Ok(None);
+        };
+        let batch = rows.left_padding.len() as i32;
+        let pads = Array::from_slice(&rows.left_padding, &[batch, 1]);
+        let columns = ops::arange::<_, i32>(start, end, None)?.reshape(&[1, end - start])?;
+        let mask = ops::ge(&columns, &pads)?;
+        Ok(Some(mask.reshape(&[batch, 1, 1, end - start])?))
+    }
+
+    /// Appends the rows of `other` (one request's cache, or another batch) after this cache's.
+    /// The side holding fewer positions is left-padded, so both end at the same column; a row
+    /// with nothing cached yet gets zeros (masked keys, a fresh recurrent state).
+    pub fn join(&mut self, other: &KvCache) -> Result<()> {
+        let (mine, theirs) = (self.batch_size() as i32, other.batch_size() as i32);
+        let end = self.offset.max(other.offset);
+        let (pad_mine, pad_theirs) = (end - self.offset, end - other.offset);
+        if self.keys.is_some() || other.keys.is_some() {
+            let stack = |mine_kv: Option<&Array>, theirs_kv: Option<&Array>| -> Result<Array> {
+                let like = mine_kv.or(theirs_kv).expect("one side holds keys");
+                Ok(ops::concatenate(
+                    &[
+                        left_padded(mine_kv, like, mine, self.offset, pad_mine)?,
+                        left_padded(theirs_kv, like, theirs, other.offset, pad_theirs)?,
+                    ],
+                    0,
+                )?)
+            };
+            let keys = stack(self.keys.as_ref(), other.keys.as_ref())?;
+            let values = stack(self.values.as_ref(), other.values.as_ref())?;
+            self.keys = Some(keys);
+            self.values = Some(values);
+        }
+        if let Some(like) = self.recurrent.as_ref().or(other.recurrent.as_ref()) {
+            // A row with nothing prefilled yet starts from the zero state, as a new cache does.
+            let stack = |mine_state: Option<&Array>, theirs_state: Option<&Array>, like: &Array| {
+                let fresh = |rows: i32| -> Result<Array> {
+                    let mut shape = like.shape().to_vec();
+                    shape[0] = rows;
+                    Ok(ops::zeros_dtype(&shape, like.dtype())?)
+                };
+                let mine_state = match mine_state {
+                    Some(state) => state.clone(),
+                    None => fresh(mine)?,
+                };
+                let theirs_state = match theirs_state {
+                    Some(state) => state.clone(),
+                    None => fresh(theirs)?,
+                };
+                Ok::<_, EngineError>(ops::concatenate(&[mine_state, theirs_state], 0)?)
+            };
+            let (held, given) = (self.recurrent.as_ref(), other.recurrent.as_ref());
+            let state = RecurrentState {
+                conv: stack(held.map(|r| &r.conv), given.map(|r| &r.conv), &like.conv)?,
+                state: stack(held.map(|r| &r.state), given.map(|r| &r.state), &like.state)?,
+            };
+            self.recurrent = Some(state);
+        }
+        let (mut pads, mut deltas) = self.row_layout();
+        let (their_pads, their_deltas) = other.row_layout();
+        pads.iter_mut().for_each(|pad| *pad += pad_mine);
+        pads.extend(their_pads.iter().map(|pad| pad + pad_theirs));
+        deltas.extend(their_deltas);
+        self.rows = Some(Rows {
+            left_padding: pads,
+            rope_deltas: deltas,
+        });
+        self.offset = end;
+        // Each row's own context is enforced by its request (its token budget).
+        self.max_ctx = i32::MAX;
+        Ok(())
+    }
+
+    fn row_layout(&self) -> (Vec<i32>, Vec<i32>) {
+        match &self.rows {
+            Some(rows) => (rows.left_padding.clone(), rows.rope_deltas.clone()),
+            None => (vec![0], vec![self.rope_delta]),
+        }
+    }
+
+    /// Keeps only rows `keep` (in that order), then drops the leading columns no row uses.
+    pub fn retain_rows(&mut self, keep: &[usize]) -> Result<()> {
+        let (pads, deltas) = self.row_layout();
+        if keep.len() == pads.len() && keep.iter().enumerate().all(|(i, &row)| i == row) {
+            return Ok(());
+        }
+        if keep.is_empty() {
+            *self = Self::new(0);
+            return Ok(());
+        }
+        let index: Vec<i32> = keep.iter().map(|&row| row as i32).collect();
+        let index = Array::from_slice(&index, &[index.len() as i32]);
+        let take = |array: &Array| array.take_axis(&index, 0);
+        let trim = keep.iter().map(|&row| pads[row]).min().unwrap_or(0);
+        let drop_columns = |array: Array| -> Array {
+            if trim > 0 {
+                array.index((.., .., trim.., ..))
+            } else {
+                array
+            }
+        };
+        if let (Some(keys), Some(values)) = (&self.keys, &self.values) {
+            self.keys = Some(drop_columns(take(keys)?));
+            self.values = Some(drop_columns(take(values)?));
+        }
+        if let Some(state) = &self.recurrent {
+            self.recurrent = Some(RecurrentState {
+                conv: take(&state.conv)?,
+                state: take(&state.state)?,
+            });
+        }
+        self.rows = Some(Rows {
+            left_padding: keep.iter().map(|&row| pads[row] - trim).collect(),
+            rope_deltas: keep.iter().map(|&row| deltas[row]).collect(),
+        });
+        self.offset -= trim;
+        if let [only] = keep {
+            self.rope_delta = deltas[*only];
+        }
+        Ok(())
+    }
+
+    /// Row `row` as one request's cache of its own (its columns copied out, no padding).
+    pub fn row(&self, row: usize) -> Result<KvCache> {
+        let (pads, deltas) = self.row_layout();
+        let (pad, b) = (pads[row], row as i32);
+        let own = |array: &Array, columns: bool| -> Result<Array> {
+            let rows = array.index(b..b + 1);
+            let rows = if columns {
+                rows.index((.., .., pad..self.offset, ..))
+            } else {
+                rows
+            };
+            contiguous(&rows)
+        };
+        let mut cache = KvCache::new(0);
+        cache.offset = self.offset - pad;
+        cache.max_ctx = cache.offset;
+        cache.rope_delta = deltas[row];
+        if let (Some(keys), Some(values)) = (&self.keys, &self.values) {
+            cache.keys = Some(own(keys, true)?);
+            cache.values = Some(own(values, true)?);
+        }
+        if let Some(state) = &self.recurrent {
+            cache.recurrent = Some(RecurrentState {
+                conv: own(&state.conv, false)?,
+                state: own(&state.state, false)?,
+            });
+        }
+        // Evaluated now: a lazy copy would keep the whole batch's buffers alive as its inputs.
+        mlx_rs::transforms::eval(cache.state())?;
+        Ok(cache)
     }
 
     /// The recurrent state of a linear-attention layer, None before its first token.
@@ -177,6 +407,34 @@ impl KvCache {
     pub fn nbytes(&self) -> usize {
         self.state().iter().map(|array| array.nbytes()).sum()
     }
+}
+
+/// `[rows, heads, pad + len, dim]`: `pad` zero columns, then the first `len` columns of
+/// `array` (zeros shaped like `like` when there is none).
+fn left_padded(
+    array: Option<&Array>,
+    like: &Array,
+    rows: i32,
+    len: i32,
+    pad: i32,
+) -> Result<Array> {
+    let [_, heads, _, dim] = dims4(like);
+    let zeros = |columns: i32| ops::zeros_dtype(&[rows, heads, columns, dim], like.dtype());
+    let Some(array) = array.filter(|_| len > 0) else {
+        return Ok(zeros(pad + len)?);
+    };
+    let held = array.index((.., .., ..len, ..));
+    if pad == 0 {
+        return Ok(held);
+    }
+    Ok(ops::concatenate(&[zeros(pad)?, held], 2)?)
+}
+
+/// A copy of `array` in its own buffer: a row taken out of a batch must not keep the batch's
+/// buffer alive (the prefix cache counts its bytes). A slice may share its parent's buffer, a
+/// product never does, and `x * 1` is exact.
+fn contiguous(array: &Array) -> Result<Array> {
+    Ok(ops::multiply(array, crate::nn::scalar(1.0, array)?)?)
 }
 
 fn dims4(array: &Array) -> [i32; 4] {

@@ -1,11 +1,15 @@
 //! The engine thread: it alone owns the models and every MLX array (they are not `Sync`).
-//! Requests arrive over a bounded channel and run in arrival order (nobody starves); each gets
-//! a stream of events and a cancel flag checked between steps. Dropping the handle cancels
-//! (a disconnected client stops costing compute). Reference: mlx-lm `server.py`'s generation
-//! thread; text-generation-inference's router (validate first, stream events).
+//! Requests are admitted in arrival order (nobody starves) into one running batch per model:
+//! each decode step runs every running request's next token in one forward (continuous
+//! batching: requests join and leave between steps), and a new request's prompt is prefilled
+//! one chunk at a time between those steps, so no stream stalls longer than one chunk. Each
+//! request gets a stream of events and a cancel flag checked between steps; dropping the
+//! handle cancels (a disconnected client stops costing compute). Reference: mlx-lm
+//! `generate.py` (`BatchGenerator`) and `server.py`; text-generation-inference's router
+//! (validate first, stream events).
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     path::{Path, PathBuf},
     sync::{
         atomic::{AtomicBool, AtomicUsize, Ordering},
@@ -15,10 +19,11 @@ use std::{
 };
 
 use crate::{
+    cache::KvCache,
     chat::{ChatTokenizer, TemplateOptions},
     constrain::{Constraint, ConstraintFactory, ResponseFormat},
     error::{EngineError, Result},
-    generate::{self, Completion, FinishReason, GenerateParams},
+    generate::{self, Completion, DecodeRow, FinishReason, GenerateParams, Prefill, Sequence},
     metrics::{Metrics, MetricsSnapshot},
     models::{self, LoadedModel, ModelInfo},
     prefix_cache::PrefixCache,
@@ -156,11 +161,18 @@ enum Job {
 /// DeltaNet state (five 6-turn conversations), a few hundred for the small dense models.
 pub const DEFAULT_PREFIX_SNAPSHOT_BYTES: u64 = 2 << 30;
 
+/// Requests decoding together by default. On this CPU a batch of 8 tiny-Qwen3 streams gives
+/// the most tokens per second (docs/PERFORMANCE.md, "Batching"); mlx-lm's server batches up to
+/// 8 as well (`--decode-concurrency`).
+pub const DEFAULT_MAX_BATCH: usize = 8;
+
 /// How the engine thread is sized.
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
     /// Requests that may wait; more are refused with `QueueFull`.
     pub max_queue: usize,
+    /// Requests decoding together at most (1: one after another).
+    pub max_batch: usize,
     /// Models kept resident; the least recently used is unloaded past this.
     pub max_loaded: usize,
     /// Bytes of KV the prefix cache keeps for reuse (0 turns it off).
@@ -176,6 +188,7 @@ impl Default for EngineOptions {
     fn default() -> Self {
         Self {
             max_queue: 64,
+            max_batch: DEFAULT_MAX_BATCH,
             max_loaded: 1,
             prefix_cache_bytes: 1 << 30,
             prefix_snapshot_bytes: DEFAULT_PREFIX_SNAPSHOT_BYTES,
@@ -193,9 +206,12 @@ pub struct Engine {
 }
 
 struct Inner {
-    jobs: Option<mpsc::SyncSender<Job>>,
+    jobs: Option<mpsc::Sender<Job>>,
     thread: Option<thread::JoinHandle<()>>,
+    /// Requests submitted and not finished (waiting or running).
     queued: Arc<AtomicUsize>,
+    /// Requests submitted and not yet admitted into prefill.
+    waiting: Arc<AtomicUsize>,
     metrics: Arc<Metrics>,
     resident: Arc<std::sync::Mutex<Vec<ModelInfo>>>,
     max_queue: usize,
@@ -225,8 +241,10 @@ impl Engine {
             eprintln!("rmlx: {warning}");
         }
         let max_queue = options.max_queue.max(1);
-        let (jobs, inbox) = mpsc::sync_channel(max_queue);
+        let (jobs, inbox) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
+        let waiting = Arc::new(AtomicUsize::new(0));
+        let worker_waiting = waiting.clone();
         let metrics = Arc::new(Metrics::default());
         let (worker_metrics, worker_queued) = (metrics.clone(), queued.clone());
         let resident = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -250,7 +268,12 @@ impl Engine {
                     ),
                     metrics: worker_metrics,
                     queued: worker_queued,
+                    waiting: worker_waiting,
                     published: worker_resident,
+                    max_batch: options.max_batch.max(1),
+                    pending: VecDeque::new(),
+                    admitting: None,
+                    batch: None,
                 }
                 .run(inbox)
             })
@@ -262,6 +285,7 @@ impl Engine {
                 jobs: Some(jobs),
                 thread: Some(thread),
                 queued,
+                waiting,
                 metrics,
                 resident,
                 max_queue,
@@ -269,7 +293,7 @@ impl Engine {
         })
     }
 
-    fn jobs(&self) -> &mpsc::SyncSender<Job> {
+    fn jobs(&self) -> &mpsc::Sender<Job> {
         self.inner.jobs.as_ref().expect("present until drop")
     }
 
@@ -282,18 +306,28 @@ impl Engine {
             events,
             cancel: cancel.clone(),
         };
+        let max_queue = self.inner.max_queue;
+        let admitted =
+            self.inner
+                .waiting
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |waiting| {
+                    (waiting < max_queue).then_some(waiting + 1)
+                });
+        if admitted.is_err() {
+            let error = EngineError::QueueFull(max_queue);
+            self.inner.metrics.record_error(error.kind());
+            return Err(error);
+        }
         self.inner.queued.fetch_add(1, Ordering::SeqCst);
-        match self.jobs().try_send(job) {
+        match self.jobs().send(job) {
             Ok(()) => Ok(RequestHandle {
                 events: receiver,
                 cancel,
             }),
-            Err(error) => {
+            Err(_) => {
                 self.inner.queued.fetch_sub(1, Ordering::SeqCst);
-                let error = match error {
-                    mpsc::TrySendError::Full(_) => EngineError::QueueFull(self.inner.max_queue),
-                    mpsc::TrySendError::Disconnected(_) => EngineError::EngineStopped,
-                };
+                self.inner.waiting.fetch_sub(1, Ordering::SeqCst);
+                let error = EngineError::EngineStopped;
                 self.inner.metrics.record_error(error.kind());
                 Err(error)
             }
@@ -379,8 +413,76 @@ struct EngineThread {
     prefix: PrefixCache,
     metrics: Arc<Metrics>,
     queued: Arc<AtomicUsize>,
+    waiting: Arc<AtomicUsize>,
     /// The resident models as `Engine::loaded` reports them, LRU order.
     published: Arc<std::sync::Mutex<Vec<ModelInfo>>>,
+    max_batch: usize,
+    /// Jobs taken from the channel and not yet handled, in arrival order.
+    pending: VecDeque<Job>,
+    /// The request whose prompt is being prefilled, a chunk per turn of the loop.
+    admitting: Option<Admission>,
+    /// The requests decoding together.
+    batch: Option<Batch>,
+}
+
+/// What a request carries from submission to its end.
+struct Ticket {
+    events: mpsc::Sender<Event>,
+    cancel: Arc<AtomicBool>,
+    model_id: String,
+    request_id: Option<String>,
+    /// Image soft tokens are one id for every image: such a request's KV is not reusable.
+    has_images: bool,
+}
+
+struct Admission {
+    key: PathBuf,
+    ticket: Ticket,
+    prefill: Prefill,
+    constraint: Option<Constraint>,
+}
+
+/// One model's running requests: `rows[b]` owns row `b` of every layer's cache.
+struct Batch {
+    key: PathBuf,
+    /// Positions of KV the rows may hold together: the first row's context.
+    context: usize,
+    caches: Vec<KvCache>,
+    rows: Vec<Row>,
+}
+
+impl Batch {
+    /// Columns every row's KV spans (the padded length).
+    fn columns(&self) -> usize {
+        self.caches
+            .first()
+            .map_or(0, |cache| cache.offset().max(0) as usize)
+    }
+}
+
+struct Row {
+    sequence: Sequence,
+    ticket: Ticket,
+}
+
+impl DecodeRow for Row {
+    fn sequence(&mut self) -> &mut Sequence {
+        &mut self.sequence
+    }
+    fn cancelled(&self) -> bool {
+        self.ticket.cancel.load(Ordering::Relaxed)
+    }
+    fn emit(&mut self, delta: generate::Delta) {
+        send_delta(&self.ticket.events, delta);
+    }
+}
+
+fn send_delta(events: &mpsc::Sender<Event>, delta: generate::Delta) {
+    let _ = events.send(Event::Delta {
+        token_id: delta.token_id,
+        text: delta.text,
+        logprob: delta.logprob,
+    });
 }
 
 impl EngineThread {
@@ -394,31 +496,109 @@ impl EngineThread {
     }
 
     fn run(mut self, inbox: mpsc::Receiver<Job>) {
-        for job in inbox {
+        let mut open = true;
+        loop {
+            // Block only with nothing to do; otherwise take what has arrived and go on.
+            let idle = self.batch.is_none() && self.admitting.is_none() && self.pending.is_empty();
+            if idle {
+                if !open {
+                    break;
+                }
+                match inbox.recv() {
+                    Ok(job) => self.pending.push_back(job),
+                    Err(_) => break,
+                }
+            }
+            loop {
+                match inbox.try_recv() {
+                    Ok(job) => self.pending.push_back(job),
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            self.admit();
+            self.prefill_step();
+            self.decode_step();
+            self.publish_in_flight();
+        }
+    }
+
+    /// Handles jobs at the head of the queue while they can go now: a request joins when no
+    /// other prompt is prefilling and the batch runs its model with room to spare; a job that
+    /// needs another model (or to unload the running one) waits until the batch drains, and
+    /// everything behind it waits too.
+    fn admit(&mut self) {
+        while let Some(job) = self.pending.front() {
+            let busy = self.batch.is_some() || self.admitting.is_some();
+            let running = self
+                .batch
+                .as_ref()
+                .map(|batch| &batch.key)
+                .or(self.admitting.as_ref().map(|admission| &admission.key));
+            match job {
+                Job::Generate { cancel, .. } if cancel.load(Ordering::Relaxed) => {}
+                Job::Generate { request, .. } => {
+                    if self.admitting.is_some() {
+                        return;
+                    }
+                    if let Some(batch) = &self.batch {
+                        let same = request.model.canonicalize().ok().as_ref() == Some(&batch.key);
+                        if !same || batch.rows.len() >= self.max_batch {
+                            return;
+                        }
+                    }
+                }
+                Job::Info { model, .. } => {
+                    let resident = model
+                        .canonicalize()
+                        .is_ok_and(|key| self.models.contains_key(&key));
+                    if busy && !resident {
+                        return;
+                    }
+                }
+                Job::Unload { model, .. } => {
+                    let key = model.canonicalize().ok();
+                    if running.is_some() && key.as_ref() == running {
+                        return;
+                    }
+                }
+            }
+            let job = self.pending.pop_front().expect("looked at above");
             match job {
                 Job::Generate {
                     request,
                     events,
                     cancel,
                 } => {
-                    let result = (!cancel.load(Ordering::Relaxed)).then(|| {
-                        self.metrics.set_in_flight(1, 0);
-                        let result = self.generate(&request, &events, &cancel);
-                        if let Err(error) = &result {
-                            self.metrics.record_error(error.kind());
-                        }
-                        self.metrics.set_in_flight(0, 0);
-                        result
-                    });
-                    // Counters settle before the client hears the end, so it sees them idle.
-                    if self.queued.fetch_sub(1, Ordering::SeqCst) == 1 {
-                        crate::runtime::release_cached_memory();
+                    self.waiting.fetch_sub(1, Ordering::SeqCst);
+                    if cancel.load(Ordering::Relaxed) {
+                        self.settle();
+                        continue;
                     }
-                    if let Some(result) = result {
-                        let _ = events.send(match result {
-                            Ok(completion) => Event::Done(completion),
-                            Err(error) => Event::Error(error),
-                        });
+                    let ticket = Ticket {
+                        events,
+                        cancel,
+                        model_id: request.metrics_id(),
+                        request_id: request.request_id.clone(),
+                        has_images: !request.images.is_empty(),
+                    };
+                    match self.start(&request) {
+                        Ok((key, prefill, constraint)) => {
+                            let _ = ticket.events.send(Event::Started {
+                                prompt_tokens: prefill.prompt_tokens(),
+                                max_ctx: prefill.max_ctx(),
+                            });
+                            self.admitting = Some(Admission {
+                                key,
+                                ticket,
+                                prefill,
+                                constraint,
+                            });
+                        }
+                        Err(error) => self.fail(ticket, error),
                     }
                 }
                 Job::Info { model, reply } => {
@@ -429,6 +609,224 @@ impl EngineThread {
                 }
             }
         }
+    }
+
+    /// A request's end: counters settle before the client hears it, so it sees them idle.
+    fn settle(&self) {
+        if self.queued.fetch_sub(1, Ordering::SeqCst) == 1 {
+            crate::runtime::release_cached_memory();
+        }
+    }
+
+    fn fail(&self, ticket: Ticket, error: EngineError) {
+        self.metrics.record_error(error.kind());
+        self.settle();
+        self.publish_in_flight();
+        let _ = ticket.events.send(Event::Error(error));
+    }
+
+    fn publish_in_flight(&self) {
+        let rows = self.batch.as_ref().map_or(0, |batch| batch.rows.len());
+        let kv: u64 = self
+            .batch
+            .iter()
+            .flat_map(|batch| &batch.caches)
+            .chain(self.admitting.iter().flat_map(|a| a.prefill.caches()))
+            .map(|cache| cache.nbytes() as u64)
+            .sum();
+        self.metrics
+            .set_in_flight(rows + self.admitting.is_some() as usize, kv);
+    }
+
+    /// One prefill chunk of the admitted request; a finished prompt joins the batch.
+    fn prefill_step(&mut self) {
+        let Some(mut admission) = self.admitting.take() else {
+            return;
+        };
+        if admission.ticket.cancel.load(Ordering::Relaxed) {
+            let (completion, _) = admission.prefill.cancelled();
+            self.finish_request(&admission.key, admission.ticket, completion, None);
+            return;
+        }
+        let Some(resident) = self.models.get(&admission.key) else {
+            self.fail(admission.ticket, EngineError::EngineStopped);
+            return;
+        };
+        let model = resident.loaded.model.as_ref();
+        if !admission.prefill.is_done() {
+            if let Err(error) = admission.prefill.step(model) {
+                self.fail(admission.ticket, error);
+                return;
+            }
+        }
+        if !admission.prefill.is_done() {
+            self.admitting = Some(admission);
+            return;
+        }
+        // The rows of a batch share one context's worth of KV (what `fits` reserves); a prompt
+        // that would take the padded batch past it waits, prefilled, until rows leave.
+        if let Some(batch) = &self.batch {
+            let columns = batch
+                .columns()
+                .max(admission.prefill.caches()[0].offset() as usize);
+            if (batch.rows.len() + 1) * columns > batch.context {
+                self.admitting = Some(admission);
+                return;
+            }
+        }
+        let Admission {
+            key,
+            ticket,
+            prefill,
+            constraint,
+        } = admission;
+        let (sequence, caches) = match prefill.into_sequence(model, &resident.tokenizer, constraint)
+        {
+            Ok(parts) => parts,
+            Err(error) => return self.fail(ticket, error),
+        };
+        let row = Row { sequence, ticket };
+        match self.batch.as_mut() {
+            None => {
+                self.batch = Some(Batch {
+                    key,
+                    context: row.sequence.context(),
+                    caches,
+                    rows: vec![row],
+                })
+            }
+            Some(batch) => {
+                let joined = batch
+                    .caches
+                    .iter_mut()
+                    .zip(&caches)
+                    .try_for_each(|(running, new)| running.join(new));
+                match joined {
+                    Ok(()) => batch.rows.push(row),
+                    Err(error) => {
+                        // The batch's caches may be half joined: every request in it fails.
+                        let batch = self.batch.take().expect("matched above");
+                        for row in batch.rows {
+                            self.fail(row.ticket, error.for_each_request());
+                        }
+                        self.fail(row.ticket, error);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One decode step of the batch, then the requests that ended leave it.
+    fn decode_step(&mut self) {
+        let Some(mut batch) = self.batch.take() else {
+            return;
+        };
+        let Some(resident) = self.models.get(&batch.key) else {
+            for row in batch.rows {
+                self.fail(row.ticket, EngineError::EngineStopped);
+            }
+            return;
+        };
+        let model = resident.loaded.model.as_ref();
+        let tokenizer = &resident.tokenizer;
+        if let Err(error) =
+            generate::decode_iteration(model, tokenizer, &mut batch.caches, &mut batch.rows)
+        {
+            for row in batch.rows {
+                self.fail(row.ticket, error.for_each_request());
+            }
+            return;
+        }
+        if !batch.rows.iter().any(|row| row.sequence.is_finished()) {
+            self.batch = Some(batch);
+            return;
+        }
+        let single = batch.rows.len() == 1;
+        let mut keep = Vec::new();
+        let mut ended = Vec::new();
+        for (index, row) in std::mem::take(&mut batch.rows).into_iter().enumerate() {
+            if row.sequence.is_finished() {
+                ended.push((index, row));
+            } else {
+                keep.push(index);
+                batch.rows.push(row);
+            }
+        }
+        let mut finished = Vec::new();
+        for (index, row) in ended {
+            // Only a request whose KV can be reused takes its row out of the batch.
+            let reusable = !row.ticket.has_images && !row.ticket.cancel.load(Ordering::Relaxed);
+            let caches = if !reusable {
+                Ok(Vec::new())
+            } else if single && !batch.caches.iter().any(KvCache::is_batched) {
+                Ok(std::mem::take(&mut batch.caches))
+            } else {
+                // A batched cache's arrays are slices of bigger buffers (rows and padding
+                // dropped): the prefix cache gets a copy of just this row, so its byte count
+                // is what it holds.
+                batch.caches.iter().map(|cache| cache.row(index)).collect()
+            };
+            let Row {
+                sequence,
+                mut ticket,
+            } = row;
+            match caches {
+                Ok(caches) => {
+                    let mut emit = |delta: generate::Delta| send_delta(&ticket.events, delta);
+                    let (completion, cached) = sequence.finish(tokenizer, caches, &mut emit);
+                    ticket.has_images |= !reusable;
+                    finished.push((ticket, completion, cached));
+                }
+                Err(error) => self.fail(ticket, error),
+            }
+        }
+        let key = batch.key.clone();
+        if keep.is_empty() {
+            self.batch = None;
+        } else {
+            match batch
+                .caches
+                .iter_mut()
+                .try_for_each(|cache| cache.retain_rows(&keep))
+            {
+                Ok(()) => self.batch = Some(batch),
+                Err(error) => {
+                    for row in batch.rows {
+                        self.fail(row.ticket, error.for_each_request());
+                    }
+                }
+            }
+        }
+        for (ticket, completion, cached) in finished {
+            self.finish_request(&key, ticket, completion, Some(cached));
+        }
+    }
+
+    /// Records a finished request, offers its KV (and snapshots) to the prefix cache, and
+    /// tells the client.
+    fn finish_request(
+        &mut self,
+        key: &Path,
+        ticket: Ticket,
+        completion: Completion,
+        cached: Option<generate::CachedSequence>,
+    ) {
+        self.metrics
+            .record_completion(&ticket.model_id, ticket.request_id.as_deref(), &completion);
+        let reusable = completion.finish_reason != FinishReason::Cancelled && !ticket.has_images;
+        if let (true, Some(sequence)) = (reusable, cached) {
+            let mut evicted = 0;
+            for snapshot in sequence.snapshots {
+                evicted += self.prefix.insert(key, snapshot.tokens, snapshot.caches);
+            }
+            evicted += self.prefix.insert(key, sequence.tokens, sequence.caches);
+            self.metrics
+                .record_prefix_evictions(&ticket.model_id, evicted);
+        }
+        self.metrics.set_prefix_cache_usage(self.prefix.usage());
+        self.settle();
+        self.publish_in_flight();
+        let _ = ticket.events.send(Event::Done(completion));
     }
 
     fn unload(&mut self, dir: &Path) -> bool {
@@ -494,12 +892,9 @@ impl EngineThread {
         Ok(&self.models[&key])
     }
 
-    fn generate(
-        &mut self,
-        request: &Request,
-        events: &mpsc::Sender<Event>,
-        cancel: &AtomicBool,
-    ) -> Result<Completion> {
+    /// Everything before the first prefill chunk: the model resident, the prompt rendered
+    /// and checked against the context, the images encoded, the prefix cache consulted.
+    fn start(&mut self, request: &Request) -> Result<(PathBuf, Prefill, Option<Constraint>)> {
         let model_id = request.metrics_id();
         self.resident(&request.model)?;
         let key = self.lru.last().expect("just made resident").clone();
@@ -555,7 +950,7 @@ impl EngineThread {
                 prepare_images(&resident.loaded, tokenizer, prompt_ids, request, started)?;
             (prepared.0, Some(prepared.1))
         };
-        let max_ctx = generate::effective_context(model, &request.params, prompt_ids.len())?;
+        generate::effective_context(model, &request.params, prompt_ids.len())?;
         // Image soft tokens are one id for every image: their KV is not reusable by ids.
         let reuse = match images {
             Some(_) => None,
@@ -565,43 +960,17 @@ impl EngineThread {
             self.metrics
                 .record_prefix_lookup(&model_id, reuse.is_some());
         }
-        let has_images = images.is_some();
         let images = images.map(|pending| pending.encode()).transpose()?;
-        let _ = events.send(Event::Started {
-            prompt_tokens: prompt_ids.len(),
-            max_ctx,
-        });
-        let metrics = &self.metrics;
-        let (completion, sequence) = generate::generate_reusing(
-            model,
-            tokenizer,
+        let resident = &self.models[&key];
+        let prefill = Prefill::new(
+            resident.loaded.model.as_ref(),
+            &resident.tokenizer,
             &prompt_ids,
             &request.params,
             reuse,
-            constraint,
             images,
-            cancel,
-            |delta| {
-                metrics.set_in_flight(1, delta.kv_bytes);
-                let _ = events.send(Event::Delta {
-                    token_id: delta.token_id,
-                    text: delta.text,
-                    logprob: delta.logprob,
-                });
-            },
         )?;
-        self.metrics
-            .record_completion(&model_id, request.request_id.as_deref(), &completion);
-        if completion.finish_reason != FinishReason::Cancelled && !has_images {
-            let mut evicted = 0;
-            for snapshot in sequence.snapshots {
-                evicted += self.prefix.insert(&key, snapshot.tokens, snapshot.caches);
-            }
-            evicted += self.prefix.insert(&key, sequence.tokens, sequence.caches);
-            self.metrics.record_prefix_evictions(&model_id, evicted);
-        }
-        self.metrics.set_prefix_cache_usage(self.prefix.usage());
-        Ok(completion)
+        Ok((key, prefill, constraint))
     }
 }
 
@@ -617,9 +986,8 @@ struct PendingImages<'a> {
 }
 
 impl<'a> PendingImages<'a> {
-    fn encode(self) -> Result<crate::multimodal::ImagePrefill<'a>> {
+    fn encode(self) -> Result<crate::multimodal::ImagePrefill> {
         Ok(crate::multimodal::ImagePrefill {
-            model: self.model,
             features: self.model.encode_images(&self.input)?,
             spans: self.spans,
             blocks: self.blocks,

@@ -82,6 +82,29 @@ impl EngineError {
             Self::EngineStopped => "engine_stopped",
         }
     }
+
+    /// This error again, for each request of a batch that failed together. Errors whose
+    /// source cannot be copied (I/O, JSON, MLX exceptions inside others) keep their message.
+    pub fn for_each_request(&self) -> Self {
+        match self {
+            Self::Mlx(message) => Self::Mlx(message.clone()),
+            Self::InvalidRequest(message) => Self::InvalidRequest(message.clone()),
+            Self::ContextOverflow {
+                prompt_tokens,
+                max_ctx,
+            } => Self::ContextOverflow {
+                prompt_tokens: *prompt_tokens,
+                max_ctx: *max_ctx,
+            },
+            Self::ImageTokenMismatch { tokens, features } => Self::ImageTokenMismatch {
+                tokens: *tokens,
+                features: *features,
+            },
+            Self::QueueFull(bound) => Self::QueueFull(*bound),
+            Self::EngineStopped => Self::EngineStopped,
+            other => Self::Mlx(other.to_string()),
+        }
+    }
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -105,6 +105,9 @@ pub struct Completion {
     /// Prompt tokens whose KV came from the prefix cache instead of being computed.
     #[serde(default)]
     pub cached_tokens: usize,
+    /// The most requests that decoded together in one batch while this one did (1: alone).
+    #[serde(default = "one")]
+    pub batched_with: usize,
     pub timings: Timings,
 }
 
@@ -242,7 +245,8 @@ pub fn generate(
 /// `generate`, starting from a reused prefix's KV when given, and handing back the request's
 /// caches with the tokens they hold (for the prefix cache). `constraint` enforces
 /// `params.response_format` (from the model's cached `ConstraintFactory`); without one, a
-/// non-text format builds its own.
+/// non-text format builds its own. The engine runs the same prefill and decode steps, with
+/// other requests' rows beside this one's.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_reusing(
     model: &dyn LanguageModel,
@@ -253,271 +257,580 @@ pub fn generate_reusing(
     constraint: Option<Constraint>,
     images: Option<ImagePrefill>,
     cancel: &AtomicBool,
-    mut on_delta: impl FnMut(Delta),
+    on_delta: impl FnMut(Delta),
 ) -> Result<(Completion, CachedSequence)> {
-    let started = images
-        .as_ref()
-        .and_then(|images| images.started)
-        .unwrap_or_else(Instant::now);
-    let max_ctx = effective_context(model, params, prompt_ids.len())?;
-    let mut sampler = Sampler::new(&params.sampling)?;
-    let mut constraint = match constraint {
-        Some(constraint) => Some(constraint),
-        None => {
-            constrain::one_off_constraint(tokenizer, model.vocab_size(), &params.response_format)?
+    let mut prefill = Prefill::new(model, tokenizer, prompt_ids, params, reuse, images)?;
+    while !prefill.is_done() {
+        if cancel.load(Ordering::Relaxed) {
+            return Ok(prefill.cancelled());
         }
+        prefill.step(model)?;
+    }
+    let (sequence, mut caches) = prefill.into_sequence(model, tokenizer, constraint)?;
+    let mut row = Solo {
+        sequence,
+        cancel,
+        on_delta,
     };
-    let (mut caches, cached_tokens) = match reuse {
-        Some(reuse) if reuse.cached_tokens < prompt_ids.len() => {
-            let mut caches = reuse.caches;
-            caches
-                .iter_mut()
-                .for_each(|cache| cache.set_max_ctx(max_ctx));
-            (caches, reuse.cached_tokens)
-        }
-        _ => (model.new_cache(max_ctx), 0),
-    };
-    let chunk = params.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK).max(1);
-
-    // Prefill all but the last prompt token, evaluating the cache between chunks so no single
-    // graph grows with the prompt (the Metal watchdog kills command buffers past ~10 s).
-    let (body, last) = prompt_ids.split_at(prompt_ids.len() - 1);
-    if let Some(images) = &images {
-        multimodal::prefill(
-            images,
-            prompt_ids,
-            cached_tokens..body.len(),
-            chunk,
+    while !row.sequence.is_finished() {
+        decode_iteration(
+            model,
+            tokenizer,
             &mut caches,
+            std::slice::from_mut(&mut row),
         )?;
     }
-    let text_body = if images.is_some() {
-        0..0
-    } else {
-        cached_tokens..body.len()
-    };
-    // A recurrent state cannot be cut back to a shorter prefix, so it is snapshotted where a
-    // later prompt is likely to diverge: before each message of the rendered prompt and at
-    // the end of the prompt (turn N+1 of a chat re-renders everything after its last
-    // unchanged message).
-    let cuts = if model.rewindable() || text_body.is_empty() {
-        Vec::new()
-    } else {
-        snapshot_points(
-            prompt_ids,
-            text_body.clone(),
-            tokenizer.token_id(MESSAGE_START),
-        )
-    };
-    let mut snapshots = Vec::new();
-    for piece in split_at_cuts(text_body, chunk, &cuts) {
-        if cancel.load(Ordering::Relaxed) {
-            let sequence = CachedSequence::new(prompt_ids, &[], caches);
-            return Ok((cancelled(prompt_ids, cached_tokens, started), sequence));
+    let Solo {
+        sequence,
+        mut on_delta,
+        ..
+    } = row;
+    Ok(sequence.finish(tokenizer, caches, &mut on_delta))
+}
+
+/// The one row of a request run alone.
+struct Solo<'c, F> {
+    sequence: Sequence,
+    cancel: &'c AtomicBool,
+    on_delta: F,
+}
+
+impl<F: FnMut(Delta)> DecodeRow for Solo<'_, F> {
+    fn sequence(&mut self) -> &mut Sequence {
+        &mut self.sequence
+    }
+    fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Relaxed)
+    }
+    fn emit(&mut self, delta: Delta) {
+        (self.on_delta)(delta)
+    }
+}
+
+/// A prompt's prefill, one bounded piece at a time: the engine runs a piece of a new request
+/// between decode steps of the running ones, so no stream waits longer than one piece.
+pub struct Prefill {
+    prompt_ids: Vec<u32>,
+    params: GenerateParams,
+    caches: Vec<KvCache>,
+    cached_tokens: usize,
+    max_ctx: usize,
+    pieces: std::collections::VecDeque<std::ops::Range<usize>>,
+    /// Prompt lengths whose recurrent state is snapshotted (empty for rewindable models).
+    cuts: Vec<usize>,
+    snapshots: Vec<CachedSequence>,
+    images: Option<ImagePrefill>,
+    started: Instant,
+}
+
+impl Prefill {
+    /// Checks the request (context, log-prob count, image blocks) before any compute and
+    /// plans the pieces: all prompt tokens but the last, from the reused prefix on.
+    pub fn new(
+        model: &dyn LanguageModel,
+        tokenizer: &ChatTokenizer,
+        prompt_ids: &[u32],
+        params: &GenerateParams,
+        reuse: Option<Reuse>,
+        images: Option<ImagePrefill>,
+    ) -> Result<Self> {
+        let started = images
+            .as_ref()
+            .and_then(|images| images.started)
+            .unwrap_or_else(Instant::now);
+        let max_ctx = effective_context(model, params, prompt_ids.len())?;
+        if params.logprobs.is_some_and(|top| top > MAX_TOP_LOGPROBS) {
+            return Err(EngineError::InvalidRequest(format!(
+                "at most {MAX_TOP_LOGPROBS} top log-probs per token"
+            )));
         }
-        model.forward(
-            &as_input(&prompt_ids[piece.clone()]),
-            &mut caches,
-            Logits::Last,
-        )?;
-        transforms::eval(caches.iter().flat_map(|cache| cache.state()))?;
-        if cuts.contains(&piece.end) {
-            snapshots.push(CachedSequence {
-                tokens: prompt_ids[..piece.end].to_vec(),
-                caches: caches.clone(),
+        let (caches, cached_tokens) = match reuse {
+            Some(reuse) if reuse.cached_tokens < prompt_ids.len() => {
+                let mut caches = reuse.caches;
+                caches
+                    .iter_mut()
+                    .for_each(|cache| cache.set_max_ctx(max_ctx));
+                (caches, reuse.cached_tokens)
+            }
+            _ => (model.new_cache(max_ctx), 0),
+        };
+        let chunk = params.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK).max(1);
+        // Each piece is one bounded graph, evaluated before the next (the Metal watchdog kills
+        // command buffers past ~10 s).
+        let body = cached_tokens..prompt_ids.len() - 1;
+        let (pieces, cuts) = match &images {
+            Some(images) => {
+                if model.as_vision().is_none() {
+                    return Err(EngineError::InvalidRequest(
+                        "this model has no vision: send text only".into(),
+                    ));
+                }
+                multimodal::check_blocks(images, body.clone())?;
+                (
+                    multimodal::plan_chunks(body, chunk, &images.blocks),
+                    Vec::new(),
+                )
+            }
+            // A recurrent state cannot be cut back to a shorter prefix, so it is snapshotted
+            // where a later prompt is likely to diverge: before each message of the rendered
+            // prompt and at the end of the prompt (turn N+1 of a chat re-renders everything
+            // after its last unchanged message).
+            None if !model.rewindable() && !body.is_empty() => {
+                let cuts =
+                    snapshot_points(prompt_ids, body.clone(), tokenizer.token_id(MESSAGE_START));
+                (split_at_cuts(body, chunk, &cuts), cuts)
+            }
+            None => (split_at_cuts(body, chunk, &[]), Vec::new()),
+        };
+        Ok(Self {
+            prompt_ids: prompt_ids.to_vec(),
+            params: params.clone(),
+            caches,
+            cached_tokens,
+            max_ctx,
+            pieces: pieces.into(),
+            cuts,
+            snapshots: Vec::new(),
+            images,
+            started,
+        })
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.pieces.is_empty()
+    }
+
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_ids.len()
+    }
+
+    pub fn max_ctx(&self) -> usize {
+        self.max_ctx
+    }
+
+    pub fn caches(&self) -> &[KvCache] {
+        &self.caches
+    }
+
+    /// Prompt tokens still to prefill.
+    pub fn remaining(&self) -> usize {
+        self.pieces.iter().map(|piece| piece.len()).sum()
+    }
+
+    /// Prefills the next piece and evaluates the caches.
+    pub fn step(&mut self, model: &dyn LanguageModel) -> Result<()> {
+        let Some(piece) = self.pieces.pop_front() else {
+            return Ok(());
+        };
+        match (&self.images, model.as_vision()) {
+            (Some(images), Some(vision)) => multimodal::prefill_piece(
+                vision,
+                images,
+                &self.prompt_ids,
+                piece.clone(),
+                &mut self.caches,
+            )?,
+            _ => {
+                model.forward(
+                    &as_input(&self.prompt_ids[piece.clone()]),
+                    &mut self.caches,
+                    Logits::Last,
+                )?;
+                transforms::eval(self.caches.iter().flat_map(|cache| cache.state()))?;
+            }
+        }
+        if self.cuts.contains(&piece.end) {
+            self.snapshots.push(CachedSequence {
+                tokens: self.prompt_ids[..piece.end].to_vec(),
+                caches: self.caches.clone(),
                 snapshots: Vec::new(),
             });
         }
+        Ok(())
     }
 
-    let mut stop_ids: Vec<u32> = params.stop_token_ids.clone();
-    if !params.ignore_eos {
-        stop_ids.extend_from_slice(tokenizer.eos_token_ids());
+    /// A request cancelled before its first token: what it had prefilled goes back.
+    pub fn cancelled(self) -> (Completion, CachedSequence) {
+        let sequence = CachedSequence::new(&self.prompt_ids, &[], self.caches);
+        (
+            cancelled(&self.prompt_ids, self.cached_tokens, self.started),
+            sequence,
+        )
     }
-    let mut history: Vec<u32> = prompt_ids.to_vec();
-    // `pending` is the token fed in, still lazy: penalties see it without a host round trip.
-    if params.logprobs.is_some_and(|top| top > MAX_TOP_LOGPROBS) {
-        return Err(EngineError::InvalidRequest(format!(
-            "at most {MAX_TOP_LOGPROBS} top log-probs per token"
-        )));
+
+    /// The decode state and the caches of a fully prefilled prompt.
+    pub fn into_sequence(
+        self,
+        model: &dyn LanguageModel,
+        tokenizer: &ChatTokenizer,
+        constraint: Option<Constraint>,
+    ) -> Result<(Sequence, Vec<KvCache>)> {
+        let params = self.params;
+        let constraint = match constraint {
+            Some(constraint) => Some(constraint),
+            None => constrain::one_off_constraint(
+                tokenizer,
+                model.vocab_size(),
+                &params.response_format,
+            )?,
+        };
+        let mut stop_ids: Vec<u32> = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            stop_ids.extend_from_slice(tokenizer.eos_token_ids());
+        }
+        let last = *self
+            .prompt_ids
+            .last()
+            .expect("checked: the prompt is not empty");
+        let max_new = params
+            .max_tokens
+            .min(self.max_ctx - self.prompt_ids.len() + 1);
+        let sequence = Sequence {
+            sampler: Sampler::new(&params.sampling)?,
+            constraint,
+            stop_ids,
+            history: self.prompt_ids.clone(),
+            decoder: StreamDecoder::new(tokenizer),
+            stops: StopMatcher::new(params.stop.clone()),
+            text: String::new(),
+            token_ids: Vec::new(),
+            logprobs: params.logprobs.map(|_| Vec::new()),
+            timings: Timings::default(),
+            started: self.started,
+            last_token_at: self.started,
+            max_new,
+            context: self.max_ctx,
+            prompt_ids: self.prompt_ids,
+            cached_tokens: self.cached_tokens,
+            snapshots: self.snapshots,
+            queued: 0,
+            unread: std::collections::VecDeque::new(),
+            input: Array::from_slice(&[last as i32], &[1]),
+            finish: (max_new == 0).then_some(FinishReason::Length),
+            stop_sequence: None,
+            document_complete: false,
+            batched_with: 1,
+            params,
+        };
+        Ok((sequence, self.caches))
     }
-    let step = |input: &Array,
-                caches: &mut Vec<_>,
-                sampler: &mut Sampler,
-                history: &[u32],
-                pending: Option<&Array>,
-                constraint: Option<&mut Constraint>| {
-        let logits = model.forward(input, caches, Logits::Last)?;
-        let mut logits = logits.index((.., -1, ..));
-        if let Some(constraint) = constraint {
+}
+
+/// One request's decode state: its sampler, constraint, stop handling, text and timings.
+pub struct Sequence {
+    params: GenerateParams,
+    sampler: Sampler,
+    constraint: Option<Constraint>,
+    stop_ids: Vec<u32>,
+    /// Prompt and read tokens: what penalties see (plus the newest token, still lazy).
+    history: Vec<u32>,
+    decoder: StreamDecoder,
+    stops: StopMatcher,
+    text: String,
+    token_ids: Vec<u32>,
+    logprobs: Option<Vec<TokenLogprob>>,
+    timings: Timings,
+    started: Instant,
+    last_token_at: Instant,
+    max_new: usize,
+    context: usize,
+    prompt_ids: Vec<u32>,
+    cached_tokens: usize,
+    snapshots: Vec<CachedSequence>,
+    /// Steps built for this request (tokens sampled, read or not).
+    queued: usize,
+    /// Steps whose token the host has not read yet, oldest first (at most two).
+    unread: std::collections::VecDeque<Step>,
+    /// The token the next step feeds: the last prompt token, then each sampled one (lazy).
+    input: Array,
+    finish: Option<FinishReason>,
+    stop_sequence: Option<String>,
+    document_complete: bool,
+    /// The most rows that decoded together while this request did.
+    batched_with: usize,
+}
+
+impl Sequence {
+    pub fn is_finished(&self) -> bool {
+        self.finish.is_some()
+    }
+
+    /// Whether another token should be sampled for this request.
+    fn wants_step(&self) -> bool {
+        self.finish.is_none() && self.queued < self.max_new
+    }
+
+    /// A constrained request's next mask depends on its last token: its steps cannot be
+    /// queued ahead of reading.
+    fn is_constrained(&self) -> bool {
+        self.constraint.is_some()
+    }
+
+    pub fn prompt_ids(&self) -> &[u32] {
+        &self.prompt_ids
+    }
+
+    /// The request's effective context (its `max_ctx`).
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
+    /// Samples this request's token from its row of the batch's logits (`[1, vocab]`).
+    fn sample(&mut self, logits: &Array) -> Result<()> {
+        let mut logits = logits.clone();
+        if let Some(constraint) = self.constraint.as_mut() {
             // Start the forward, and build the grammar's mask on the host meanwhile. Adding it
             // before the processors equals mlx-lm's order: they keep -inf at -inf and x + 0 = x.
             transforms::async_eval([&logits])?;
             logits = constraint.apply(&logits)?;
         }
-        let (token, row) = sampler.sample_pending(&logits, history, pending)?;
-        let logprobs = params
+        // The newest token is still lazy when this step was queued ahead of reading it.
+        let pending = self.unread.back().map(|step| step.token.clone());
+        let (token, row) = self
+            .sampler
+            .sample_pending(&logits, &self.history, pending.as_ref())?;
+        let logprobs = self
+            .params
             .logprobs
             .map(|top| logprob_arrays(&row, &token, top))
             .transpose()?;
-        Ok::<Step, EngineError>(Step { token, logprobs })
-    };
+        self.input = token.clone();
+        self.queued += 1;
+        self.unread.push_back(Step { token, logprobs });
+        Ok(())
+    }
 
-    let mut decoder = StreamDecoder::new(tokenizer);
-    let mut stops = StopMatcher::new(params.stop.clone());
-    let mut text = String::new();
-    let mut token_ids = Vec::new();
-    let mut timings = Timings::default();
-    let mut last_token_at = started;
-    let mut finish_reason = FinishReason::Length;
-    let mut stop_sequence = None;
-    let mut document_complete = false;
-    let max_new = params.max_tokens.min(max_ctx - prompt_ids.len() + 1);
-
-    let mut logprobs = params.logprobs.map(|_| Vec::new());
-    let mut next = step(
-        &as_input(last),
-        &mut caches,
-        &mut sampler,
-        &history,
-        None,
-        constraint.as_mut(),
-    )?;
-    transforms::async_eval(next.arrays())?;
-    for index in 0..max_new {
-        let current = next;
-        // Queue step n+1 before reading token n, so the device never waits on the host. Not
-        // when constrained: the next mask depends on token n.
-        let upcoming = if index + 1 < max_new && constraint.is_none() {
-            let input = current.token.reshape(&[1, 1])?;
-            let upcoming = step(
-                &input,
-                &mut caches,
-                &mut sampler,
-                &history,
-                Some(&current.token),
-                None,
-            )?;
-            transforms::async_eval(upcoming.arrays())?;
-            Some(upcoming)
-        } else {
-            None
+    /// Reads the oldest unread token and handles it: timings, log-probs, stops, the delta.
+    fn read_one(
+        &mut self,
+        tokenizer: &ChatTokenizer,
+        kv_bytes: u64,
+        cancelled: bool,
+        emit: &mut dyn FnMut(Delta),
+    ) -> Result<()> {
+        let Some(current) = self.unread.pop_front() else {
+            return Ok(());
         };
+        if self.finish.is_some() {
+            return Ok(());
+        }
         let token = current.token.item_cast::<u32>();
         let now = Instant::now();
-        if index == 0 {
-            timings.ttft_ms = ms(now - started);
+        if self.token_ids.is_empty() {
+            self.timings.ttft_ms = ms(now - self.started);
         } else {
-            timings.itl_ms.push(ms(now - last_token_at));
+            self.timings.itl_ms.push(ms(now - self.last_token_at));
         }
-        last_token_at = now;
-        token_ids.push(token);
-        history.push(token);
-        let logprob = match (&current.logprobs, params.logprobs) {
+        self.last_token_at = now;
+        self.token_ids.push(token);
+        self.history.push(token);
+        let logprob = match (&current.logprobs, self.params.logprobs) {
             (Some(arrays), Some(top)) => {
                 transforms::eval(arrays.iter())?;
                 Some(read_logprob(tokenizer, token, arrays, top))
             }
             _ => None,
         };
-        if let (Some(all), Some(one)) = (logprobs.as_mut(), &logprob) {
+        if let (Some(all), Some(one)) = (self.logprobs.as_mut(), &logprob) {
             all.push(one.clone());
         }
-
-        if stop_ids.contains(&token) {
-            finish_reason = FinishReason::Stop;
-            break;
+        if self.stop_ids.contains(&token) {
+            self.finish = Some(FinishReason::Stop);
+            return Ok(());
         }
-        if let Some(constraint) = constraint.as_mut() {
+        if let Some(constraint) = self.constraint.as_mut() {
             constraint.consume(token)?;
         }
-        let piece = decoder.push(token);
-        let matched = stops.push(&piece);
-        text.push_str(&matched.text);
-        on_delta(Delta {
+        let piece = self.decoder.push(token);
+        let matched = self.stops.push(&piece);
+        self.text.push_str(&matched.text);
+        emit(Delta {
             token_id: token,
             text: matched.text,
             logprob,
-            kv_bytes: caches.iter().map(|cache| cache.nbytes() as u64).sum(),
+            kv_bytes,
         });
         if matched.stopped {
-            finish_reason = FinishReason::Stop;
-            stop_sequence = matched.matched;
-            break;
+            self.finish = Some(FinishReason::Stop);
+            self.stop_sequence = matched.matched;
+        } else if self
+            .constraint
+            .as_ref()
+            .is_some_and(Constraint::is_finished)
+        {
+            // A complete document: only EOS could follow, so stop without spending a step on it.
+            self.finish = Some(FinishReason::Stop);
+            self.document_complete = true;
+        } else if cancelled {
+            self.finish = Some(FinishReason::Cancelled);
+        } else if self.token_ids.len() >= self.max_new {
+            self.finish = Some(FinishReason::Length);
         }
-        // A complete document: only EOS could follow, so stop without spending a step on it.
-        if constraint.as_ref().is_some_and(Constraint::is_finished) {
-            finish_reason = FinishReason::Stop;
-            document_complete = true;
-            break;
-        }
-        if cancel.load(Ordering::Relaxed) {
-            finish_reason = FinishReason::Cancelled;
-            break;
-        }
-        next = match upcoming {
-            Some(upcoming) => upcoming,
-            None if constraint.is_some() && index + 1 < max_new => {
-                let input = current.token.reshape(&[1, 1])?;
-                let next = step(
-                    &input,
-                    &mut caches,
-                    &mut sampler,
-                    &history,
-                    None,
-                    constraint.as_mut(),
-                )?;
-                transforms::async_eval(next.arrays())?;
-                next
-            }
-            None => break,
-        };
-    }
-    if finish_reason != FinishReason::Stop || document_complete {
-        // Flush what the decoder and the stop matcher held back.
-        let tail = stops.push(&decoder.finish());
-        let mut rest = tail.text;
-        if tail.stopped {
-            finish_reason = FinishReason::Stop;
-            stop_sequence = tail.matched;
-        } else {
-            rest.push_str(&stops.finish());
-        }
-        if !rest.is_empty() {
-            text.push_str(&rest);
-            on_delta(Delta {
-                token_id: *token_ids.last().unwrap_or(&0),
-                text: rest,
-                logprob: None,
-                kv_bytes: caches.iter().map(|cache| cache.nbytes() as u64).sum(),
-            });
-        }
+        Ok(())
     }
 
-    let total = started.elapsed();
-    timings.total_ms = ms(total);
-    timings.prefill_tps = prompt_ids.len() as f64 / (timings.ttft_ms / 1000.0).max(1e-9);
-    let decode_ms: f64 = timings.itl_ms.iter().sum();
-    timings.decode_tps = if timings.itl_ms.is_empty() {
-        0.0
-    } else {
-        timings.itl_ms.len() as f64 / (decode_ms / 1000.0).max(1e-9)
+    /// Ends the request: flushes held-back text, and hands back the completion and its own
+    /// caches (one row, with the tokens they hold) for the prefix cache.
+    pub fn finish(
+        mut self,
+        tokenizer: &ChatTokenizer,
+        caches: Vec<KvCache>,
+        emit: &mut dyn FnMut(Delta),
+    ) -> (Completion, CachedSequence) {
+        let _ = tokenizer;
+        let mut finish_reason = self.finish.unwrap_or(FinishReason::Length);
+        let mut stop_sequence = self.stop_sequence.take();
+        let kv_bytes = caches.iter().map(|cache| cache.nbytes() as u64).sum();
+        if finish_reason != FinishReason::Stop || self.document_complete {
+            // Flush what the decoder and the stop matcher held back.
+            let tail = self.stops.push(&self.decoder.finish());
+            let mut rest = tail.text;
+            if tail.stopped {
+                finish_reason = FinishReason::Stop;
+                stop_sequence = tail.matched;
+            } else {
+                rest.push_str(&self.stops.finish());
+            }
+            if !rest.is_empty() {
+                self.text.push_str(&rest);
+                emit(Delta {
+                    token_id: *self.token_ids.last().unwrap_or(&0),
+                    text: rest,
+                    logprob: None,
+                    kv_bytes,
+                });
+            }
+        }
+        let mut timings = self.timings;
+        timings.total_ms = ms(self.started.elapsed());
+        timings.prefill_tps = self.prompt_ids.len() as f64 / (timings.ttft_ms / 1000.0).max(1e-9);
+        let decode_ms: f64 = timings.itl_ms.iter().sum();
+        timings.decode_tps = if timings.itl_ms.is_empty() {
+            0.0
+        } else {
+            timings.itl_ms.len() as f64 / (decode_ms / 1000.0).max(1e-9)
+        };
+        let mut sequence = CachedSequence::new(&self.prompt_ids, &self.token_ids, caches);
+        sequence.snapshots = self.snapshots;
+        let completion = Completion {
+            text: self.text,
+            prompt_tokens: self.prompt_ids.len(),
+            prompt_ids: self.prompt_ids,
+            completion_tokens: self.token_ids.len(),
+            token_ids: self.token_ids,
+            finish_reason,
+            logprobs: self.logprobs,
+            stop_sequence,
+            cached_tokens: self.cached_tokens,
+            batched_with: self.batched_with,
+            timings,
+        };
+        (completion, sequence)
+    }
+}
+
+/// A request decoding in a batch, as the decode loop sees it.
+pub(crate) trait DecodeRow {
+    fn sequence(&mut self) -> &mut Sequence;
+    /// Whether the client gave up (checked after each token).
+    fn cancelled(&self) -> bool;
+    fn emit(&mut self, delta: Delta);
+}
+
+/// One step of a batch: `rows[b]` owns row `b` of `caches`. Every row feeds its next token
+/// (one forward for all: the weights are read once for the batch); rows that need no more
+/// tokens feed their last one and get nothing back. With no constrained row, each row's step
+/// is queued before its previous token is read, so the device never waits on the host.
+pub(crate) fn decode_iteration<R: DecodeRow>(
+    model: &dyn LanguageModel,
+    tokenizer: &ChatTokenizer,
+    caches: &mut [KvCache],
+    rows: &mut [R],
+) -> Result<()> {
+    let kv_bytes = |caches: &[KvCache], rows: usize| {
+        caches
+            .iter()
+            .map(|cache| cache.nbytes() as u64)
+            .sum::<u64>()
+            / rows.max(1) as u64
     };
-    let mut sequence = CachedSequence::new(prompt_ids, &token_ids, caches);
-    sequence.snapshots = snapshots;
-    let completion = Completion {
-        text,
-        prompt_ids: prompt_ids.to_vec(),
-        completion_tokens: token_ids.len(),
-        token_ids,
-        finish_reason,
-        prompt_tokens: prompt_ids.len(),
-        logprobs,
-        stop_sequence,
-        cached_tokens,
-        timings,
-    };
-    Ok((completion, sequence))
+    let pipelined = !rows.iter_mut().any(|row| row.sequence().is_constrained());
+    if !pipelined {
+        let bytes = kv_bytes(caches, rows.len());
+        for row in rows.iter_mut() {
+            read_all(row, tokenizer, bytes, 0)?;
+        }
+    }
+    let count = rows.len();
+    let mut fresh = vec![false; count];
+    if rows.iter_mut().any(|row| row.sequence().wants_step()) {
+        let inputs: Vec<Array> = rows
+            .iter_mut()
+            .map(|row| {
+                let input = &row.sequence().input;
+                if count == 1 {
+                    input.reshape(&[1, 1])
+                } else {
+                    input.as_dtype(mlx_rs::Dtype::Int32)?.reshape(&[1, 1])
+                }
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        let input = if count == 1 {
+            inputs[0].clone()
+        } else {
+            mlx_rs::ops::concatenate(&inputs, 0)?
+        };
+        let logits = model.forward(&input, caches, Logits::Last)?;
+        let logits = logits.index((.., -1, ..));
+        let mut queued = Vec::new();
+        for (b, row) in rows.iter_mut().enumerate() {
+            let sequence = row.sequence();
+            sequence.batched_with = sequence.batched_with.max(count);
+            if !sequence.wants_step() {
+                continue;
+            }
+            let row_logits = if count == 1 {
+                logits.clone()
+            } else {
+                logits.index(b as i32..b as i32 + 1)
+            };
+            sequence.sample(&row_logits)?;
+            fresh[b] = true;
+            queued.extend(
+                sequence
+                    .unread
+                    .back()
+                    .into_iter()
+                    .flat_map(Step::arrays)
+                    .cloned(),
+            );
+        }
+        transforms::async_eval(queued.iter())?;
+    }
+    let bytes = kv_bytes(caches, rows.len());
+    for (row, fresh) in rows.iter_mut().zip(fresh) {
+        read_all(row, tokenizer, bytes, fresh as usize)?;
+    }
+    Ok(())
+}
+
+/// Reads `row`'s unread tokens until `keep` remain (or it finishes).
+fn read_all<R: DecodeRow>(
+    row: &mut R,
+    tokenizer: &ChatTokenizer,
+    kv_bytes: u64,
+    keep: usize,
+) -> Result<()> {
+    while row.sequence().unread.len() > keep && !row.sequence().is_finished() {
+        let cancelled = row.cancelled();
+        let mut deltas = Vec::new();
+        row.sequence()
+            .read_one(tokenizer, kv_bytes, cancelled, &mut |delta| {
+                deltas.push(delta)
+            })?;
+        deltas.into_iter().for_each(|delta| row.emit(delta));
+    }
+    Ok(())
 }
 
 /// The token each chat message of the rendered prompt starts with (Qwen's ChatML opener).
@@ -600,6 +913,10 @@ impl CachedSequence {
     }
 }
 
+fn one() -> usize {
+    1
+}
+
 fn ms(duration: std::time::Duration) -> f64 {
     duration.as_secs_f64() * 1000.0
 }
@@ -615,6 +932,7 @@ fn cancelled(prompt_ids: &[u32], cached_tokens: usize, started: Instant) -> Comp
         logprobs: None,
         stop_sequence: None,
         cached_tokens,
+        batched_with: 1,
         timings: Timings {
             total_ms: ms(started.elapsed()),
             ..Timings::default()

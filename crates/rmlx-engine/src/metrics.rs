@@ -518,6 +518,7 @@ mod tests {
             logprobs: None,
             stop_sequence: None,
             cached_tokens: 0,
+            batched_with: 1,
             timings: Timings {
                 ttft_ms: ttft,
                 itl_ms: vec![2.0; tokens.saturating_sub(1)],

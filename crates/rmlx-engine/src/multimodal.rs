@@ -19,8 +19,7 @@ use crate::{
 };
 
 /// A prompt's images, ready for prefill.
-pub struct ImagePrefill<'a> {
-    pub model: &'a dyn VisionLanguageModel,
+pub struct ImagePrefill {
     pub features: VisionFeatures,
     /// Where each image's soft tokens sit in the prompt, in image order.
     pub spans: Vec<Range<usize>>,
@@ -56,51 +55,69 @@ pub fn plan_chunks(range: Range<usize>, chunk: usize, spans: &[Range<usize>]) ->
 /// Prefills `prompt[range]` into `caches` (all but the last prompt token, as text prefill
 /// does), evaluating the cache between chunks.
 pub fn prefill(
+    model: &dyn VisionLanguageModel,
     images: &ImagePrefill,
     prompt: &[u32],
     range: Range<usize>,
     chunk: usize,
     caches: &mut [KvCache],
 ) -> Result<()> {
+    check_blocks(images, range.clone())?;
+    for piece in plan_chunks(range, chunk, &images.blocks) {
+        prefill_piece(model, images, prompt, piece, caches)?;
+    }
+    Ok(())
+}
+
+/// Refuses a prompt whose last image block reaches past `range` (the prefilled part).
+pub fn check_blocks(images: &ImagePrefill, range: Range<usize>) -> Result<()> {
     if let Some(span) = images.blocks.iter().find(|block| block.end > range.end) {
         return Err(EngineError::InvalidRequest(format!(
             "an image block ends the prompt (tokens {span:?}); text must follow it"
         )));
     }
+    Ok(())
+}
+
+/// One piece of [`plan_chunks`] with the features of the image blocks inside it, then the
+/// caches evaluated.
+pub fn prefill_piece(
+    model: &dyn VisionLanguageModel,
+    images: &ImagePrefill,
+    prompt: &[u32],
+    piece: Range<usize>,
+    caches: &mut [KvCache],
+) -> Result<()> {
     // Feature rows of image i start at row_starts[i].
     let mut row_starts = vec![0usize];
     for span in &images.spans {
         row_starts.push(row_starts.last().unwrap() + span.len());
     }
-    for piece in plan_chunks(range, chunk, &images.blocks) {
-        let inside: Vec<usize> = (0..images.blocks.len())
-            .filter(|&i| images.blocks[i].start >= piece.start && images.blocks[i].end <= piece.end)
-            .collect();
-        let ids: Vec<i32> = prompt[piece.clone()].iter().map(|&id| id as i32).collect();
-        let input = Array::from_slice(&ids, &[1, ids.len() as i32]);
-        match (inside.first(), inside.last()) {
-            (Some(&first), Some(&last)) => {
-                let rows = row_starts[first] as i32..row_starts[last + 1] as i32;
-                let features = VisionFeatures {
-                    embeds: images.features.embeds.index(rows.clone()),
-                    deepstack: images
-                        .features
-                        .deepstack
-                        .iter()
-                        .map(|layer| layer.index(rows.clone()))
-                        .collect(),
-                    grid_thw: images.features.grid_thw[first..=last].to_vec(),
-                };
-                images
-                    .model
-                    .forward_with_images(&input, Some(&features), caches, Logits::Last)?;
-            }
-            _ => {
-                images.model.forward(&input, caches, Logits::Last)?;
-            }
+    let inside: Vec<usize> = (0..images.blocks.len())
+        .filter(|&i| images.blocks[i].start >= piece.start && images.blocks[i].end <= piece.end)
+        .collect();
+    let ids: Vec<i32> = prompt[piece.clone()].iter().map(|&id| id as i32).collect();
+    let input = Array::from_slice(&ids, &[1, ids.len() as i32]);
+    match (inside.first(), inside.last()) {
+        (Some(&first), Some(&last)) => {
+            let rows = row_starts[first] as i32..row_starts[last + 1] as i32;
+            let features = VisionFeatures {
+                embeds: images.features.embeds.index(rows.clone()),
+                deepstack: images
+                    .features
+                    .deepstack
+                    .iter()
+                    .map(|layer| layer.index(rows.clone()))
+                    .collect(),
+                grid_thw: images.features.grid_thw[first..=last].to_vec(),
+            };
+            model.forward_with_images(&input, Some(&features), caches, Logits::Last)?;
         }
-        transforms::eval(caches.iter().flat_map(|cache| cache.state()))?;
+        _ => {
+            model.forward(&input, caches, Logits::Last)?;
+        }
     }
+    transforms::eval(caches.iter().flat_map(|cache| cache.state()))?;
     Ok(())
 }
 

@@ -292,3 +292,23 @@ pub fn rotate_half(x: &Array) -> Result<Array> {
     let x2 = x.index((.., .., .., half..));
     Ok(ops::concatenate(&[ops::negative(&x2)?, x1], -1)?)
 }
+
+/// `fast::rope` at a cache's offset: one number for a single sequence, one per row for a
+/// padded batch (MLX rotates row `b` from `offset[b]`).
+pub fn rope(
+    x: &Array,
+    dims: i32,
+    traditional: bool,
+    base: Option<f32>,
+    scale: f32,
+    offset: &crate::cache::RopeOffset,
+    freqs: Option<&Array>,
+) -> Result<Array> {
+    use crate::cache::RopeOffset;
+    Ok(match offset {
+        RopeOffset::At(at) => mlx_rs::fast::rope(x, dims, traditional, base, scale, *at, freqs)?,
+        RopeOffset::PerRow(rows) => {
+            mlx_rs::fast::rope_dynamic(x, dims, traditional, base, scale, rows, freqs)?
+        }
+    })
+}

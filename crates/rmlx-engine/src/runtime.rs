@@ -158,13 +158,15 @@ pub fn total_memory() -> Option<u64> {
     }
 }
 
-/// What serving the model at a context of `max_ctx` positions takes: [`memory_needed`] plus
-/// the KV cache filled to that context (the model's own context when None), sized from its
-/// already-read `config` (config.json).
+/// What serving the model at a context of `max_ctx` positions to batches of up to `rows`
+/// requests takes: [`memory_needed`] plus the KV cache filled to that context (the model's own
+/// context when None; a batch's rows share it, the engine admits no more) and each row's
+/// recurrent state, sized from its already-read `config` (config.json).
 pub fn memory_needed_at(
     dir: &std::path::Path,
     config: &serde_json::Value,
     max_ctx: Option<usize>,
+    rows: usize,
 ) -> std::io::Result<u64> {
     let weights = memory_needed(dir)?;
     let context = max_ctx.or_else(|| {
@@ -175,7 +177,8 @@ pub fn memory_needed_at(
             .map(|n| n as usize)
     });
     let kv = crate::models::structure::kv_bytes_per_token(config) * context.unwrap_or(0) as u64;
-    Ok(weights + kv + crate::models::structure::recurrent_state_bytes(config))
+    let state = crate::models::structure::recurrent_state_bytes(config) * rows.max(1) as u64;
+    Ok(weights + kv + state)
 }
 
 /// What loading the model in `dir` needs: its `.safetensors` weights (every expert included)

@@ -6,8 +6,10 @@ use std::path::PathBuf;
 
 use rmlx_engine::{
     chat::ChatTokenizer,
-    engine::{Engine, Event, Prompt, Request},
-    generate::{FinishReason, GenerateParams},
+    engine::{Engine, EngineOptions, Event, Prompt, Request},
+    constrain::ResponseFormat,
+    generate::{Completion, FinishReason, GenerateParams},
+    sample::SamplingParams,
     EngineError,
 };
 
@@ -313,4 +315,307 @@ fn listing_models_does_not_wait_behind_a_generation() {
     handle.wait().unwrap();
     assert!(engine.unload(&fixture("qwen3-tiny")).unwrap());
     assert!(engine.loaded().unwrap().is_empty());
+}
+
+/// One request of the batching tests: a chat turn, greedy, with the top-2 log-probs.
+fn batch_request(dir: &str, text: &str, image: Option<&str>, max_tokens: usize) -> Request {
+    let content = match image {
+        Some(_) => serde_json::json!([{"type": "image"}, {"type": "text", "text": text}]),
+        None => serde_json::json!(text),
+    };
+    Request {
+        model: fixture(dir),
+        prompt: Prompt::Chat {
+            messages: vec![serde_json::json!({"role": "user", "content": content})],
+            options: rmlx_engine::chat::TemplateOptions {
+                add_generation_prompt: true,
+                ..Default::default()
+            },
+        },
+        images: image
+            .map(|name| {
+                image::open(fixture("vision-images").join(name))
+                    .unwrap()
+                    .to_rgb8()
+            })
+            .into_iter()
+            .collect(),
+        params: GenerateParams {
+            max_tokens,
+            ignore_eos: true,
+            logprobs: Some(2),
+            ..GenerateParams::default()
+        },
+        ..Request::default()
+    }
+}
+
+/// Teacher-forced comparison of a batched answer with the same request run alone: while the
+/// tokens agree, every log-prob (chosen and top-2) within `tolerance`; where the solo run's top-2
+/// margin is at least 0.05 the greedy ids must agree, below it the batch may pick the other
+/// token and the comparison ends there.
+fn assert_same_answer(what: &str, solo: &Completion, batched: &Completion, tolerance: f32) {
+    assert_eq!(solo.prompt_ids, batched.prompt_ids, "{what}: prompt ids");
+    let (solo_lp, batched_lp) = (
+        solo.logprobs.as_ref().unwrap(),
+        batched.logprobs.as_ref().unwrap(),
+    );
+    assert_eq!(solo_lp.len(), batched_lp.len(), "{what}: token count");
+    for (step, (s, b)) in solo_lp.iter().zip(batched_lp).enumerate() {
+        let margin = s.top[0].logprob - s.top[1].logprob;
+        if s.token_id != b.token_id {
+            assert!(
+                margin < 0.05,
+                "{what}: step {step}: batched {} vs solo {} at margin {margin}",
+                b.token_id,
+                s.token_id
+            );
+            return;
+        }
+        let pairs = std::iter::once((s.logprob, b.logprob)).chain(
+            s.top
+                .iter()
+                .zip(&b.top)
+                .map(|(s, b)| (s.logprob, b.logprob)),
+        );
+        for (s_lp, b_lp) in pairs {
+            assert!(
+                (s_lp - b_lp).abs() <= tolerance,
+                "{what}: step {step}: log-prob {b_lp} batched vs {s_lp} alone"
+            );
+        }
+    }
+}
+
+/// Continuous batching in every family: four requests of different prompt lengths and token
+/// budgets (so rows join mid-decode, padded, and leave while others go on; with an image
+/// where the family sees) each equal their solo runs, and the same batch again is served from
+/// the prefix cache with the same answers.
+#[test]
+fn batched_requests_equal_their_solo_runs_in_every_family() {
+    // (fixture, sees images, log-prob tolerance): 1e-4 in fp32; the 4-bit checkpoint computes
+    // in bf16 (its scales' dtype), where a batched matmul rounds differently at bf16's ~3 digits.
+    let families: [(&str, bool, f32); 6] = [
+        ("qwen3-tiny", false, 1e-4),
+        ("qwen3-tiny-4bit", false, 0.1),
+        ("qwen3-vl-tiny", true, 1e-4),
+        ("gemma4-tiny", true, 1e-4),
+        ("releases/qwen3.5-0.8b", true, 1e-4),
+        ("releases/qwen3.6-35b-a3b", true, 1e-4),
+    ];
+    let turns: [(&str, Option<&str>, usize); 4] = [
+        ("Hi", None, 12),
+        (
+            "Describe this picture in many words",
+            Some("gradient_64x48.png"),
+            5,
+        ),
+        ("2+2?", None, 16),
+        (
+            "Zürich, 東京 🙂 and a few more words to make this prompt the longest",
+            None,
+            9,
+        ),
+    ];
+    for (dir, sees, tolerance) in families {
+        let turns: Vec<_> = turns
+            .iter()
+            .filter(|(_, image, _)| sees || image.is_none())
+            .collect();
+        let alone = Engine::start_with(EngineOptions {
+            max_batch: 1,
+            prefix_cache_bytes: 0,
+            prefix_snapshot_bytes: 0,
+            ..EngineOptions::default()
+        })
+        .unwrap();
+        let solo: Vec<Completion> = turns
+            .iter()
+            .map(|(text, image, max)| {
+                let request = batch_request(dir, text, *image, *max);
+                alone.submit(request).unwrap().wait().unwrap()
+            })
+            .collect();
+        assert!(solo.iter().all(|completion| completion.batched_with == 1));
+        drop(alone);
+        let engine = Engine::start(16).unwrap();
+        for round in ["first", "repeated"] {
+            let handles: Vec<_> = turns
+                .iter()
+                .map(|(text, image, max)| {
+                    engine
+                        .submit(batch_request(dir, text, *image, *max))
+                        .unwrap()
+                })
+                .collect();
+            let batched: Vec<Completion> = handles
+                .into_iter()
+                .map(|handle| handle.wait().unwrap())
+                .collect();
+            let widest = batched.iter().map(|c| c.batched_with).max().unwrap();
+            assert!(widest >= 3, "{dir}: at most {widest} rows decoded together");
+            for (index, (solo, batched)) in solo.iter().zip(&batched).enumerate() {
+                let what = format!("{dir} {round} #{index}");
+                assert_same_answer(&what, solo, batched, tolerance);
+            }
+            if round == "repeated" {
+                for (completion, (_, image, _)) in batched.iter().zip(&turns) {
+                    // Image soft tokens are not reusable by ids; text prompts are.
+                    assert_eq!(
+                        completion.cached_tokens > 0,
+                        image.is_none(),
+                        "{dir}: cached {}",
+                        completion.cached_tokens
+                    );
+                }
+            }
+        }
+        let idle = engine.metrics();
+        assert_eq!((idle.in_flight, idle.kv_cache_bytes), (0, 0));
+    }
+}
+
+/// What each request of a batch keeps to itself: a seeded sampler, penalties with a logit
+/// bias, a stop string, a JSON constraint (which turns pipelining off for the whole batch) and
+/// a cancel flag. Run together, each gives what it gives alone; the cancelled one ends
+/// cancelled and the others are unaffected.
+#[test]
+fn batched_requests_keep_their_own_parameters() {
+    let base = |text: &str, max_tokens: usize| {
+        let mut request = request(text, max_tokens);
+        request.params.ignore_eos = false;
+        request
+    };
+    let mut seeded = base("Pick a colour", 20);
+    seeded.params.sampling = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: Some(11),
+        ..SamplingParams::default()
+    };
+    let mut penalised = base("Say something repetitive", 20);
+    penalised.params.sampling = SamplingParams {
+        repetition_penalty: Some(1.3),
+        presence_penalty: 0.4,
+        logit_bias: [(106, 4.0), (381, -100.0)].into_iter().collect(),
+        ..SamplingParams::default()
+    };
+    let mut stopped = base("Count to ten", 40);
+    stopped.params.ignore_eos = true;
+    let mut json = base("Give me a JSON object", 24);
+    json.params.response_format = ResponseFormat::JsonObject;
+    let requests = [seeded, penalised, stopped, json];
+
+    let alone = Engine::start_with(EngineOptions {
+        max_batch: 1,
+        prefix_cache_bytes: 0,
+        ..EngineOptions::default()
+    })
+    .unwrap();
+    let mut solo: Vec<Completion> = requests
+        .iter()
+        .map(|request| alone.submit(request.clone()).unwrap().wait().unwrap())
+        .collect();
+    // A stop string the greedy answer reaches halfway: the batched run must stop there too.
+    let text = &solo[2].text;
+    let cut = text
+        .char_indices()
+        .map(|(at, _)| at)
+        .find(|&at| at >= text.len() / 2)
+        .unwrap();
+    let stop: String = text[cut..].chars().take(3).collect();
+    let mut requests = requests.to_vec();
+    requests[2].params.stop = vec![stop.clone()];
+    solo[2] = alone.submit(requests[2].clone()).unwrap().wait().unwrap();
+    assert_eq!(solo[2].stop_sequence.as_deref(), Some(stop.as_str()));
+    drop(alone);
+
+    let engine = Engine::start_with(EngineOptions {
+        prefix_cache_bytes: 0,
+        ..EngineOptions::default()
+    })
+    .unwrap();
+    let handles: Vec<_> = requests
+        .iter()
+        .map(|request| engine.submit(request.clone()).unwrap())
+        .collect();
+    let doomed = engine.submit(request("This one is cancelled", 1500)).unwrap();
+    loop {
+        if let Event::Delta { .. } = doomed.events.recv().unwrap() {
+            break;
+        }
+    }
+    doomed.cancel();
+    let batched: Vec<Completion> = handles
+        .into_iter()
+        .map(|handle| handle.wait().unwrap())
+        .collect();
+    let cancelled = doomed.wait().unwrap();
+    assert_eq!(cancelled.finish_reason, FinishReason::Cancelled);
+    assert!(cancelled.completion_tokens < 1500);
+    assert!(batched.iter().any(|completion| completion.batched_with >= 4));
+    for (index, (solo, batched)) in solo.iter().zip(&batched).enumerate() {
+        assert_eq!(batched.token_ids, solo.token_ids, "request {index}");
+        assert_eq!(batched.text, solo.text, "request {index}");
+        assert_eq!(batched.finish_reason, solo.finish_reason, "request {index}");
+        assert_eq!(batched.stop_sequence, solo.stop_sequence, "request {index}");
+    }
+    assert!(
+        batched[3].text.trim_start().starts_with('{'),
+        "{}",
+        batched[3].text
+    );
+}
+
+/// A new request's prompt is prefilled a chunk at a time between the running batch's decode
+/// steps: a running stream keeps getting tokens while a long prompt is being prefilled.
+#[test]
+fn a_long_prefill_does_not_stall_running_streams() {
+    let engine = Engine::start(4).unwrap();
+    let running = engine.submit(request("Keep talking", 1500)).unwrap();
+    loop {
+        if let Event::Delta { .. } = running.events.recv().unwrap() {
+            break;
+        }
+    }
+    // Short enough that both rows fit the batch's KV budget (one 2048-token context).
+    let words = "river mountain garden station ".repeat(60);
+    let mut long = request(&words, 2);
+    long.params.prefill_chunk = Some(32);
+    let long = engine.submit(long).unwrap();
+    // Timestamps of the running stream's tokens, read on their own thread.
+    let reader = std::thread::spawn(move || {
+        let mut stamps = Vec::new();
+        for event in running.events.iter() {
+            if let Event::Delta { .. } = event {
+                stamps.push(std::time::Instant::now());
+                if stamps.len() == 400 {
+                    break;
+                }
+            }
+        }
+        stamps
+    });
+    let mut started = None;
+    let first_token = loop {
+        match long.events.recv().unwrap() {
+            Event::Started { prompt_tokens, .. } => {
+                assert!(prompt_tokens > 500, "{prompt_tokens}");
+                started = Some(std::time::Instant::now());
+            }
+            Event::Delta { .. } => break std::time::Instant::now(),
+            Event::Error(error) => panic!("{error}"),
+            Event::Done(_) => panic!("done before a token"),
+        }
+    };
+    let started = started.expect("Started comes first");
+    let stamps = reader.join().unwrap();
+    // It joined the running stream rather than waiting for it to end.
+    assert!(first_token < stamps[399]);
+    let during = stamps
+        .iter()
+        .filter(|&&stamp| stamp > started && stamp < first_token)
+        .count();
+    // About one running token per 32-token chunk (15+ chunks); alone it would be none.
+    assert!(during >= 10, "{during} tokens of the running stream during the prefill");
 }

@@ -196,13 +196,20 @@ fn cached_decode(
         Some(features) => {
             let (spans, blocks) = spans_and_blocks(prompt);
             let images = ImagePrefill {
-                model: model.as_vision().unwrap(),
                 features,
                 spans,
                 blocks,
                 started: None,
             };
-            prefill(&images, prompt, 0..last, chunk, &mut caches).unwrap();
+            prefill(
+                model.as_vision().unwrap(),
+                &images,
+                prompt,
+                0..last,
+                chunk,
+                &mut caches,
+            )
+            .unwrap();
         }
         None => {
             for start in (0..last).step_by(chunk) {

@@ -53,6 +53,8 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     pub cors_origins: Vec<String>,
     pub max_queue: usize,
+    /// Requests decoding together at most (continuous batching).
+    pub max_batch: usize,
     pub max_body_mb: usize,
     /// Bytes the prefix cache keeps of finished requests' KV.
     pub prefix_cache_bytes: u64,
@@ -77,6 +79,7 @@ impl Default for ServerConfig {
             api_key: None,
             cors_origins: Vec::new(),
             max_queue: 64,
+            max_batch: EngineOptions::default().max_batch,
             prefix_cache_bytes: EngineOptions::default().prefix_cache_bytes,
             prefix_snapshot_bytes: EngineOptions::default().prefix_snapshot_bytes,
             ui_dir: None,
@@ -102,6 +105,7 @@ impl AppState {
     pub fn new(config: ServerConfig) -> anyhow::Result<Self> {
         let engine = Engine::start_with(EngineOptions {
             max_queue: config.max_queue,
+            max_batch: config.max_batch,
             max_loaded: config.max_loaded,
             prefix_cache_bytes: config.prefix_cache_bytes,
             prefix_snapshot_bytes: config.prefix_snapshot_bytes,

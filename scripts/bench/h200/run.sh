@@ -14,8 +14,13 @@
 #   two-turn conversations through `rmlx serve` (turn-2 TTFT with the prefix cache vs turn 1).
 #   Env: Q35_PROMPT (512), Q35_GEN (128), Q35_RUNS (5), Q35_CHATS (3), Q35_WORDS (1500),
 #   Q35_GDN (mlx-vlm's GDN prefill: chunked,sequential).
+# MODE=concurrency (step 2 instead): random Qwen3-4B-shaped bf16 and 4-bit checkpoints with the
+#   real vocabulary (make_qwen3_bench_model.py, on the GPU); on each, single-stream decode and
+#   warm TTFT through `rmlx serve` interleaved with mlx-lm's generate_step (bench.py), then
+#   1 / 4 / 8 / 16 concurrent streams through `rmlx serve` and mlx-lm's server (concurrency.py).
+#   Env: C_MODELS ("bf16 4bit"), C_STREAMS (1,4,8,16), C_RUNS (5), C_TOKENS (128), C_PROMPT (512).
 # Env: SIZES (default 2560,512), RUNS (3), MODE (warm, cold, both: images.py --mode; or
-# qwen3_5; default both), LIMIT (seconds from the start by which the bench must end, 575: the
+# qwen3_5 or concurrency; default both), LIMIT (seconds from the start by which the bench must end, 575: the
 # tool's limit is 600 and what is under $OUT comes back), OUT.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../../.." && pwd)
@@ -39,7 +44,7 @@ if [[ ! -f $SITE/.stage-a ]]; then
   step "unpack a"
   if [[ ! -f $A/rmlx.xz ]]; then mkdir -p "$(dirname "$A")" && cp -r .bench/h200/a "$A" || exit 1; fi
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    "$A"/mlx-0.32.2-*.whl "$A"/mlx_vlm-0.7.6-*.whl || exit 1
+    "$A"/mlx-0.32.2-*.whl "$A"/mlx_vlm-0.7.6-*.whl "$A"/mlx_lm-0.32.2-*.whl || exit 1
   mkdir -p "$SITE/mlx/lib" /tmp/rmlx
   tar -C "$SITE/mlx" -xJf "$A/mlx-include.tar.xz" || exit 1
   tar -C "$SITE" -xJf "$A/mlx_cuda_13.libs.tar.xz" || exit 1
@@ -93,6 +98,30 @@ if [[ $MODE == qwen3_5 ]]; then
     --chat-turns "${Q35_CHATS:-3}" --chat-words "${Q35_WORDS:-1500}" \
     --server-log "$OUT/rmlx-serve.log" --json-out "$OUT/h200-qwen3_5.json"
   rc=$?
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  step "done ($rc)"
+  exit $rc
+fi
+
+if [[ $MODE == concurrency ]]; then
+  step "models qwen3 4b"
+  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$A/qwen.tiktoken" \
+    > /tmp/q3-paths || exit 1
+  rc=0
+  for kind in ${C_MODELS:-bf16 4bit}; do
+    model=$BENCH/qwen3-4b-shape-$kind
+    step "single stream $kind"
+    left=$(( LIMIT - SECONDS ))
+    RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/bench.py --model "$model" \
+      --rmlx /tmp/rmlx/rmlx --reference mlx-lm --rmlx-via serve --device gpu --prompt-tokens "${C_PROMPT:-512}" \
+      --gen-tokens "${C_TOKENS:-128}" --runs "${C_RUNS:-5}" --server-log "$OUT/rmlx-serve-$kind.log" \
+      --json-out "$OUT/h200-single-$kind.json" || rc=1
+    step "concurrent streams $kind"
+    left=$(( LIMIT - SECONDS ))
+    RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/concurrency.py --model "$model" \
+      --rmlx /tmp/rmlx/rmlx --streams "${C_STREAMS:-1,4,8,16}" --runs "${C_RUNS:-5}" \
+      --max-tokens "${C_TOKENS:-128}" --rmlx-args "--max-batch 16" --json-out "$OUT/h200-concurrency-$kind.json" || rc=1
+  done
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
   step "done ($rc)"
   exit $rc

@@ -3,15 +3,16 @@
 
 use std::path::Path;
 
-use mlx_rs::{fast, fast::ScaledDotProductAttentionMask, ops, ops::indexing::IndexOp, Array};
+use mlx_rs::{ops, ops::indexing::IndexOp, Array};
 use serde::{Deserialize, Serialize};
 
 use super::{LanguageModel, Logits};
 use crate::{
-    cache::KvCache,
+    attention::attend_cached,
+    cache::{KvCache, RopeOffset},
     config::{ConfigFile, QuantizationConfig},
     error::{EngineError, Result},
-    nn::{swiglu, Embedding, Linear, RmsNorm},
+    nn::{rope, swiglu, Embedding, Linear, RmsNorm},
     weights::WeightStore,
 };
 
@@ -179,7 +180,7 @@ impl Attention {
         &self,
         x: &Array,
         cache: &mut KvCache,
-        rotate: impl Fn(&Array, i32) -> Result<Array>,
+        rotate: impl Fn(&Array, &RopeOffset) -> Result<Array>,
     ) -> Result<Array> {
         let (batch, len) = (x.shape()[0], x.shape()[1]);
         let heads =
@@ -195,15 +196,14 @@ impl Attention {
         let values =
             heads(self.v_proj.forward(x)?, self.n_kv_heads)?.transpose_axes(&[0, 2, 1, 3])?;
 
-        let offset = cache.offset();
-        let queries = rotate(&queries, offset)?;
-        let keys = rotate(&keys, offset)?;
+        let offset = cache.rope_offset();
+        let queries = rotate(&queries, &offset)?;
+        let keys = rotate(&keys, &offset)?;
         let (keys, values) = cache.update_and_fetch(&keys, &values)?;
 
-        // One query needs no mask; a chunk is causal against everything cached before it.
-        let mask = (len > 1).then_some(ScaledDotProductAttentionMask::Causal);
-        let output =
-            fast::scaled_dot_product_attention(&queries, &keys, &values, self.scale, mask, None)?;
+        // One query needs no mask (but a padded batch's); a chunk is causal against everything
+        // cached before it.
+        let output = attend_cached(&queries, &keys, &values, self.scale, cache)?;
         let output = output
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[batch, len, -1])?;
@@ -329,7 +329,7 @@ impl TransformerBlock {
         let (base, scale) = self.rope;
         let dims = self.self_attn.head_dim;
         let rotate =
-            |x: &Array, offset: i32| Ok(fast::rope(x, dims, false, base, scale, offset, None)?);
+            |x: &Array, offset: &RopeOffset| rope(x, dims, false, Some(base), scale, offset, None);
         let h = ops::add(
             x,
             self.self_attn

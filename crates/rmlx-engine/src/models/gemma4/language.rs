@@ -7,18 +7,19 @@
 
 use std::ops::Range;
 
-use mlx_rs::{fast, fast::ScaledDotProductAttentionMask, ops, ops::indexing::IndexOp, Array};
+use mlx_rs::{fast, ops, ops::indexing::IndexOp, Array};
 
 use super::config::{Config, LayerRope, TextConfig};
 use crate::{
-    cache::KvCache,
+    attention::Mask,
+    cache::{KvCache, RopeOffset},
     config::QuantizationConfig,
     error::{EngineError, Result},
     models::{
         switch::{combine, GluActivation, SwitchGlu, SwitchLinear},
         Logits,
     },
-    nn::{gelu_approx, scalar, Embedding, Linear, RmsNorm},
+    nn::{gelu_approx, rope, scalar, Embedding, Linear, RmsNorm},
     weights::{DtypeKind, WeightStore},
 };
 
@@ -88,31 +89,12 @@ impl Rotary {
         })
     }
 
-    fn apply(&self, x: &Array, offset: i32) -> Result<Array> {
-        Ok(match self {
-            Rotary::Plain { dims, theta } => {
-                fast::rope(x, *dims, false, *theta, 1.0, offset, None)?
-            }
-            Rotary::Proportional { dims, freqs } => {
-                fast::rope(x, *dims, false, None, 1.0, offset, freqs)?
-            }
-        })
-    }
-}
-
-/// The attention mask of one layer type for the current chunk.
-enum Mask {
-    None,
-    Causal,
-    Array(Array),
-}
-
-impl Mask {
-    fn as_sdpa(&self) -> Option<ScaledDotProductAttentionMask<'_>> {
+    fn apply(&self, x: &Array, offset: &RopeOffset) -> Result<Array> {
         match self {
-            Mask::None => None,
-            Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
-            Mask::Array(mask) => Some(ScaledDotProductAttentionMask::Array(mask)),
+            Rotary::Plain { dims, theta } => rope(x, *dims, false, Some(*theta), 1.0, offset, None),
+            Rotary::Proportional { dims, freqs } => {
+                rope(x, *dims, false, None, 1.0, offset, Some(freqs))
+            }
         }
     }
 }
@@ -128,14 +110,27 @@ struct ChunkMasks {
 
 impl ChunkMasks {
     /// `images`: soft-token spans inside this chunk (chunk-relative) that attend both ways.
-    fn new(offset: i32, len: i32, window: i32, images: &[Range<usize>]) -> Result<Self> {
+    /// `cache`: the first layer's, whose rows (a padded batch) the decode masks follow.
+    fn new(cache: &KvCache, len: i32, window: i32, images: &[Range<usize>]) -> Result<Self> {
+        let offset = cache.offset();
         let sliding_start = (offset - window + 1).max(0);
         if len == 1 {
+            let padding = |start| -> Result<Mask> {
+                Ok(match cache.padding_mask(start, offset + 1)? {
+                    Some(mask) => Mask::Array(mask),
+                    None => Mask::None,
+                })
+            };
             return Ok(Self {
-                full: Mask::None,
-                sliding: Mask::None,
+                full: padding(0)?,
+                sliding: padding(sliding_start)?,
                 sliding_start,
             });
+        }
+        if cache.is_padded() {
+            return Err(EngineError::InvalidRequest(
+                "a batch decodes one token per row at a time; prompts prefill alone".into(),
+            ));
         }
         let full = if images.is_empty() {
             Mask::Causal
@@ -292,7 +287,7 @@ impl Attention {
         x: &Array,
         cache: Option<&mut KvCache>,
         shared: Option<&(Array, Array)>,
-        offset: i32,
+        offset: &RopeOffset,
         masks: &ChunkMasks,
     ) -> Result<(Array, (Array, Array))> {
         let (batch, len) = (x.shape()[0], x.shape()[1]);
@@ -601,7 +596,7 @@ impl DecoderLayer {
         cache: Option<&mut KvCache>,
         shared: Option<&(Array, Array)>,
         per_layer_input: Option<&Array>,
-        offset: i32,
+        offset: &RopeOffset,
         masks: &ChunkMasks,
     ) -> Result<(Array, (Array, Array))> {
         let (attended, kv) = self.self_attn.forward(
@@ -798,8 +793,11 @@ impl LanguageModel {
         }
         let per_layer = self.per_layer_inputs(per_layer_ids, &h)?;
         let len = h.shape()[1];
-        let offset = caches.first().map_or(0, KvCache::offset);
-        let masks = ChunkMasks::new(offset, len, self.args.sliding_window, images)?;
+        let first = caches
+            .first()
+            .ok_or_else(|| EngineError::InvalidRequest("Gemma 4 needs its layer caches".into()))?;
+        let offset = first.rope_offset();
+        let masks = ChunkMasks::new(first, len, self.args.sliding_window, images)?;
         let mut shared: Vec<Option<(Array, Array)>> = vec![None; self.layers.len()];
         for (index, layer) in self.layers.iter().enumerate() {
             let source = self.kv_source[index];
@@ -811,7 +809,7 @@ impl LanguageModel {
             } else {
                 (None, shared[source].as_ref())
             };
-            let (out, kv) = layer.forward(&h, cache, reused, input.as_ref(), offset, &masks)?;
+            let (out, kv) = layer.forward(&h, cache, reused, input.as_ref(), &offset, &masks)?;
             h = out;
             if index < self.first_shared {
                 shared[index] = Some(kv);

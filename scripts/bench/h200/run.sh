@@ -78,6 +78,8 @@ if [[ ! -f $SITE/mlx/lib/libmlx.so ]]; then
   mv "$SITE/mlx/lib/libmlx.so.partial" "$SITE/mlx/lib/libmlx.so"
 fi
 
+TIKTOKEN=$A/qwen.tiktoken
+[[ -f $TIKTOKEN ]] || TIKTOKEN=$B/qwen.tiktoken
 step check
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import sys, mlx.core as mx, transformers; print(sys.version.split()[0], 'mlx', mx.__version__, mx.default_device(), 'transformers', transformers.__version__, (mx.ones((64, 64)) @ mx.ones((64, 64))).sum().item())" || exit 1
@@ -105,13 +107,14 @@ fi
 
 if [[ $MODE == concurrency ]]; then
   step "models qwen3 4b"
-  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$A/qwen.tiktoken" \
+  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$TIKTOKEN" \
     > /tmp/q3-paths || exit 1
   rc=0
   for kind in ${C_MODELS:-bf16 4bit}; do
     model=$BENCH/qwen3-4b-shape-$kind
     step "single stream $kind"
-    left=$(( LIMIT - SECONDS ))
+    [[ ${C_SINGLE:-1} == 1 ]] || { echo "skipped (C_SINGLE=0)"; }
+    [[ ${C_SINGLE:-1} == 1 ]] && left=$(( LIMIT - SECONDS )) &&
     RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/bench.py --model "$model" \
       --rmlx /tmp/rmlx/rmlx --reference mlx-lm --rmlx-via serve --device gpu --prompt-tokens "${C_PROMPT:-512}" \
       --gen-tokens "${C_TOKENS:-128}" --runs "${C_RUNS:-5}" --server-log "$OUT/rmlx-serve-$kind.log" \
@@ -129,7 +132,7 @@ fi
 
 if [[ ! -f $BENCH/qwen3-vl-4b-bf16/config.json ]]; then
   step model
-  python3 scripts/bench/make_vl_bench_model.py --shape 4b --device gpu --out "$BENCH" --tiktoken "$A/qwen.tiktoken" || exit 1
+  python3 scripts/bench/make_vl_bench_model.py --shape 4b --device gpu --out "$BENCH" --tiktoken "$TIKTOKEN" || exit 1
   du -sh "$BENCH/qwen3-vl-4b-bf16"
 fi
 

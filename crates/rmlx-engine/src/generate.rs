@@ -3,6 +3,8 @@
 //! `stream_generate`).
 
 use std::{
+    cell::OnceCell,
+    rc::Rc,
     sync::atomic::{AtomicBool, Ordering},
     time::Instant,
 };
@@ -147,6 +149,26 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 struct Step {
     token: Array,
     logprobs: Option<[Array; 3]>,
+    /// Where the token was sampled with the rest of its batch: row `.1` of those tokens, read
+    /// to the host once for every row.
+    batch: Option<(Rc<BatchTokens>, usize)>,
+}
+
+/// One decode step's tokens for all rows of a batch (`[B]`, uint32), read to the host at most
+/// once: one device read per step instead of one per row.
+struct BatchTokens {
+    tokens: Array,
+    host: OnceCell<Vec<u32>>,
+}
+
+impl BatchTokens {
+    fn get(&self, row: usize) -> Result<u32> {
+        if self.host.get().is_none() {
+            transforms::eval([&self.tokens])?;
+            let _ = self.host.set(self.tokens.as_slice::<u32>().to_vec());
+        }
+        Ok(self.host.get().expect("set above")[row])
+    }
 }
 
 impl Step {
@@ -506,6 +528,7 @@ impl Prefill {
             queued: 0,
             unread: std::collections::VecDeque::new(),
             input: Array::from_slice(&[last as i32], &[1]),
+            input_row: None,
             finish: (max_new == 0).then_some(FinishReason::Length),
             stop_sequence: None,
             document_complete: false,
@@ -543,6 +566,9 @@ pub struct Sequence {
     unread: std::collections::VecDeque<Step>,
     /// The token the next step feeds: the last prompt token, then each sampled one (lazy).
     input: Array,
+    /// Set when `input` is row `.1` of a batch's tokens: a batch whose rows all still hold
+    /// their own row of the same tokens feeds them as they are, without a concatenate.
+    input_row: Option<(Rc<BatchTokens>, usize)>,
     finish: Option<FinishReason>,
     stop_sequence: Option<String>,
     document_complete: bool,
@@ -595,8 +621,43 @@ impl Sequence {
             .map(|top| logprob_arrays(&row, &token, top))
             .transpose()?;
         self.input = token.clone();
+        self.input_row = None;
         self.queued += 1;
-        self.unread.push_back(Step { token, logprobs });
+        self.unread.push_back(Step {
+            token,
+            logprobs,
+            batch: None,
+        });
+        Ok(())
+    }
+
+    /// Whether this row's token is the argmax of its raw log-probs (see
+    /// [`Sampler::is_plain_greedy`]): such rows of a batch are sampled together.
+    fn is_plain_greedy(&self) -> bool {
+        self.constraint.is_none() && self.sampler.is_plain_greedy()
+    }
+
+    /// Takes row `row` of a batch sampled together (`logprobs`: the batch's `[B, vocab]`).
+    fn take_batched(
+        &mut self,
+        batch: &Rc<BatchTokens>,
+        row: usize,
+        logprobs: &Array,
+    ) -> Result<()> {
+        let token = batch.tokens.index(row as i32);
+        let logprobs = self
+            .params
+            .logprobs
+            .map(|top| logprob_arrays(&logprobs.index(row as i32), &token, top))
+            .transpose()?;
+        self.input = token.clone();
+        self.input_row = Some((batch.clone(), row));
+        self.queued += 1;
+        self.unread.push_back(Step {
+            token,
+            logprobs,
+            batch: Some((batch.clone(), row)),
+        });
         Ok(())
     }
 
@@ -614,7 +675,10 @@ impl Sequence {
         if self.finish.is_some() {
             return Ok(());
         }
-        let token = current.token.item_cast::<u32>();
+        let token = match &current.batch {
+            Some((batch, row)) => batch.get(*row)?,
+            None => current.token.item_cast::<u32>(),
+        };
         let now = Instant::now();
         if self.token_ids.is_empty() {
             self.timings.ttft_ms = ms(now - self.started);
@@ -764,46 +828,63 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
     let count = rows.len();
     let mut fresh = vec![false; count];
     if rows.iter_mut().any(|row| row.sequence().wants_step()) {
-        let inputs: Vec<Array> = rows
-            .iter_mut()
-            .map(|row| {
-                let input = &row.sequence().input;
-                if count == 1 {
-                    input.reshape(&[1, 1])
-                } else {
-                    input.as_dtype(mlx_rs::Dtype::Int32)?.reshape(&[1, 1])
-                }
-            })
-            .collect::<std::result::Result<_, _>>()?;
-        let input = if count == 1 {
-            inputs[0].clone()
-        } else {
-            mlx_rs::ops::concatenate(&inputs, 0)?
-        };
+        let input = batch_input(rows)?;
         let logits = model.forward(&input, caches, Logits::Last)?;
         let logits = logits.index((.., -1, ..));
         let mut queued = Vec::new();
-        for (b, row) in rows.iter_mut().enumerate() {
-            let sequence = row.sequence();
-            sequence.batched_with = sequence.batched_with.max(count);
-            if !sequence.wants_step() {
-                continue;
+        // Greedy rows with no processor are sampled in one op for the whole batch (one
+        // log-softmax, one argmax, one host read), not row by row.
+        let together = count > 1 && rows.iter_mut().all(|row| row.sequence().is_plain_greedy());
+        if together {
+            let logprobs = crate::sample::log_softmax(&logits)?;
+            let batch = Rc::new(BatchTokens {
+                tokens: crate::sample::greedy(&logprobs)?,
+                host: OnceCell::new(),
+            });
+            queued.push(batch.tokens.clone());
+            for (b, row) in rows.iter_mut().enumerate() {
+                let sequence = row.sequence();
+                sequence.batched_with = sequence.batched_with.max(count);
+                if !sequence.wants_step() {
+                    // It feeds this row's argmax and gets nothing back (its KV past its end
+                    // is never kept), so the next step's input stays one array.
+                    sequence.input = batch.tokens.index(b as i32);
+                    sequence.input_row = Some((batch.clone(), b));
+                    continue;
+                }
+                sequence.take_batched(&batch, b, &logprobs)?;
+                fresh[b] = true;
+                queued.extend(
+                    sequence
+                        .unread
+                        .back()
+                        .into_iter()
+                        .flat_map(|step| step.logprobs.iter().flatten().cloned()),
+                );
             }
-            let row_logits = if count == 1 {
-                logits.clone()
-            } else {
-                logits.index(b as i32..b as i32 + 1)
-            };
-            sequence.sample(&row_logits)?;
-            fresh[b] = true;
-            queued.extend(
-                sequence
-                    .unread
-                    .back()
-                    .into_iter()
-                    .flat_map(Step::arrays)
-                    .cloned(),
-            );
+        } else {
+            for (b, row) in rows.iter_mut().enumerate() {
+                let sequence = row.sequence();
+                sequence.batched_with = sequence.batched_with.max(count);
+                if !sequence.wants_step() {
+                    continue;
+                }
+                let row_logits = if count == 1 {
+                    logits.clone()
+                } else {
+                    logits.index(b as i32..b as i32 + 1)
+                };
+                sequence.sample(&row_logits)?;
+                fresh[b] = true;
+                queued.extend(
+                    sequence
+                        .unread
+                        .back()
+                        .into_iter()
+                        .flat_map(Step::arrays)
+                        .cloned(),
+                );
+            }
         }
         transforms::async_eval(queued.iter())?;
     }
@@ -812,6 +893,42 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
         read_all(row, tokenizer, bytes, fresh as usize)?;
     }
     Ok(())
+}
+
+/// The `[B, 1]` input of a decode step: the rows' next tokens. When every row still holds its
+/// own row of one batch's tokens (the batch neither grew nor shrank since), those tokens as
+/// they are; otherwise one concatenate of the rows' inputs.
+fn batch_input<R: DecodeRow>(rows: &mut [R]) -> Result<Array> {
+    let count = rows.len();
+    if count == 1 {
+        return Ok(rows[0].sequence().input.reshape(&[1, 1])?);
+    }
+    let shared = rows[0]
+        .sequence()
+        .input_row
+        .as_ref()
+        .map(|(batch, _)| batch.clone());
+    if let Some(batch) = shared.filter(|batch| batch.tokens.shape() == [count as i32]) {
+        let aligned = rows.iter_mut().enumerate().all(|(b, row)| {
+            row.sequence()
+                .input_row
+                .as_ref()
+                .is_some_and(|(own, index)| Rc::ptr_eq(own, &batch) && *index == b)
+        });
+        if aligned {
+            return Ok(batch.tokens.reshape(&[count as i32, 1])?);
+        }
+    }
+    let inputs: Vec<Array> = rows
+        .iter_mut()
+        .map(|row| {
+            row.sequence()
+                .input
+                .as_dtype(mlx_rs::Dtype::Int32)?
+                .reshape(&[1, 1])
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    Ok(mlx_rs::ops::concatenate(&inputs, 0)?)
 }
 
 /// Reads `row`'s unread tokens until `keep` remain (or it finishes).

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use rmlx_engine::{
     chat::ChatTokenizer,
-    engine::{Engine, EngineOptions, Event, Prompt, Request},
     constrain::ResponseFormat,
+    engine::{Engine, EngineOptions, Event, Prompt, Request},
     generate::{Completion, FinishReason, GenerateParams},
     sample::SamplingParams,
     EngineError,
@@ -539,7 +539,9 @@ fn batched_requests_keep_their_own_parameters() {
         .iter()
         .map(|request| engine.submit(request.clone()).unwrap())
         .collect();
-    let doomed = engine.submit(request("This one is cancelled", 1500)).unwrap();
+    let doomed = engine
+        .submit(request("This one is cancelled", 1500))
+        .unwrap();
     loop {
         if let Event::Delta { .. } = doomed.events.recv().unwrap() {
             break;
@@ -553,7 +555,9 @@ fn batched_requests_keep_their_own_parameters() {
     let cancelled = doomed.wait().unwrap();
     assert_eq!(cancelled.finish_reason, FinishReason::Cancelled);
     assert!(cancelled.completion_tokens < 1500);
-    assert!(batched.iter().any(|completion| completion.batched_with >= 4));
+    assert!(batched
+        .iter()
+        .any(|completion| completion.batched_with >= 4));
     for (index, (solo, batched)) in solo.iter().zip(&batched).enumerate() {
         assert_eq!(batched.token_ids, solo.token_ids, "request {index}");
         assert_eq!(batched.text, solo.text, "request {index}");
@@ -617,5 +621,8 @@ fn a_long_prefill_does_not_stall_running_streams() {
         .filter(|&&stamp| stamp > started && stamp < first_token)
         .count();
     // About one running token per 32-token chunk (15+ chunks); alone it would be none.
-    assert!(during >= 10, "{during} tokens of the running stream during the prefill");
+    assert!(
+        during >= 10,
+        "{during} tokens of the running stream during the prefill"
+    );
 }

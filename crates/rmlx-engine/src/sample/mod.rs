@@ -225,6 +225,12 @@ impl Sampler {
         self.sample_pending(logits, history, None)
     }
 
+    /// Greedy with no processor: the token is the argmax of the raw log-probs, so a batch of
+    /// such rows can be sampled in one op over all rows.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.params.is_greedy() && self.processors.is_empty()
+    }
+
     /// `sample` with the newest id still lazy; see `process_pending`.
     pub fn sample_pending(
         &mut self,

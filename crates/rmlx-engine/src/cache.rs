@@ -116,7 +116,17 @@ impl KvCache {
             return RopeOffset::At(self.offset);
         }
         let offsets = self.row_offsets();
-        RopeOffset::PerRow(Array::from_slice(&offsets, &[offsets.len() as i32]))
+        RopeOffset::PerRow(STEP_ARRAYS.with(|memo| {
+            let mut memo = memo.borrow_mut();
+            match &memo.offsets {
+                Some((key, array)) if *key == offsets => array.clone(),
+                _ => {
+                    let array = Array::from_slice(&offsets, &[offsets.len() as i32]);
+                    memo.offsets = Some((offsets, array.clone()));
+                    array
+                }
+            }
+        }))
     }
 
     /// Which of key columns `start..end` each row may attend to, `[B, 1, 1, end - start]`;
@@ -125,11 +135,22 @@ impl KvCache {
         let Some(rows) = self.rows.as_ref().filter(|_| self.is_padded()) else {
             return Ok(None);
         };
+        let key = (rows.left_padding.clone(), start, end);
+        if let Some(mask) = STEP_ARRAYS.with(|memo| {
+            memo.borrow()
+                .mask
+                .as_ref()
+                .filter(|(held, _)| *held == key)
+                .map(|(_, mask)| mask.clone())
+        }) {
+            return Ok(Some(mask));
+        }
         let batch = rows.left_padding.len() as i32;
         let pads = Array::from_slice(&rows.left_padding, &[batch, 1]);
         let columns = ops::arange::<_, i32>(start, end, None)?.reshape(&[1, end - start])?;
-        let mask = ops::ge(&columns, &pads)?;
-        Ok(Some(mask.reshape(&[batch, 1, 1, end - start])?))
+        let mask = ops::ge(&columns, &pads)?.reshape(&[batch, 1, 1, end - start])?;
+        STEP_ARRAYS.with(|memo| memo.borrow_mut().mask = Some((key, mask.clone())));
+        Ok(Some(mask))
     }
 
     /// Appends the rows of `other` (one request's cache, or another batch) after this cache's.
@@ -407,6 +428,23 @@ impl KvCache {
     pub fn nbytes(&self) -> usize {
         self.state().iter().map(|array| array.nbytes()).sum()
     }
+}
+
+/// The last padding mask and per-row RoPE offsets built on this thread (the engine thread):
+/// every layer of a decode step asks for the same ones, since all its caches hold the same
+/// rows, and each is an upload plus a few ops that a 36-layer step would otherwise repeat 36
+/// times.
+#[derive(Default)]
+struct StepArrays {
+    /// Keyed by (left paddings, first column, end column).
+    mask: Option<(MaskKey, Array)>,
+    offsets: Option<(Vec<i32>, Array)>,
+}
+
+type MaskKey = (Vec<i32>, i32, i32);
+
+thread_local! {
+    static STEP_ARRAYS: std::cell::RefCell<StepArrays> = std::cell::RefCell::default();
 }
 
 /// `[rows, heads, pad + len, dim]`: `pad` zero columns, then the first `len` columns of

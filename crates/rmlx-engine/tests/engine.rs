@@ -442,10 +442,11 @@ fn batched_requests_equal_their_solo_runs_in_every_family() {
         for round in ["first", "repeated"] {
             let handles: Vec<_> = turns
                 .iter()
-                .map(|(text, image, max)| {
-                    engine
-                        .submit(batch_request(dir, text, *image, *max))
-                        .unwrap()
+                .enumerate()
+                .map(|(index, (text, image, max))| {
+                    let mut request = batch_request(dir, text, *image, *max);
+                    request.request_id = Some(format!("{round}-{index}"));
+                    engine.submit(request).unwrap()
                 })
                 .collect();
             let batched: Vec<Completion> = handles
@@ -457,6 +458,21 @@ fn batched_requests_equal_their_solo_runs_in_every_family() {
             for (index, (solo, batched)) in solo.iter().zip(&batched).enumerate() {
                 let what = format!("{dir} {round} #{index}");
                 assert_same_answer(&what, solo, batched, tolerance);
+            }
+            // Metrics stay per request: each row's own TTFT, every gap, tokens and cache hit.
+            let recent = engine.metrics().recent;
+            for (index, completion) in batched.iter().enumerate() {
+                let id = format!("{round}-{index}");
+                let record = recent
+                    .iter()
+                    .find(|record| record.id.as_deref() == Some(id.as_str()))
+                    .unwrap_or_else(|| panic!("{dir}: no metrics for {id}"));
+                assert_eq!(record.tokens_out, completion.completion_tokens);
+                assert_eq!(record.tokens_in, completion.prompt_tokens);
+                assert_eq!(record.cached_tokens, completion.cached_tokens);
+                assert_eq!(record.itl_ms, completion.timings.itl_ms);
+                assert_eq!(record.itl_ms.len() + 1, completion.completion_tokens);
+                assert!(record.ttft_ms > 0.0 && record.ttft_ms == completion.timings.ttft_ms);
             }
             if round == "repeated" {
                 for (completion, (_, image, _)) in batched.iter().zip(&turns) {

@@ -7,7 +7,7 @@ ifdef CI
 export CARGO_INCREMENTAL ?= 0
 endif
 
-.PHONY: run generate test scripts-test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-build ui-test app-deps app-test clean-mlx bench
+.PHONY: run generate test scripts-test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-build ui-test app-deps app-test clean-mlx bench soak
 
 ## Provide the pinned MLX + mlx-c pair under .mlx/ (idempotent; apt packages when root).
 bootstrap:
@@ -81,6 +81,12 @@ scripts-test:
 	tests/scripts/apt-lock.sh
 
 test: scripts-test fmt-check clippy cargo-test ui-test app-test
+
+## SOAK_MINUTES (5) of mixed traffic against a real server, with the load test's end checks
+## (not part of `make test`).
+SOAK_MINUTES ?= 5
+soak: bootstrap
+	SOAK_MINUTES=$(SOAK_MINUTES) $(CARGO) test -p rmlx-server --test load -- --ignored soak --nocapture
 
 ## rmlx vs mlx-lm on benchmark-sized random checkpoints (not part of `make test`).
 bench:

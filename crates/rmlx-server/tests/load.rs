@@ -291,3 +291,131 @@ async fn loopback_load_and_large_image() {
     let _ = stop.send(());
     server.await.unwrap().unwrap();
 }
+
+/// One request of the soak: the load test's mix (both APIs, streamed and not, a quarter of
+/// the streams cut) for six of every eight, then a picture for the vision fixture and a JSON
+/// mode request. Returns what it was, for the counts.
+async fn soak_one(addr: SocketAddr, i: usize, image_uri: &str) -> &'static str {
+    match i % 8 {
+        0..=5 => {
+            if run_one(addr, i).await {
+                "text"
+            } else {
+                "cut"
+            }
+        }
+        6 => {
+            let body = json!({"model": "qwen3-vl-tiny", "max_tokens": 3, "stream": i % 16 == 6,
+                "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": image_uri}},
+                    {"type": "text", "text": format!("Picture {i}: what is it?")}]}]});
+            let (status, text) = call(addr, "POST", "/v1/chat/completions", Some(&body)).await;
+            assert_eq!(status, StatusCode::OK, "image request {i}: {text}");
+            assert!(text.contains("\"choices\""), "image request {i}: {text}");
+            "image"
+        }
+        _ => {
+            let body = json!({"model": MODEL, "max_tokens": 12,
+                "response_format": {"type": "json_object"},
+                "messages": [{"role": "user", "content": format!("JSON {i}, please")}]});
+            let (status, text) = call(addr, "POST", "/v1/chat/completions", Some(&body)).await;
+            assert_eq!(status, StatusCode::OK, "JSON request {i}: {text}");
+            let reply: Value = serde_json::from_str(&text).unwrap();
+            let content = reply["choices"][0]["message"]["content"].as_str().unwrap();
+            assert!(
+                content.trim_start().starts_with('{'),
+                "JSON request {i}: {content}"
+            );
+            "json"
+        }
+    }
+}
+
+/// `make soak` (not in `make test`): `SOAK_MINUTES` (default 5) of mixed traffic from 8
+/// clients on a real socket, two models resident (text and vision), then the load test's end
+/// checks: healthy, idle, no live KV, no error counted, MLX memory back to idle plus what the
+/// prefix cache keeps. Prints the counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "a soak of minutes: make soak"]
+async fn soak() {
+    let minutes: f64 = std::env::var("SOAK_MINUTES")
+        .ok()
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(5.0);
+    let mut config = config();
+    config
+        .models
+        .push(fixture().with_file_name("qwen3-vl-tiny"));
+    config.max_loaded = 2;
+    let state = rmlx_server::AppState::new(config).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(rmlx_server::serve_on(listener, state.clone(), async {
+        let _ = stopped.await;
+    }));
+    for model in [MODEL, "qwen3-vl-tiny"] {
+        let path = format!("/v1/models/{model}/load");
+        let (status, text) = call(addr, "POST", &path, Some(&json!({}))).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+    }
+    let idle = cache_metrics(addr).await["active_memory_bytes"]
+        .as_u64()
+        .unwrap();
+    let png = std::fs::read(fixture().join("../vision-images/gradient_64x48.png")).unwrap();
+    let image_uri = format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(&png)
+    );
+
+    let started = std::time::Instant::now();
+    let until = started + Duration::from_secs_f64(minutes * 60.0);
+    let image_uri = &image_uri;
+    let kinds: Vec<&'static str> = stream::iter(0..)
+        .take_while(|_| std::future::ready(std::time::Instant::now() < until))
+        .map(|i| soak_one(addr, i, image_uri))
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    let elapsed = started.elapsed();
+
+    let (status, _) = call(addr, "GET", "/health", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let metrics = loop {
+        let metrics = cache_metrics(addr).await;
+        if metrics["in_flight"] == 0 && metrics["queue_depth"] == 0 {
+            break metrics;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never idle: {metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(metrics["kv_cache_bytes"], 0);
+    assert!(
+        metrics["error_counts"].as_object().unwrap().is_empty(),
+        "{metrics}"
+    );
+    let active = metrics["active_memory_bytes"].as_u64().unwrap();
+    let kept = metrics["prefix_cache_bytes"].as_u64().unwrap();
+    let count = |kind: &str| kinds.iter().filter(|k| **k == kind).count();
+    eprintln!(
+        "soak: {} requests in {elapsed:.0?} ({:.1}/s): {} text (chat + messages, streamed and not), \
+         {} cut mid-stream, {} with an image, {} JSON mode; MLX active memory idle {idle}, after {active}, \
+         prefix cache {kept}",
+        kinds.len(),
+        kinds.len() as f64 / elapsed.as_secs_f64(),
+        count("text"),
+        count("cut"),
+        count("image"),
+        count("json"),
+    );
+    assert!(
+        active <= idle + kept + MEMORY_SLACK,
+        "active {active} > idle {idle} + prefix cache {kept} + slack"
+    );
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+}

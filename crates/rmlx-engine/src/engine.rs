@@ -838,6 +838,11 @@ impl EngineThread {
         self.metrics.set_prefix_cache_usage(self.prefix.usage());
         let removed = self.models.remove(&key).is_some();
         self.publish_resident();
+        // The weights' buffers go back to the system, not to MLX's buffer cache, unless a
+        // running batch may reuse them (unloading another model while one decodes).
+        if removed && self.batch.is_none() && self.admitting.is_none() {
+            crate::runtime::release_cached_memory();
+        }
         removed
     }
 

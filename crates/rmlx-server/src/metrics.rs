@@ -45,8 +45,9 @@ fn latency(model_id: &str, summary: &Summary) -> Value {
            "count": summary.count})
 }
 
-/// The `/metrics/cache` body. Memory figures are process-wide (MLX has one allocator) and the
-/// engine runs one request at a time, so each model entry repeats the global live KV and memory.
+/// The `/metrics/cache` body. Memory figures are process-wide (MLX has one allocator; the
+/// running batch holds one model's requests), so each model entry repeats the global live KV
+/// and memory.
 pub fn cache_json(snapshot: &MetricsSnapshot) -> Value {
     let models: Vec<Value> = snapshot
         .models
@@ -98,6 +99,7 @@ pub fn cache_json(snapshot: &MetricsSnapshot) -> Value {
         "prefix_snapshot_bytes": snapshot.prefix_snapshot_bytes,
         "active_memory_bytes": snapshot.mlx_active_bytes,
         "peak_memory_bytes": snapshot.mlx_peak_bytes,
+        "cache_memory_bytes": snapshot.mlx_cache_bytes,
         "error_counts": snapshot.error_counts,
     })
 }

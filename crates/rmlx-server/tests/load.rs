@@ -173,6 +173,13 @@ async fn cache_metrics(addr: SocketAddr) -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// This process's resident set (Linux `/proc/self/statm`; None elsewhere).
+fn resident_set_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
+}
+
 /// A 2560x2560 RGBA PNG of noise (incompressible, so as large as such a PNG gets).
 fn noise_png() -> Vec<u8> {
     let side = 2560u32;
@@ -213,6 +220,25 @@ async fn loopback_load_and_large_image() {
         let _ = stopped.await;
     }));
 
+    // A first cycle (load, a few requests, unload) pages in the code and the allocator arenas
+    // that any use needs once, so the baseline below measures what requests leave behind.
+    for i in 0..16 {
+        run_one(addr, i).await;
+    }
+    let (status, text) = call(
+        addr,
+        "POST",
+        &format!("/v1/models/{MODEL}/unload"),
+        Some(&json!({})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let (baseline, rss_before) = (
+        cache_metrics(addr).await["active_memory_bytes"]
+            .as_u64()
+            .unwrap(),
+        resident_set_bytes(),
+    );
     // Idle: the model loaded, nothing running, nothing cached yet.
     let (status, text) = call(
         addr,
@@ -263,6 +289,42 @@ async fn loopback_load_and_large_image() {
     );
     eprintln!("load: {REQUESTS} requests in {load_time:?}; memory idle {idle}, after {active}, prefix cache {kept}");
     assert!(load_time < Duration::from_secs(45), "{load_time:?}");
+
+    // Unloading gives everything back: MLX active memory to its pre-load baseline (the buffer
+    // cache is cleared as the engine goes idle), the process's resident set to within 64 MiB
+    // plus a tenth of the weights of where it was.
+    let (status, text) = call(
+        addr,
+        "POST",
+        &format!("/v1/models/{MODEL}/unload"),
+        Some(&json!({})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let after = cache_metrics(addr).await;
+    let (active_after, cache_after) = (
+        after["active_memory_bytes"].as_u64().unwrap(),
+        after["cache_memory_bytes"].as_u64().unwrap(),
+    );
+    let weights = std::fs::metadata(fixture().join("model.safetensors"))
+        .unwrap()
+        .len();
+    let rss_after = resident_set_bytes();
+    eprintln!(
+        "load: after unload MLX active {active_after} (baseline {baseline}), buffer cache \
+         {cache_after}; RSS {rss_after:?} (before loading {rss_before:?}, weights {weights})"
+    );
+    assert!(
+        active_after <= baseline + (1 << 20),
+        "active {active_after} > baseline {baseline} + 1 MiB"
+    );
+    assert_eq!(cache_after, 0, "{after}");
+    if let (Some(before), Some(now)) = (rss_before, rss_after) {
+        assert!(
+            now <= before + (64 << 20) + weights / 10,
+            "RSS {now} > {before} + 64 MiB + a tenth of {weights}"
+        );
+    }
 
     // A real 2560x2560 PNG as a data URI fits the default body limit: it reaches the image
     // check (no vision here) instead of a 413.

@@ -1,6 +1,7 @@
 //! `rmlx pull` end to end, as a subprocess against the imitation hub (`rmlx_hub::testing` on
 //! 127.0.0.1, no internet) serving tests/fixtures/qwen3-tiny: a pull, an interrupted pull that a
-//! rerun resumes with Range, a corrupted file, bad ids, and the env defaults.
+//! rerun resumes with Range, a corrupted file, bad ids, the env defaults, and `rmlx serve`
+//! killed (SIGKILL) mid-download then restarted.
 //! Reference: huggingface_hub `commands/download.py` (the CLI this mirrors).
 
 use std::{
@@ -167,4 +168,133 @@ fn hub_url_models_dir_and_token_come_from_the_environment() {
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("access denied (HTTP 401)"), "{stderr}");
     assert!(stderr.contains("HF_TOKEN"), "{stderr}");
+}
+
+/// One HTTP/1.1 exchange with `rmlx serve` on loopback (the tests need no client crate).
+fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> (u16, serde_json::Value) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let body = body.unwrap_or("");
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    let (head, payload) = reply.split_once("\r\n\r\n").unwrap();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_str(payload).unwrap_or_default())
+}
+
+/// `rmlx serve` downloading into `models_dir`, and the port it listens on (its first line).
+fn serve(hub: &TestHub, models_dir: &Path) -> (std::process::Child, u16) {
+    use std::io::BufRead;
+    let mut child = rmlx()
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--hub-url",
+            hub.url(),
+            "--models-dir",
+        ])
+        .arg(models_dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let port = line
+        .trim()
+        .rsplit(':')
+        .next()
+        .and_then(|port| port.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    (child, port)
+}
+
+/// The server killed with SIGKILL in the middle of a download (no chance to clean up), then
+/// started again: the same download continues its partial file with a Range request and ends
+/// with files identical to the hub's.
+#[test]
+fn a_server_killed_mid_download_resumes_after_a_restart() {
+    let hub = hub();
+    let models = tempfile::tempdir().unwrap();
+    let model_dir = models.path().join(REPO);
+    let partial = model_dir.join(format!("{WEIGHTS}.partial"));
+    hub.set(|switches| switches.trickle = Some(std::time::Duration::from_millis(40)));
+    let (mut server, port) = serve(&hub, models.path());
+    let body = format!(r#"{{"repo": "{REPO}"}}"#);
+    let (status, job) = http(port, "POST", "/admin/downloads", Some(&body));
+    assert_eq!(status, 202, "{job}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::fs::metadata(&partial).map_or(0, |meta| meta.len()) < 100_000 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the download never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    server.kill().unwrap(); // SIGKILL
+    server.wait().unwrap();
+    let kept = std::fs::metadata(&partial).unwrap().len();
+    let total = std::fs::metadata(fixture("qwen3-tiny").join(WEIGHTS))
+        .unwrap()
+        .len();
+    assert!(kept > 0 && kept < total, "kept {kept} of {total}");
+    assert!(!model_dir.join(WEIGHTS).exists());
+
+    hub.set(|switches| switches.trickle = None);
+    hub.clear_requests();
+    let (mut server, port) = serve(&hub, models.path());
+    let (status, job) = http(port, "POST", "/admin/downloads", Some(&body));
+    assert_eq!(status, 202, "{job}");
+    let id = job["id"].as_str().unwrap().to_string();
+    let job = loop {
+        let (_, job) = http(port, "GET", &format!("/admin/downloads/{id}"), None);
+        match job["state"].as_str() {
+            Some("done") => break job,
+            Some("failed" | "cancelled") => panic!("{job}"),
+            _ => {}
+        }
+        assert!(std::time::Instant::now() < deadline, "never done: {job}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    server.kill().unwrap();
+    server.wait().unwrap();
+    assert_eq!(job["model_id"], REPO);
+    assert_identical(&model_dir);
+    let ranges: Vec<_> = hub
+        .requests()
+        .into_iter()
+        .filter(|request| {
+            request
+                .path
+                .ends_with(&format!("/resolve/{COMMIT}/{WEIGHTS}"))
+        })
+        .map(|request| request.range)
+        .collect();
+    // The restart asked only for what the killed server had not written (a partial file
+    // may hold a little more than its last flush: never less than `kept`).
+    assert_eq!(ranges.len(), 1, "{ranges:?}");
+    let from: u64 = ranges[0]
+        .as_deref()
+        .and_then(|range| {
+            range
+                .strip_prefix("bytes=")?
+                .strip_suffix('-')?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("{ranges:?}"));
+    assert!(
+        from >= kept && from < total,
+        "resumed from {from}, kept {kept} of {total}"
+    );
 }

@@ -113,6 +113,13 @@ fn main() -> ExitCode {
             );
         }));
     }
+    // Past a file-size limit (`ulimit -f`) the kernel sends SIGXFSZ, which would end the
+    // process mid-download; ignored, the write fails with EFBIG and the job reports it.
+    #[cfg(unix)]
+    // SAFETY: setting a signal's disposition to SIG_IGN before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate(args),

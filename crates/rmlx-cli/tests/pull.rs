@@ -191,8 +191,30 @@ fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> (u16, serde_
 
 /// `rmlx serve` downloading into `models_dir`, and the port it listens on (its first line).
 fn serve(hub: &TestHub, models_dir: &Path) -> (std::process::Child, u16) {
+    serve_limited(hub, models_dir, None)
+}
+
+/// [`serve`], under `prlimit --fsize` when a file-size limit is given.
+fn serve_limited(
+    hub: &TestHub,
+    models_dir: &Path,
+    fsize: Option<u64>,
+) -> (std::process::Child, u16) {
     use std::io::BufRead;
-    let mut child = rmlx()
+    let mut command = match fsize {
+        Some(bytes) => {
+            let mut command = Command::new("prlimit");
+            command
+                .arg(format!("--fsize={bytes}"))
+                .arg(env!("CARGO_BIN_EXE_rmlx"));
+            for key in ["HF_TOKEN", "HF_ENDPOINT", "RMLX_MODELS_DIR"] {
+                command.env_remove(key);
+            }
+            command
+        }
+        None => rmlx(),
+    };
+    let mut child = command
         .args([
             "serve",
             "--port",
@@ -297,4 +319,70 @@ fn a_server_killed_mid_download_resumes_after_a_restart() {
         from >= kept && from < total,
         "resumed from {from}, kept {kept} of {total}"
     );
+}
+
+/// A models folder on a 600 KB tmpfs (made here; the tests run as root): the weights do not
+/// fit, so the download fails with a clear error, and the half-written model is not listed.
+/// Where mounting is refused, the server runs under `prlimit --fsize` instead (a write past
+/// the limit fails with EFBIG: rmlx ignores SIGXFSZ), so the test never skips.
+#[test]
+fn a_full_disk_fails_the_download_clearly_and_lists_no_half_model() {
+    let hub = hub();
+    let scratch = tempfile::tempdir().unwrap();
+    let models = scratch.path().join("models");
+    std::fs::create_dir_all(&models).unwrap();
+    // RMLX_TEST_NO_MOUNT=1 takes the prlimit path even where mounting works.
+    let mounted = std::env::var_os("RMLX_TEST_NO_MOUNT").is_none()
+        && Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=600k", "tmpfs"])
+            .arg(&models)
+            .status()
+            .is_ok_and(|status| status.success());
+    struct Unmount(Option<std::path::PathBuf>);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            if let Some(path) = &self.0 {
+                let _ = Command::new("umount").arg(path).status();
+            }
+        }
+    }
+    let _unmount = Unmount(mounted.then(|| models.clone()));
+    let limit = (!mounted).then_some(600_000);
+    let (mut server, port) = serve_limited(&hub, &models, limit);
+    let body = format!(r#"{{"repo": "{REPO}"}}"#);
+    let (status, job) = http(port, "POST", "/admin/downloads", Some(&body));
+    assert_eq!(status, 202, "{job}");
+    let id = job["id"].as_str().unwrap().to_string();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let job = loop {
+        let (_, job) = http(port, "GET", &format!("/admin/downloads/{id}"), None);
+        match job["state"].as_str() {
+            Some("failed") => break job,
+            Some("done") => panic!("a 600 KB disk took the whole model: {job}"),
+            _ => {}
+        }
+        assert!(std::time::Instant::now() < deadline, "never failed: {job}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let error = job["error"].as_str().unwrap_or_default();
+    eprintln!("full disk (mounted tmpfs: {mounted}): {error}");
+    assert!(error.contains(WEIGHTS), "{job}");
+    assert!(
+        error.contains("No space left") || error.contains("too large"),
+        "{job}"
+    );
+    let (status, listed) = http(port, "GET", "/v1/models", None);
+    assert_eq!(status, 200);
+    let ids: Vec<_> = listed["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].clone())
+        .collect();
+    assert!(!ids.contains(&serde_json::json!(REPO)), "{ids:?}");
+    assert!(!models.join(REPO).join(WEIGHTS).exists());
+    // The server is still serving.
+    assert_eq!(http(port, "GET", "/health", None).0, 200);
+    server.kill().unwrap();
+    server.wait().unwrap();
 }

@@ -1,8 +1,10 @@
 //! A bounded loopback load test on a real socket: `serve_on` bound to 127.0.0.1 on a free port,
 //! 200 requests 16 at a time (chat and messages, streaming and not), a quarter of the streams
 //! dropped mid-way. Afterwards every completed response is whole, the server is healthy and
-//! idle, live KV is 0 and MLX active memory is back to idle plus what the prefix cache keeps.
-//! Then a real 2560x2560 noise PNG as a data URI passes the default body limit.
+//! idle, live KV is 0 and MLX active memory is back to idle plus what the prefix cache keeps;
+//! unloading returns MLX memory to its baseline and the RSS to near it. Then a real 2560x2560
+//! noise PNG as a data URI passes the default body limit. Also: 16 clients hanging up at
+//! random points for 60 s, and the minutes-long soak `make soak` runs (ignored here).
 
 mod common;
 
@@ -21,6 +23,10 @@ const REQUESTS: usize = 200;
 const CONCURRENT: usize = 16;
 /// Allocator slack on top of the prefix cache's bytes (small arrays, alignment).
 const MEMORY_SLACK: u64 = 4 << 20;
+
+/// MLX's memory figures are process-wide: the tests here run one at a time so each one's
+/// memory checks see only its own server.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// One request on its own connection; the connection task comes back so a test can cut it.
 async fn send_raw(
@@ -212,6 +218,7 @@ fn noise_png() -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn loopback_load_and_large_image() {
+    let _serial = SERIAL.lock().await;
     let state = rmlx_server::AppState::new(config()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -400,6 +407,7 @@ async fn soak_one(addr: SocketAddr, i: usize, image_uri: &str) -> &'static str {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "a soak of minutes: make soak"]
 async fn soak() {
+    let _serial = SERIAL.lock().await;
     let minutes: f64 = std::env::var("SOAK_MINUTES")
         .ok()
         .and_then(|value| value.parse().ok())
@@ -493,6 +501,93 @@ async fn soak() {
         after <= baseline + (1 << 20),
         "after unloading: active {after} > baseline {baseline} + 1 MiB"
     );
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+}
+
+/// 16 clients for a bounded 60 s, each sending request after request (both APIs, streamed and
+/// not) and hanging up at a random point in most of them: before the answer, mid-stream, or
+/// not at all. Afterwards nothing is in flight or queued, no KV is live, no error was counted,
+/// and a fresh request is answered whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn random_disconnects_leave_nothing_behind() {
+    let _serial = SERIAL.lock().await;
+    let state = rmlx_server::AppState::new(config()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(rmlx_server::serve_on(listener, state.clone(), async {
+        let _ = stopped.await;
+    }));
+    let until = tokio::time::Instant::now() + Duration::from_secs(60);
+    let clients: Vec<_> = (0..16u64)
+        .map(|client| {
+            tokio::spawn(async move {
+                let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ (client + 1).wrapping_mul(0x2545_f491);
+                let mut random = move |below: u64| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    seed % below
+                };
+                let (mut sent, mut cut) = (0u64, 0u64);
+                while tokio::time::Instant::now() < until {
+                    let i = random(1 << 20) as usize;
+                    let plan = Plan {
+                        messages_api: random(2) == 1,
+                        stream: random(3) > 0,
+                        drop_mid_stream: false,
+                        max_tokens: 1 + random(40),
+                    };
+                    let (path, body) = body(plan, i);
+                    let exchange = async {
+                        let (response, _connection) =
+                            send_raw(addr, "POST", path, Some(body.to_string().into_bytes())).await;
+                        assert_eq!(response.status(), StatusCode::OK);
+                        response.into_body().collect().await.unwrap();
+                    };
+                    sent += 1;
+                    // Three in four hang up after 0-150 ms; the rest read to the end.
+                    if random(4) > 0 {
+                        let after = Duration::from_millis(random(150));
+                        if tokio::time::timeout(after, exchange).await.is_err() {
+                            cut += 1;
+                        }
+                    } else {
+                        exchange.await;
+                    }
+                }
+                (sent, cut)
+            })
+        })
+        .collect();
+    let (mut sent, mut cut) = (0, 0);
+    for client in clients {
+        let (s, c) = client.await.unwrap();
+        sent += s;
+        cut += c;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let metrics = loop {
+        let metrics = cache_metrics(addr).await;
+        if metrics["in_flight"] == 0 && metrics["queue_depth"] == 0 {
+            break metrics;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never idle: {metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    eprintln!("disconnects: {sent} requests from 16 clients in 60 s, {cut} cut at a random point");
+    assert!(cut > 100, "only {cut} of {sent} were cut");
+    assert_eq!(metrics["kv_cache_bytes"], 0, "{metrics}");
+    assert!(
+        metrics["error_counts"].as_object().unwrap().is_empty(),
+        "{metrics}"
+    );
+    // Plan 3: a streamed chat request read to the end.
+    assert!(run_one(addr, 3).await, "a fresh request after the storm");
     let _ = stop.send(());
     server.await.unwrap().unwrap();
 }

@@ -35,6 +35,19 @@ fn pull(hub: &TestHub, models_dir: &Path, repo: &str) -> Output {
         .unwrap()
 }
 
+/// The `Range` header of each request the hub saw for the weights file.
+fn weight_ranges(hub: &TestHub) -> Vec<Option<String>> {
+    hub.requests()
+        .into_iter()
+        .filter(|request| {
+            request
+                .path
+                .ends_with(&format!("/resolve/{COMMIT}/{WEIGHTS}"))
+        })
+        .map(|request| request.range)
+        .collect()
+}
+
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
@@ -94,17 +107,7 @@ fn an_interrupted_pull_resumes_on_the_next_run() {
     let output = pull(&hub, models.path(), REPO);
     assert!(output.status.success(), "{}", text(&output.stderr));
     assert_identical(&model_dir);
-    let weights: Vec<_> = hub
-        .requests()
-        .into_iter()
-        .filter(|request| {
-            request
-                .path
-                .ends_with(&format!("/resolve/{COMMIT}/{WEIGHTS}"))
-        })
-        .map(|request| request.range)
-        .collect();
-    assert_eq!(weights, vec![Some(format!("bytes={kept}-"))]);
+    assert_eq!(weight_ranges(&hub), vec![Some(format!("bytes={kept}-"))]);
     assert!(text(&output.stderr).contains("already here"));
 }
 
@@ -292,16 +295,7 @@ fn a_server_killed_mid_download_resumes_after_a_restart() {
     server.wait().unwrap();
     assert_eq!(job["model_id"], REPO);
     assert_identical(&model_dir);
-    let ranges: Vec<_> = hub
-        .requests()
-        .into_iter()
-        .filter(|request| {
-            request
-                .path
-                .ends_with(&format!("/resolve/{COMMIT}/{WEIGHTS}"))
-        })
-        .map(|request| request.range)
-        .collect();
+    let ranges = weight_ranges(&hub);
     // The restart asked only for what the killed server had not written (a partial file
     // may hold a little more than its last flush: never less than `kept`).
     assert_eq!(ranges.len(), 1, "{ranges:?}");

@@ -173,6 +173,49 @@ async fn run_one(addr: SocketAddr, i: usize) -> bool {
     true
 }
 
+/// A real server on a free loopback port: its address, the switch that stops it, its task.
+async fn start(
+    config: rmlx_server::ServerConfig,
+) -> (
+    SocketAddr,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<anyhow::Result<()>>,
+) {
+    let state = rmlx_server::AppState::new(config).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(rmlx_server::serve_on(listener, state, async {
+        let _ = stopped.await;
+    }));
+    (addr, stop, server)
+}
+
+/// After the traffic: healthy, and once cut requests are cancelled (the engine notices them
+/// between steps) idle, with no live KV and no error counted. The metrics at that point.
+async fn settled(addr: SocketAddr) -> Value {
+    let (status, _) = call(addr, "GET", "/health", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let metrics = loop {
+        let metrics = cache_metrics(addr).await;
+        if metrics["in_flight"] == 0 && metrics["queue_depth"] == 0 {
+            break metrics;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never idle: {metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(metrics["kv_cache_bytes"], 0, "{metrics}");
+    assert!(
+        metrics["error_counts"].as_object().unwrap().is_empty(),
+        "{metrics}"
+    );
+    metrics
+}
+
 async fn cache_metrics(addr: SocketAddr) -> Value {
     let (status, text) = call(addr, "GET", "/metrics/cache", None).await;
     assert_eq!(status, StatusCode::OK);
@@ -219,13 +262,7 @@ fn noise_png() -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn loopback_load_and_large_image() {
     let _serial = SERIAL.lock().await;
-    let state = rmlx_server::AppState::new(config()).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(rmlx_server::serve_on(listener, state.clone(), async {
-        let _ = stopped.await;
-    }));
+    let (addr, stop, server) = start(config()).await;
 
     // A first cycle (load, a few requests, unload) pages in the code and the allocator arenas
     // that any use needs once, so the baseline below measures what requests leave behind.
@@ -268,26 +305,7 @@ async fn loopback_load_and_large_image() {
     let load_time = started.elapsed();
     assert_eq!(completed.iter().filter(|done| !**done).count(), 25);
 
-    let (status, _) = call(addr, "GET", "/health", None).await;
-    assert_eq!(status, StatusCode::OK);
-    // Cut streams are cancelled as the engine notices; give it a moment to settle.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let metrics = loop {
-        let metrics = cache_metrics(addr).await;
-        if metrics["in_flight"] == 0 && metrics["queue_depth"] == 0 {
-            break metrics;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never idle: {metrics}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert_eq!(metrics["kv_cache_bytes"], 0);
-    assert!(
-        metrics["error_counts"].as_object().unwrap().is_empty(),
-        "{metrics}"
-    );
+    let metrics = settled(addr).await;
     let active = metrics["active_memory_bytes"].as_u64().unwrap();
     let kept = metrics["prefix_cache_bytes"].as_u64().unwrap();
     assert!(
@@ -417,13 +435,7 @@ async fn soak() {
         .models
         .push(fixture().with_file_name("qwen3-vl-tiny"));
     config.max_loaded = 2;
-    let state = rmlx_server::AppState::new(config).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(rmlx_server::serve_on(listener, state.clone(), async {
-        let _ = stopped.await;
-    }));
+    let (addr, stop, server) = start(config).await;
     let baseline = cache_metrics(addr).await["active_memory_bytes"]
         .as_u64()
         .unwrap();
@@ -452,25 +464,7 @@ async fn soak() {
         .await;
     let elapsed = started.elapsed();
 
-    let (status, _) = call(addr, "GET", "/health", None).await;
-    assert_eq!(status, StatusCode::OK);
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let metrics = loop {
-        let metrics = cache_metrics(addr).await;
-        if metrics["in_flight"] == 0 && metrics["queue_depth"] == 0 {
-            break metrics;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never idle: {metrics}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert_eq!(metrics["kv_cache_bytes"], 0);
-    assert!(
-        metrics["error_counts"].as_object().unwrap().is_empty(),
-        "{metrics}"
-    );
+    let metrics = settled(addr).await;
     let active = metrics["active_memory_bytes"].as_u64().unwrap();
     let kept = metrics["prefix_cache_bytes"].as_u64().unwrap();
     let count = |kind: &str| kinds.iter().filter(|k| **k == kind).count();
@@ -512,13 +506,7 @@ async fn soak() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn random_disconnects_leave_nothing_behind() {
     let _serial = SERIAL.lock().await;
-    let state = rmlx_server::AppState::new(config()).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(rmlx_server::serve_on(listener, state.clone(), async {
-        let _ = stopped.await;
-    }));
+    let (addr, stop, server) = start(config()).await;
     let until = tokio::time::Instant::now() + Duration::from_secs(60);
     let clients: Vec<_> = (0..16u64)
         .map(|client| {
@@ -567,25 +555,9 @@ async fn random_disconnects_leave_nothing_behind() {
         sent += s;
         cut += c;
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let metrics = loop {
-        let metrics = cache_metrics(addr).await;
-        if metrics["in_flight"] == 0 && metrics["queue_depth"] == 0 {
-            break metrics;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never idle: {metrics}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    settled(addr).await;
     eprintln!("disconnects: {sent} requests from 16 clients in 60 s, {cut} cut at a random point");
     assert!(cut > 100, "only {cut} of {sent} were cut");
-    assert_eq!(metrics["kv_cache_bytes"], 0, "{metrics}");
-    assert!(
-        metrics["error_counts"].as_object().unwrap().is_empty(),
-        "{metrics}"
-    );
     // Plan 3: a streamed chat request read to the end.
     assert!(run_one(addr, 3).await, "a fresh request after the storm");
     let _ = stop.send(());

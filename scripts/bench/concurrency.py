@@ -72,7 +72,7 @@ def stream_one(server, model, prompt, max_tokens, bias, out):
     req = urllib.request.Request(server.base + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     sent = time.perf_counter()
-    stamps, finish, text = [], None, ""
+    stamps, finish, text, batched = [], None, "", None
     with urllib.request.urlopen(req, timeout=3600) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -82,12 +82,13 @@ def stream_one(server, model, prompt, max_tokens, bias, out):
             if data == "[DONE]":
                 break
             chunk = json.loads(data)
+            batched = (chunk.get("timings") or {}).get("batched_with", batched)
             for choice in chunk.get("choices", []):
                 if choice.get("text"):
                     stamps.append(time.perf_counter())
                     text += choice["text"]
                 finish = choice.get("finish_reason") or finish
-    out.append({"sent": sent, "stamps": stamps, "finish": finish, "text": text})
+    out.append({"sent": sent, "stamps": stamps, "finish": finish, "text": text, "batched_with": batched})
 
 
 def burst(server, model, prompts, max_tokens, bias):
@@ -108,8 +109,10 @@ def burst(server, model, prompts, max_tokens, bias):
     tokens = max_tokens * len(prompts)
     ttfts = [(r["stamps"][0] - r["sent"]) * 1000 for r in results]
     per_stream = [(max_tokens - 1) / (r["stamps"][-1] - r["stamps"][0]) for r in results if len(r["stamps"]) > 1]
+    # rmlx reports how many requests decoded together (`timings.batched_with`); mlx-lm does not.
+    widest = max((r["batched_with"] or 0) for r in results)
     return {"aggregate_tps": tokens / (end - start), "wall_s": end - start, "ttft_ms": ttfts,
-            "per_stream_tps": per_stream}
+            "per_stream_tps": per_stream, "batched_with": widest or None}
 
 
 def prompts_for(seed, count, words):
@@ -168,7 +171,8 @@ def main():
                     r = burst(s, models[s.name], prompts, args.max_tokens, bias)
                     results[s.name][n].append(r)
                     print(f"run {run + 1} x{n} {s.name}: {r['aggregate_tps']:.1f} tok/s, "
-                          f"TTFT p50 {statistics.median(r['ttft_ms']):.0f} ms", file=sys.stderr)
+                          f"TTFT p50 {statistics.median(r['ttft_ms']):.0f} ms"
+                          + (f", batched {r['batched_with']}" if r["batched_with"] else ""), file=sys.stderr)
     finally:
         for s in servers:
             s.close()

@@ -162,7 +162,8 @@ pub fn usage(completion: &Completion) -> Value {
 
 pub fn timings(completion: &Completion) -> Value {
     let t = &completion.timings;
-    json!({"ttft_ms": t.ttft_ms, "prefill_tps": t.prefill_tps, "decode_tps": t.decode_tps, "total_ms": t.total_ms})
+    json!({"ttft_ms": t.ttft_ms, "prefill_tps": t.prefill_tps, "decode_tps": t.decode_tps, "total_ms": t.total_ms,
+           "batched_with": completion.batched_with})
 }
 
 fn finish_reason(reason: FinishReason, tool_calls: bool) -> &'static str {

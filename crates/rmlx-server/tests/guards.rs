@@ -1,5 +1,5 @@
 //! Guards and lifecycle in-process: API keys, Host allow-list, CORS, queue limits, client
-//! disconnects cancelling work, concurrent requests not interleaving.
+//! disconnects cancelling work, concurrent requests batched without mixing their tokens.
 
 mod common;
 
@@ -304,18 +304,30 @@ async fn concurrent_clients_get_their_own_tokens() {
             let (app, body) = (app.clone(), chat(prompt, 24, true));
             tokio::spawn(async move {
                 let reply = post(&app, "/v1/chat/completions", &body).await;
-                sse(&reply.text)
+                let events = sse(&reply.text);
+                let text = events
                     .iter()
                     .filter_map(|(_, d)| {
                         d["choices"][0]["delta"]["content"]
                             .as_str()
                             .map(str::to_string)
                     })
-                    .collect::<String>()
+                    .collect::<String>();
+                let batched_with = events
+                    .iter()
+                    .filter_map(|(_, d)| d["timings"]["batched_with"].as_u64())
+                    .max()
+                    .unwrap_or(0);
+                (text, batched_with)
             })
         })
         .collect();
+    let mut widest = 0;
     for (task, expected) in tasks.into_iter().zip(expected) {
-        assert_eq!(task.await.unwrap(), expected);
+        let (text, batched_with) = task.await.unwrap();
+        assert_eq!(text, expected);
+        widest = widest.max(batched_with);
     }
+    // They ran as one batch (continuous batching), each still getting its own tokens.
+    assert!(widest >= 2, "the concurrent streams never decoded together");
 }

@@ -15,7 +15,8 @@ bootstrap:
 	@scripts/bootstrap-mlx
 	@scripts/app-deps
 
-build: bootstrap
+# The UI is built first: `rmlx serve` embeds ui/dist at compile time.
+build: bootstrap ui-build
 	$(CARGO) build --release --bin rmlx
 
 ## The main job: rMLX.app on the bundled tiny models (random weights, so answers are gibberish;
@@ -23,14 +24,14 @@ build: bootstrap
 ## none, `rmlx serve` hosts the same UI and API on 127.0.0.1 and prints the URL to open.
 MODELS ?= tests/fixtures/qwen3-tiny:tests/fixtures/qwen3-vl-tiny
 PORT ?= 8080
-run: build ui-build
+run: build
 	target/release/rmlx doctor
 	@if [ "$$(uname)" = Darwin ] || [ -n "$${DISPLAY:-}$${WAYLAND_DISPLAY:-}" ]; then \
 	  $(CARGO) build --release -p rmlx-app && \
 	  RMLX_APP_MODELS="$(MODELS)" RMLX_APP_SHOW=1 target/release/rmlx-app; \
 	else \
 	  echo "make run: no display, so the UI is served in the browser instead of the app window"; \
-	  target/release/rmlx serve --port $(PORT) --ui-dir ui/dist $(foreach m,$(subst :, ,$(MODELS)),--model $(m)); \
+	  target/release/rmlx serve --port $(PORT) $(foreach m,$(subst :, ,$(MODELS)),--model $(m)); \
 	fi
 
 ## The command-line main job of earlier sessions: one generation from the tiny Qwen3.

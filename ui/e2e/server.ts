@@ -1,5 +1,7 @@
-// Starts a real `rmlx serve` for the browser tests: $RMLX_BIN with the two tiny fixture models
-// and `--ui-dir ui/dist`. The first stdout line is `rmlx serve: listening on http://ADDR:PORT`.
+// Starts a real `rmlx serve` for the browser tests: $RMLX_BIN with the two tiny fixture models,
+// serving the UI built into the binary (what a Homebrew user gets; `make` builds ui/dist before
+// rmlx). RMLX_E2E_UI_DIR=1 serves ui/dist with `--ui-dir` instead, for UI work without
+// rebuilding rmlx. The first stdout line is `rmlx serve: listening on http://ADDR:PORT`.
 // `hostDist` serves dist/ alone, for the tests that script the API themselves.
 
 import { spawn, type ChildProcess } from 'node:child_process';
@@ -124,7 +126,7 @@ export async function startServer(options: ServerOptions = {}): Promise<RunningS
     '--model', path.join(fixturesDir, 'qwen3-tiny'),
     '--model', path.join(fixturesDir, 'qwen3-vl-tiny'),
     '--models-dir', modelsDir,
-    '--ui-dir', distDir,
+    ...(process.env.RMLX_E2E_UI_DIR ? ['--ui-dir', distDir] : []),
     ...(options.hubUrl ? ['--hub-url', options.hubUrl] : []),
   ];
   const child = spawn(rmlxBin, args, { stdio: ['ignore', 'pipe', 'pipe'] });

@@ -56,9 +56,12 @@ pub struct ServeArgs {
     /// https://huggingface.co]; $HF_TOKEN is sent as a bearer token when set.
     #[arg(long, value_name = "URL")]
     hub_url: Option<String>,
-    /// Serve a built web UI (ui/dist) at `/`.
+    /// Serve the web UI from this folder (a build of ui/) at `/` instead of the one built in.
     #[arg(long)]
     ui_dir: Option<PathBuf>,
+    /// Serve no web UI at `/` (the API only).
+    #[arg(long, conflicts_with = "ui_dir")]
+    no_ui: bool,
 }
 
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -79,6 +82,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         prefix_cache_bytes: args.prefix_cache_mb << 20,
         prefix_snapshot_bytes: args.prefix_snapshot_mb << 20,
         ui_dir: args.ui_dir,
+        embedded_ui: !args.no_ui,
     };
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -19,6 +19,7 @@ pub mod openai;
 pub mod parse;
 pub mod registry;
 mod sse;
+pub mod ui;
 pub mod xml_calls;
 
 use std::{path::PathBuf, sync::Arc};
@@ -63,6 +64,9 @@ pub struct ServerConfig {
     /// A built web UI to serve at `/` (no API key needed for its files; its API calls still
     /// send one).
     pub ui_dir: Option<PathBuf>,
+    /// Without `ui_dir`: serve the UI built into the binary at `/` (`rmlx serve` does unless
+    /// `--no-ui`; the app shows it in its own window instead).
+    pub embedded_ui: bool,
 }
 
 impl Default for ServerConfig {
@@ -83,6 +87,7 @@ impl Default for ServerConfig {
             prefix_cache_bytes: EngineOptions::default().prefix_cache_bytes,
             prefix_snapshot_bytes: EngineOptions::default().prefix_snapshot_bytes,
             ui_dir: None,
+            embedded_ui: false,
             // A 2560x2560 RGBA PNG is at most ~26 MB, ~35 MB as base64 in a data URI.
             max_body_mb: 64,
         }
@@ -199,8 +204,10 @@ pub fn app(state: AppState) -> Router {
         .route("/metrics/cache", get(metrics::cache))
         .route("/metrics", get(metrics::prometheus));
     // Without a UI, unknown paths get the API's JSON 404 behind the key like every route.
+    let embedded_ui = state.config.ui_dir.is_none() && state.config.embedded_ui && ui::embedded();
     let routes = match &state.config.ui_dir {
         Some(_) => routes,
+        None if embedded_ui => routes,
         None => routes.fallback(models::not_found),
     };
     let routes = routes
@@ -217,6 +224,7 @@ pub fn app(state: AppState) -> Router {
         Some(dir) => routes.fallback_service(
             tower_http::services::ServeDir::new(dir).append_index_html_on_directories(true),
         ),
+        None if embedded_ui => routes.fallback(ui::serve),
         None => routes,
     };
     let routes = match guard::cors(&state.config.cors_origins) {
@@ -250,7 +258,10 @@ pub async fn serve(config: ServerConfig) -> anyhow::Result<()> {
             }
         })?;
     let address = listener.local_addr()?;
-    let config_has_ui = config.ui_dir.is_some();
+    let config_has_ui = config.ui_dir.is_some() || (config.embedded_ui && ui::embedded());
+    if config.ui_dir.is_none() && config.embedded_ui && !ui::embedded() {
+        eprintln!("rmlx serve: this build has no UI inside (ui/dist was not built before it): the API only");
+    }
     let state = AppState::new(config)?;
     let models: Vec<String> = state.registry.list().into_iter().map(|m| m.id).collect();
     // The first stdout line is the address: scripts using --port 0 read the port from it.

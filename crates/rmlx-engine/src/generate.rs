@@ -834,57 +834,43 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
         let mut queued = Vec::new();
         // Greedy rows with no processor are sampled in one op for the whole batch (one
         // log-softmax, one argmax, one host read), not row by row.
-        let together = count > 1 && rows.iter_mut().all(|row| row.sequence().is_plain_greedy());
-        if together {
+        let together = if count > 1 && rows.iter_mut().all(|row| row.sequence().is_plain_greedy()) {
             let logprobs = crate::sample::log_softmax(&logits)?;
             let batch = Rc::new(BatchTokens {
                 tokens: crate::sample::greedy(&logprobs)?,
                 host: OnceCell::new(),
             });
             queued.push(batch.tokens.clone());
-            for (b, row) in rows.iter_mut().enumerate() {
-                let sequence = row.sequence();
-                sequence.batched_with = sequence.batched_with.max(count);
-                if !sequence.wants_step() {
+            Some((batch, logprobs))
+        } else {
+            None
+        };
+        for (b, row) in rows.iter_mut().enumerate() {
+            let sequence = row.sequence();
+            sequence.batched_with = sequence.batched_with.max(count);
+            if !sequence.wants_step() {
+                if let Some((batch, _)) = &together {
                     // It feeds this row's argmax and gets nothing back (its KV past its end
                     // is never kept), so the next step's input stays one array.
                     sequence.input = batch.tokens.index(b as i32);
                     sequence.input_row = Some((batch.clone(), b));
-                    continue;
                 }
-                sequence.take_batched(&batch, b, &logprobs)?;
-                fresh[b] = true;
-                queued.extend(
-                    sequence
-                        .unread
-                        .back()
-                        .into_iter()
-                        .flat_map(|step| step.logprobs.iter().flatten().cloned()),
-                );
+                continue;
             }
-        } else {
-            for (b, row) in rows.iter_mut().enumerate() {
-                let sequence = row.sequence();
-                sequence.batched_with = sequence.batched_with.max(count);
-                if !sequence.wants_step() {
-                    continue;
-                }
-                let row_logits = if count == 1 {
-                    logits.clone()
-                } else {
-                    logits.index(b as i32..b as i32 + 1)
-                };
-                sequence.sample(&row_logits)?;
-                fresh[b] = true;
-                queued.extend(
-                    sequence
-                        .unread
-                        .back()
-                        .into_iter()
-                        .flat_map(Step::arrays)
-                        .cloned(),
-                );
+            match &together {
+                Some((batch, logprobs)) => sequence.take_batched(batch, b, logprobs)?,
+                None if count == 1 => sequence.sample(&logits)?,
+                None => sequence.sample(&logits.index(b as i32..b as i32 + 1))?,
             }
+            fresh[b] = true;
+            queued.extend(
+                sequence
+                    .unread
+                    .back()
+                    .into_iter()
+                    .flat_map(Step::arrays)
+                    .cloned(),
+            );
         }
         transforms::async_eval(queued.iter())?;
     }

@@ -191,6 +191,13 @@ async fn start(
     (addr, stop, server)
 }
 
+/// `POST /v1/models/{model}/{action}` (load, unload), which must succeed.
+async fn model_action(addr: SocketAddr, model: &str, action: &str) {
+    let path = format!("/v1/models/{model}/{action}");
+    let (status, text) = call(addr, "POST", &path, Some(&json!({}))).await;
+    assert_eq!(status, StatusCode::OK, "{action} {model}: {text}");
+}
+
 /// After the traffic: healthy, and once cut requests are cancelled (the engine notices them
 /// between steps) idle, with no live KV and no error counted. The metrics at that point.
 async fn settled(addr: SocketAddr) -> Value {
@@ -269,14 +276,7 @@ async fn loopback_load_and_large_image() {
     for i in 0..16 {
         run_one(addr, i).await;
     }
-    let (status, text) = call(
-        addr,
-        "POST",
-        &format!("/v1/models/{MODEL}/unload"),
-        Some(&json!({})),
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK, "{text}");
+    model_action(addr, MODEL, "unload").await;
     let (baseline, rss_before) = (
         cache_metrics(addr).await["active_memory_bytes"]
             .as_u64()
@@ -284,14 +284,7 @@ async fn loopback_load_and_large_image() {
         resident_set_bytes(),
     );
     // Idle: the model loaded, nothing running, nothing cached yet.
-    let (status, text) = call(
-        addr,
-        "POST",
-        &format!("/v1/models/{MODEL}/load"),
-        Some(&json!({})),
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK, "{text}");
+    model_action(addr, MODEL, "load").await;
     let idle = cache_metrics(addr).await["active_memory_bytes"]
         .as_u64()
         .unwrap();
@@ -318,14 +311,7 @@ async fn loopback_load_and_large_image() {
     // Unloading gives everything back: MLX active memory to its pre-load baseline (the buffer
     // cache is cleared as the engine goes idle), the process's resident set to within 64 MiB
     // plus a tenth of the weights of where it was.
-    let (status, text) = call(
-        addr,
-        "POST",
-        &format!("/v1/models/{MODEL}/unload"),
-        Some(&json!({})),
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK, "{text}");
+    model_action(addr, MODEL, "unload").await;
     let after = cache_metrics(addr).await;
     let (active_after, cache_after) = (
         after["active_memory_bytes"].as_u64().unwrap(),
@@ -440,9 +426,7 @@ async fn soak() {
         .as_u64()
         .unwrap();
     for model in [MODEL, "qwen3-vl-tiny"] {
-        let path = format!("/v1/models/{model}/load");
-        let (status, text) = call(addr, "POST", &path, Some(&json!({}))).await;
-        assert_eq!(status, StatusCode::OK, "{text}");
+        model_action(addr, model, "load").await;
     }
     let idle = cache_metrics(addr).await["active_memory_bytes"]
         .as_u64()
@@ -483,9 +467,7 @@ async fn soak() {
     // the hard check is after unloading: everything the models and their requests held is
     // given back, to the byte budget of a few small arrays.
     for model in [MODEL, "qwen3-vl-tiny"] {
-        let path = format!("/v1/models/{model}/unload");
-        let (status, text) = call(addr, "POST", &path, Some(&json!({}))).await;
-        assert_eq!(status, StatusCode::OK, "{text}");
+        model_action(addr, model, "unload").await;
     }
     let after = cache_metrics(addr).await["active_memory_bytes"]
         .as_u64()

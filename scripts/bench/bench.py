@@ -217,12 +217,17 @@ class RmlxServer:
                 "reply": (msg.get("content") or "") or (msg.get("reasoning_content") or "")}
 
     def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        stop_server(self.proc, self.log)
+
+
+def stop_server(proc, log):
+    """SIGTERM (both servers finish what runs and exit), SIGKILL after 30 s; close its log."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench import WORDS, eos_ids  # noqa: E402
+from bench import WORDS, eos_ids, stop_server  # noqa: E402
 
 
 def free_port():
@@ -58,12 +58,7 @@ class Server:
                 time.sleep(0.3)
 
     def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        stop_server(self.proc, self.log)
 
 
 def stream_one(server, model, prompt, max_tokens, bias, out):

@@ -434,11 +434,6 @@ impl Prefill {
         &self.caches
     }
 
-    /// Prompt tokens still to prefill.
-    pub fn remaining(&self) -> usize {
-        self.pieces.iter().map(|piece| piece.len()).sum()
-    }
-
     /// Prefills the next piece and evaluates the caches.
     pub fn step(&mut self, model: &dyn LanguageModel) -> Result<()> {
         let Some(piece) = self.pieces.pop_front() else {
@@ -590,10 +585,6 @@ impl Sequence {
     /// queued ahead of reading.
     fn is_constrained(&self) -> bool {
         self.constraint.is_some()
-    }
-
-    pub fn prompt_ids(&self) -> &[u32] {
-        &self.prompt_ids
     }
 
     /// The request's effective context (its `max_ctx`).

@@ -34,6 +34,10 @@ pub struct BenchArgs {
     /// the warm-up uses seed - 1 and below). scripts/bench/bench.py draws the same ids.
     #[arg(long, default_value_t = 1000)]
     seed: u64,
+    /// Also print where the timed runs' decode steps spent their time, by batch width
+    /// (building the graph, handing it to MLX, waiting for tokens, the loop between steps).
+    #[arg(long)]
+    step_profile: bool,
     #[arg(long)]
     json: bool,
 }
@@ -140,11 +144,37 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let n = concurrency as u64;
     // The warm-up: the measured shape with its own ids (below the timed runs' seeds).
     run((0..n).map(|s| args.seed.saturating_sub(1 + s)).collect())?;
+    if args.step_profile {
+        rmlx_engine::profile::enable();
+    }
     let runs = (0..args.runs.max(1) as u64)
         .map(|r| run((0..n).map(|s| args.seed + r * n + s).collect()))
         .collect::<anyhow::Result<Vec<Run>>>()?;
-    report(&args, concurrency, &runs);
+    let steps = args.step_profile.then(rmlx_engine::profile::take);
+    report(&args, concurrency, &runs, steps.as_ref());
     Ok(())
+}
+
+type StepProfile = std::collections::BTreeMap<usize, rmlx_engine::profile::Phases>;
+
+/// Milliseconds per step of each phase, by batch width.
+fn step_rows(profile: &StepProfile) -> Vec<serde_json::Value> {
+    profile
+        .iter()
+        .map(|(rows, phases)| {
+            let per =
+                |d: std::time::Duration| d.as_secs_f64() * 1000.0 / phases.steps.max(1) as f64;
+            serde_json::json!({
+                "rows": rows,
+                "steps": phases.steps,
+                "build_ms": per(phases.build),
+                "submit_ms": per(phases.submit),
+                "read_ms": per(phases.read),
+                "between_ms": per(phases.between),
+                "step_ms": per(phases.build + phases.submit + phases.read + phases.between),
+            })
+        })
+        .collect()
 }
 
 fn median_and_spread(mut values: Vec<f64>) -> (f64, f64, f64) {
@@ -161,7 +191,7 @@ fn percentile(mut values: Vec<f64>, q: f64) -> f64 {
     values[((q * (values.len() - 1) as f64).round() as usize).min(values.len() - 1)]
 }
 
-fn report(args: &BenchArgs, concurrency: usize, runs: &[Run]) {
+fn report(args: &BenchArgs, concurrency: usize, runs: &[Run], steps: Option<&StepProfile>) {
     let streams = || runs.iter().flat_map(|run| &run.streams);
     let ttfts: Vec<f64> = streams().map(|s| s.ttft_ms).collect();
     let ttft = median_and_spread(ttfts.clone());
@@ -194,6 +224,7 @@ fn report(args: &BenchArgs, concurrency: usize, runs: &[Run]) {
                     "decode_tps": triple(decode),
                     "aggregate_tps": triple(aggregate),
                 },
+                "step_profile": steps.map(step_rows),
             })
         );
         return;
@@ -212,4 +243,19 @@ fn report(args: &BenchArgs, concurrency: usize, runs: &[Run]) {
     println!("  prefill         {} tok/s per stream", cell(prefill));
     println!("  decode          {} tok/s per stream", cell(decode));
     println!("  all streams     {} tok/s", cell(aggregate));
+    if let Some(profile) = steps {
+        println!("  decode steps (ms per step: build graph / async_eval / wait for tokens / loop between):");
+        for row in step_rows(profile) {
+            println!(
+                "    {:>2} rows  {:>6} steps  {:.3} / {:.3} / {:.3} / {:.3} = {:.3}",
+                row["rows"],
+                row["steps"],
+                row["build_ms"].as_f64().unwrap_or(0.0),
+                row["submit_ms"].as_f64().unwrap_or(0.0),
+                row["read_ms"].as_f64().unwrap_or(0.0),
+                row["between_ms"].as_f64().unwrap_or(0.0),
+                row["step_ms"].as_f64().unwrap_or(0.0),
+            );
+        }
+    }
 }

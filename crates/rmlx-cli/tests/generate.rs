@@ -336,9 +336,36 @@ fn bench_reports_single_and_concurrent_streams() {
             "2",
             "--concurrency",
             concurrency,
+            "--step-profile",
             "--json",
         ]);
         assert_eq!(report["concurrency"], concurrency.parse::<u64>().unwrap());
+        // The step profile covers the timed runs' decode steps only, by batch width: every
+        // stream's 5 steps after its first token (the first comes from its prefill).
+        let widths = report["step_profile"].as_array().expect("a step profile");
+        let steps: u64 = widths
+            .iter()
+            .map(|w| w["rows"].as_u64().unwrap() * w["steps"].as_u64().unwrap())
+            .sum();
+        let streams = concurrency.parse::<u64>().unwrap();
+        assert!(steps >= 2 * streams * 5, "{widths:?}");
+        assert!(
+            widths
+                .iter()
+                .all(|w| w["rows"].as_u64().unwrap() <= streams),
+            "{widths:?}"
+        );
+        for width in widths {
+            let parts: f64 = ["build_ms", "submit_ms", "read_ms", "between_ms"]
+                .iter()
+                .map(|key| width[key].as_f64().unwrap())
+                .sum();
+            assert!(
+                (parts - width["step_ms"].as_f64().unwrap()).abs() < 1e-6,
+                "{width}"
+            );
+            assert!(width["build_ms"].as_f64().unwrap() > 0.0, "{width}");
+        }
         assert_eq!(report["runs"], 2);
         for key in ["ttft_ms", "prefill_tps", "decode_tps", "aggregate_tps"] {
             let [median, min, max] = [0, 1, 2].map(|i| report["spread"][key][i].as_f64().unwrap());

@@ -817,6 +817,7 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
         }
     }
     let count = rows.len();
+    let mut clock = crate::profile::StepClock::start();
     let mut fresh = vec![false; count];
     if rows.iter_mut().any(|row| row.sequence().wants_step()) {
         let input = batch_input(rows)?;
@@ -863,11 +864,20 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
                     .cloned(),
             );
         }
+        if let Some(clock) = clock.as_mut() {
+            clock.built();
+        }
         transforms::async_eval(queued.iter())?;
+        if let Some(clock) = clock.as_mut() {
+            clock.submitted();
+        }
     }
     let bytes = kv_bytes(caches, rows.len());
     for (row, fresh) in rows.iter_mut().zip(fresh) {
         read_all(row, tokenizer, bytes, fresh as usize)?;
+    }
+    if let Some(clock) = clock {
+        clock.finish(count);
     }
     Ok(())
 }

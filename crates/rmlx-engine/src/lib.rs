@@ -13,6 +13,7 @@ pub mod models;
 pub mod multimodal;
 pub mod nn;
 pub mod prefix_cache;
+pub mod profile;
 pub mod quant;
 pub mod runtime;
 pub mod sample;

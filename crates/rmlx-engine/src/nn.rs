@@ -1,7 +1,11 @@
 //! Layers shared by every family: Linear and Embedding (dense or quantized in any mode) and
 //! RMSNorm. Reference: mlx `nn/layers/{linear,embedding,quantized,normalization}.py`.
 
-use mlx_rs::{fast, ops, ops::indexing::IndexOp, Array};
+use std::cell::RefCell;
+
+use mlx_rs::{
+    error::Exception, fast, ops, ops::indexing::IndexOp, transforms::compile::compile, Array,
+};
 
 use crate::{
     config::QuantizationConfig,
@@ -88,7 +92,8 @@ pub(crate) fn quant_spec(
 
 pub enum Linear {
     Dense {
-        weight: Array,
+        /// `weight.T`, an evaluated view: no transpose node in every step's graph.
+        weight_t: Array,
         bias: Option<Array>,
     },
     Quantized {
@@ -116,14 +121,17 @@ impl Linear {
                 packed: QuantWeights::load(store, prefix, out_dim, in_dim, spec)?,
                 bias,
             },
-            None => Linear::Dense {
-                weight: store.take(
+            None => {
+                let weight = store.take(
                     &format!("{prefix}.weight"),
                     &[out_dim, in_dim],
                     DtypeKind::Float,
-                )?,
-                bias,
-            },
+                )?;
+                Linear::Dense {
+                    weight_t: store.view(ops::transpose(&weight)?),
+                    bias,
+                }
+            }
         })
     }
 
@@ -131,10 +139,10 @@ impl Linear {
         let (out, bias) = match self {
             // mlx's nn.Linear adds the bias inside the matmul (one rounding in bf16).
             Linear::Dense {
-                weight,
+                weight_t,
                 bias: Some(bias),
-            } => return Ok(ops::addmm(bias, x, ops::transpose(weight)?, 1.0, 1.0)?),
-            Linear::Dense { weight, bias } => (ops::matmul(x, ops::transpose(weight)?)?, bias),
+            } => return Ok(ops::addmm(bias, x, weight_t, 1.0, 1.0)?),
+            Linear::Dense { weight_t, bias } => (ops::matmul(x, weight_t)?, bias),
             Linear::Quantized { packed, bias } => (
                 quant::quantized_matmul(
                     x,
@@ -155,8 +163,14 @@ impl Linear {
 }
 
 pub enum Embedding {
-    Dense { weight: Array },
-    Quantized { packed: QuantWeights },
+    /// The table and its evaluated transposed view (the tied output projection's).
+    Dense {
+        weight: Array,
+        weight_t: Array,
+    },
+    Quantized {
+        packed: QuantWeights,
+    },
 }
 
 impl Embedding {
@@ -171,9 +185,12 @@ impl Embedding {
             Some(spec) => Embedding::Quantized {
                 packed: QuantWeights::load(store, prefix, vocab, dim, spec)?,
             },
-            None => Embedding::Dense {
-                weight: store.take(&format!("{prefix}.weight"), &[vocab, dim], DtypeKind::Float)?,
-            },
+            None => {
+                let weight =
+                    store.take(&format!("{prefix}.weight"), &[vocab, dim], DtypeKind::Float)?;
+                let weight_t = store.view(ops::transpose(&weight)?);
+                Embedding::Dense { weight, weight_t }
+            }
         })
     }
 
@@ -181,7 +198,7 @@ impl Embedding {
     /// dequantize only those: O(seq) work and memory, never a vocab×seq product.
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         match self {
-            Embedding::Dense { weight } => Ok(weight.take_axis(ids, 0)?),
+            Embedding::Dense { weight, .. } => Ok(weight.take_axis(ids, 0)?),
             Embedding::Quantized { packed } => {
                 let weight = packed.weight.take_axis(ids, 0)?;
                 let scales = packed.scales.take_axis(ids, 0)?;
@@ -203,7 +220,7 @@ impl Embedding {
     /// The tied output projection `x @ table.T`, through quantized matmul when packed.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
-            Embedding::Dense { weight } => Ok(ops::matmul(x, ops::transpose(weight)?)?),
+            Embedding::Dense { weight_t, .. } => Ok(ops::matmul(x, weight_t)?),
             Embedding::Quantized { packed } => Ok(quant::quantized_matmul(
                 x,
                 &packed.weight,
@@ -232,10 +249,33 @@ impl RmsNorm {
     }
 }
 
-/// SwiGLU's gate: silu(gate) * up.
+type Fused2 = Box<dyn for<'a> FnMut((&'a Array, &'a Array)) -> Result<Array, Exception>>;
+type Fused1 = Box<dyn for<'a> FnMut(&'a Array) -> Result<Array, Exception>>;
+
+thread_local! {
+    // One compiled function per thread, kept for the thread's life: MLX caches the traced
+    // graph under the function's id, so a function compiled per call would trace every call.
+    static SWIGLU: RefCell<Fused2> = RefCell::new(Box::new(compile(
+        |(gate, up): (&Array, &Array)| plain_swiglu(gate, up),
+        true,
+    )));
+    static GELU_APPROX: RefCell<Fused1> =
+        RefCell::new(Box::new(compile(|x: &Array| plain_gelu_approx(x), true)));
+    static GEGLU: RefCell<Fused2> = RefCell::new(Box::new(compile(
+        |(gate, up): (&Array, &Array)| ops::multiply(plain_gelu_approx(gate)?, up),
+        true,
+    )));
+}
+
+/// SwiGLU's gate `silu(gate) * up` as one fused kernel instead of three, as mlx-lm's
+/// `activations.swiglu` (compiled, shapeless). `MLX_DISABLE_COMPILE=1` runs the plain ops.
 pub fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
+    Ok(SWIGLU.with(|fused| (fused.borrow_mut())((gate, up)))?)
+}
+
+fn plain_swiglu(gate: &Array, up: &Array) -> Result<Array, Exception> {
     let silu = ops::multiply(gate, ops::sigmoid(gate)?)?;
-    Ok(ops::multiply(&silu, up)?)
+    ops::multiply(&silu, up)
 }
 
 /// LayerNorm with weight and bias (vision towers).
@@ -271,18 +311,26 @@ pub fn gelu(x: &Array) -> Result<Array> {
     Ok(ops::divide(&out, scalar(2.0, x)?)?)
 }
 
-/// mlx `nn.gelu_approx`: `0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))`.
+/// mlx `nn.gelu_approx`: `0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))`, one
+/// fused kernel (mlx compiles it, shapeless) instead of eight.
 pub fn gelu_approx(x: &Array) -> Result<Array> {
-    let cubic = ops::multiply(scalar(0.044715, x)?, ops::power(x, scalar(3.0, x)?)?)?;
+    Ok(GELU_APPROX.with(|fused| (fused.borrow_mut())(x))?)
+}
+
+/// Gemma's gated MLP `gelu_approx(gate) * up`, one fused kernel.
+pub fn geglu(gate: &Array, up: &Array) -> Result<Array> {
+    Ok(GEGLU.with(|fused| (fused.borrow_mut())((gate, up)))?)
+}
+
+fn plain_gelu_approx(x: &Array) -> Result<Array, Exception> {
+    let weak = |value: f64| Array::from_f32(value as f32).as_dtype(x.dtype());
+    let cubic = ops::multiply(weak(0.044715)?, ops::power(x, weak(3.0)?)?)?;
     let inner = ops::multiply(
-        scalar((2.0 / std::f64::consts::PI).sqrt(), x)?,
+        weak((2.0 / std::f64::consts::PI).sqrt())?,
         ops::add(x, &cubic)?,
     )?;
-    let half_x = ops::multiply(scalar(0.5, x)?, x)?;
-    Ok(ops::multiply(
-        &half_x,
-        ops::add(scalar(1.0, x)?, ops::tanh(&inner)?)?,
-    )?)
+    let half_x = ops::multiply(weak(0.5)?, x)?;
+    ops::multiply(&half_x, ops::add(weak(1.0)?, ops::tanh(&inner)?)?)
 }
 
 /// `concat(-x2, x1)` over the last axis (the non-interleaved rotary pairing).
@@ -311,4 +359,72 @@ pub fn rope(
             mlx_rs::fast::rope_dynamic(x, dims, traditional, base, scale, rows, freqs)?
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_rs::{random, Dtype};
+
+    fn max_diff(a: &Array, b: &Array) -> f32 {
+        let diff = ops::subtract(
+            a.as_dtype(Dtype::Float32).unwrap(),
+            b.as_dtype(Dtype::Float32).unwrap(),
+        );
+        ops::abs(diff.unwrap())
+            .unwrap()
+            .max(None)
+            .unwrap()
+            .item_exact::<f32>()
+    }
+
+    /// The compiled activations equal the plain ops they fuse, in fp32 and bf16, at every
+    /// shape (they are shapeless) and on strided input.
+    #[test]
+    fn fused_activations_equal_the_plain_ops() {
+        let key = random::key(7).unwrap();
+        let (first, second) = random::split(&key, 2).unwrap();
+        for (dtype, tolerance) in [(Dtype::Float32, 1e-6), (Dtype::Bfloat16, 0.0)] {
+            for shape in [[1, 1, 96], [2, 5, 96], [3, 7, 33]] {
+                let normal = |k: &Array| {
+                    random::normal::<f32>(&shape, None, Some(2.0), k)
+                        .unwrap()
+                        .as_dtype(dtype)
+                        .unwrap()
+                };
+                let gate = normal(&first);
+                let up = normal(&second);
+                let checks = [
+                    (
+                        swiglu(&gate, &up).unwrap(),
+                        plain_swiglu(&gate, &up).unwrap(),
+                    ),
+                    (
+                        gelu_approx(&gate).unwrap(),
+                        plain_gelu_approx(&gate).unwrap(),
+                    ),
+                    (
+                        geglu(&gate, &up).unwrap(),
+                        ops::multiply(plain_gelu_approx(&gate).unwrap(), &up).unwrap(),
+                    ),
+                ];
+                for (fused, plain) in checks {
+                    assert_eq!(fused.dtype(), dtype);
+                    assert_eq!(fused.shape(), plain.shape());
+                    let diff = max_diff(&fused, &plain);
+                    assert!(diff <= tolerance, "{dtype:?} {shape:?}: {diff}");
+                }
+            }
+        }
+        // A strided view (the transposed gate) is read as it is laid out.
+        let gate = random::normal::<f32>(&[8, 6], None, None, &first).unwrap();
+        let up = random::normal::<f32>(&[6, 8], None, None, &second).unwrap();
+        let view = gate.t();
+        assert!(
+            max_diff(
+                &swiglu(&view, &up).unwrap(),
+                &plain_swiglu(&view, &up).unwrap()
+            ) <= 1e-6
+        );
+    }
 }

@@ -98,6 +98,22 @@ pub fn prepare_thread() -> Result<(), mlx_sys::LoadError> {
     Ok(())
 }
 
+/// Whether loaded weights should be copied into device memory: on CUDA (Linux with a GPU
+/// default device) safetensors load into managed memory, which migrates page by page on the
+/// first request and stays managed; on Metal memory is unified and on the CPU there is no
+/// device, so nothing is copied there. `RMLX_WEIGHTS_ON_DEVICE=0` turns it off (benchmarks).
+pub fn weights_go_to_device() -> bool {
+    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ANSWER.get_or_init(|| {
+        if cfg!(target_os = "macos")
+            || std::env::var("RMLX_WEIGHTS_ON_DEVICE").as_deref() == Ok("0")
+        {
+            return false;
+        }
+        runtime_info().is_ok_and(|info| info.cuda_available && info.default_device.contains("gpu"))
+    })
+}
+
 /// Returns MLX's cached (freed but kept) buffers to the system: called when the engine goes
 /// idle, so a desktop app does not sit on gigabytes between requests.
 pub fn release_cached_memory() {

@@ -323,8 +323,24 @@ impl WeightStore {
         if kind == DtypeKind::Float {
             self.parameters += array.size() as u64;
         }
+        let array = if crate::runtime::weights_go_to_device() {
+            device_copy(&array).map_err(|message| EngineError::Tensor {
+                file,
+                tensor: name.to_string(),
+                message,
+            })?
+        } else {
+            array
+        };
         self.taken.push(array.clone());
         Ok(array)
+    }
+
+    /// Registers a view of taken weights (a transposed weight for `x @ w.T`) for the load to
+    /// evaluate, so the forward gets an evaluated array instead of a graph node every step.
+    pub fn view(&mut self, array: Array) -> Array {
+        self.derived.push(array.clone());
+        array
     }
 
     /// Registers a weight computed from taken tensors (a stack of per-expert matrices, a
@@ -369,6 +385,20 @@ impl WeightStore {
             .map(|file| file.display().to_string())
             .collect::<Vec<_>>()
             .join(", ")
+    }
+}
+
+/// A copy of `array` made on the default stream, so it lives in the device's own memory.
+fn device_copy(array: &Array) -> std::result::Result<Array, String> {
+    let stream = mlx_rs::Stream::thread_local_or_default();
+    // SAFETY: both handles are live for the call; `out` becomes an owned Array.
+    unsafe {
+        let mut out = mlx_sys::mlx_array_new();
+        if mlx_sys::mlx_copy(&mut out, array.as_ptr(), stream.as_ptr()) != 0 {
+            mlx_sys::mlx_array_free(out);
+            return Err("copying it to the device failed".into());
+        }
+        Ok(Array::from_ptr(out))
     }
 }
 

@@ -19,8 +19,12 @@
 #   warm TTFT through `rmlx serve` interleaved with mlx-lm's generate_step (bench.py), then
 #   1 / 4 / 8 / 16 concurrent streams through `rmlx serve` and mlx-lm's server (concurrency.py).
 #   Env: C_MODELS ("bf16 4bit"), C_STREAMS (1,4,8,16), C_RUNS (5), C_TOKENS (128), C_PROMPT (512).
+# MODE=profile (step 2 instead): probe_ops.py (per-op costs of MLX CUDA at the decode shapes),
+#   the same two checkpoints, `rmlx bench --step-profile` at 1 and P_STREAMS (8) streams (bf16 also
+#   with MLX_DISABLE_COMPILE=1 RMLX_WEIGHTS_ON_DEVICE=0), then concurrency.py and bench.py on bf16.
+#   Env: P_STREAMS (8), P_RUNS (3), C_MODELS, C_TOKENS, C_PROMPT.
 # Env: SIZES (default 2560,512), RUNS (3), MODE (warm, cold, both: images.py --mode; or
-# qwen3_5 or concurrency; default both), LIMIT (seconds from the start by which the bench must end, 575: the
+# qwen3_5, concurrency or profile; default both), LIMIT (seconds from the start by which the bench must end, 575: the
 # tool's limit is 600 and what is under $OUT comes back), OUT.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../../.." && pwd)
@@ -103,6 +107,47 @@ if [[ $MODE == qwen3_5 ]]; then
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
   step "done ($rc)"
   exit $rc
+fi
+
+if [[ $MODE == profile ]]; then
+  # Issue 15 stage 3: where a decode step's time goes. Per-op costs (probe_ops.py), then
+  # `rmlx bench --step-profile` at 1 and P_STREAMS streams with this build's defaults and with
+  # compile and the device copy of the weights off, then the engines side by side.
+  step "probe ops"
+  timeout 120 python3 scripts/bench/h200/probe_ops.py --json-out "$OUT/probe-ops.json"
+  step "models qwen3 4b"
+  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$TIKTOKEN" \
+    > /tmp/q3-paths || exit 1
+  profile() {  # label model streams env...
+    local label=$1 model=$2 streams=$3; shift 3
+    local left=$(( LIMIT - SECONDS ))
+    (( left > 40 )) || { echo "no time left for $label"; return 1; }
+    step "rmlx bench $label"
+    env "$@" RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench --model "$model" \
+      --prompt-tokens "${C_PROMPT:-512}" --gen-tokens "${C_TOKENS:-128}" --runs "${P_RUNS:-3}" \
+      --concurrency "$streams" --max-batch 16 --step-profile | tee "$OUT/bench-$label.txt"
+  }
+  for kind in ${C_MODELS:-bf16 4bit}; do
+    model=$BENCH/qwen3-4b-shape-$kind
+    for streams in 1 ${P_STREAMS:-8}; do
+      profile "$kind-s$streams" "$model" "$streams" RMLX_PROFILE_VARIANT=default
+      [[ $kind == bf16 ]] && profile "$kind-s$streams-plain" "$model" "$streams" MLX_DISABLE_COMPILE=1 RMLX_WEIGHTS_ON_DEVICE=0
+    done
+  done
+  model=$BENCH/qwen3-4b-shape-bf16
+  step "concurrent streams bf16"
+  left=$(( LIMIT - SECONDS ))
+  (( left > 60 )) && RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/concurrency.py --model "$model" \
+    --rmlx /tmp/rmlx/rmlx --streams "1,${P_STREAMS:-8}" --runs "${P_RUNS:-3}" --max-tokens "${C_TOKENS:-128}" \
+    --rmlx-args "--max-batch 16" --json-out "$OUT/h200-concurrency-bf16.json"
+  step "single stream bf16"
+  left=$(( LIMIT - SECONDS ))
+  (( left > 60 )) && RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/bench.py --model "$model" \
+    --rmlx /tmp/rmlx/rmlx --reference mlx-lm --rmlx-via serve --device gpu --prompt-tokens "${C_PROMPT:-512}" \
+    --gen-tokens "${C_TOKENS:-128}" --runs "${P_RUNS:-3}" --server-log "$OUT/rmlx-serve-bf16.log" \
+    --json-out "$OUT/h200-single-bf16.json"
+  step "done"
+  exit 0
 fi
 
 if [[ $MODE == concurrency ]]; then

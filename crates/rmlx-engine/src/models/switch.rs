@@ -116,7 +116,7 @@ impl SwitchGlu {
         let gate = self.gate_proj.forward(&x, &idx, sort)?;
         let hidden = match self.activation {
             GluActivation::Silu => swiglu(&gate, &up)?,
-            GluActivation::GeluApprox => ops::multiply(crate::nn::gelu_approx(&gate)?, &up)?,
+            GluActivation::GeluApprox => crate::nn::geglu(&gate, &up)?,
         };
         let mut out = self.down_proj.forward(&hidden, &idx, sort)?;
         if let Some(inverse) = inverse {

@@ -19,7 +19,7 @@ use crate::{
         switch::{combine, GluActivation, SwitchGlu, SwitchLinear},
         Logits,
     },
-    nn::{gelu_approx, rope, scalar, Embedding, Linear, RmsNorm},
+    nn::{geglu, rope, scalar, Embedding, Linear, RmsNorm},
     weights::{DtypeKind, WeightStore},
 };
 
@@ -49,10 +49,7 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Array) -> Result<Array> {
-        let gated = ops::multiply(
-            gelu_approx(&self.gate_proj.forward(x)?)?,
-            self.up_proj.forward(x)?,
-        )?;
+        let gated = geglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?;
         self.down_proj.forward(&gated)
     }
 }
@@ -620,7 +617,7 @@ impl DecoderLayer {
         };
         let mut h = ops::add(&h, self.post_feedforward_layernorm.forward(&fed)?)?;
         if let (Some(gate), Some(input)) = (&self.per_layer, per_layer_input) {
-            let gated = ops::multiply(gelu_approx(&gate.input_gate.forward(&h)?)?, input)?;
+            let gated = geglu(&gate.input_gate.forward(&h)?, input)?;
             let projected = gate.post_norm.forward(&gate.projection.forward(&gated)?)?;
             h = ops::add(&h, &projected)?;
         }

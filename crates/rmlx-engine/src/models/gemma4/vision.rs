@@ -12,7 +12,7 @@ use crate::{
     attention::{vision_attention, TileConfig},
     error::{EngineError, Result},
     models::ImageInput,
-    nn::{gelu_approx, rotate_half, scalar, Linear, RmsNorm},
+    nn::{geglu, rotate_half, scalar, Linear, RmsNorm},
     weights::{DtypeKind, WeightStore},
 };
 
@@ -237,9 +237,9 @@ impl VisionBlock {
             .forward(&self.input_layernorm.forward(x)?, rotary, tiles)?;
         let h = ops::add(x, self.post_attention_layernorm.forward(&attended)?)?;
         let normed = self.pre_feedforward_layernorm.forward(&h)?;
-        let gated = ops::multiply(
-            gelu_approx(&self.gate_proj.forward(&normed)?)?,
-            self.up_proj.forward(&normed)?,
+        let gated = geglu(
+            &self.gate_proj.forward(&normed)?,
+            &self.up_proj.forward(&normed)?,
         )?;
         let fed = self.down_proj.forward(&gated)?;
         Ok(ops::add(

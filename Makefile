@@ -7,7 +7,7 @@ ifdef CI
 export CARGO_INCREMENTAL ?= 0
 endif
 
-.PHONY: run generate test scripts-test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-build ui-test app-deps app-test clean-mlx bench soak
+.PHONY: run generate test scripts-test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-build ui-test app-deps app-test clean-mlx bench soak fuzz
 
 ## Provide the pinned MLX + mlx-c pair under .mlx/ (idempotent; apt packages when root).
 bootstrap:
@@ -88,6 +88,12 @@ test: scripts-test fmt-check clippy cargo-test ui-test app-test
 SOAK_MINUTES ?= 5
 soak: bootstrap
 	SOAK_MINUTES=$(SOAK_MINUTES) $(CARGO) test -p rmlx-server --test load -- --ignored soak --nocapture
+
+## Every parser fuzz target for FUZZ_S seconds (300) each; what it finds is replayed by
+## `make test` (crates/rmlx-server/tests/fuzz_replay.rs). Not part of `make test`.
+FUZZ_S ?= 300
+fuzz: bootstrap
+	FUZZ_S=$(FUZZ_S) scripts/fuzz
 
 ## rmlx vs mlx-lm on benchmark-sized random checkpoints (not part of `make test`).
 bench:

@@ -40,12 +40,28 @@ fn check_header(file: &Path) -> Result<Vec<String>> {
         file: file.to_path_buf(),
         message: error.to_string(),
     };
+    let handle = fs::File::open(file).map_err(io_error)?;
+    let file_len = handle.metadata().map_err(io_error)?.len();
+    check_header_from(handle, file_len, file)
+}
+
+/// The header check of a safetensors file given as bytes (`file` names it in errors): what
+/// the header fuzzer drives.
+pub fn check_safetensors_header(bytes: &[u8], file: &Path) -> Result<Vec<String>> {
+    check_header_from(bytes, bytes.len() as u64, file)
+}
+
+/// Reads the 8-byte length and the JSON header from `handle` (a file of `file_len` bytes) and
+/// checks every entry against the data that follows, without reading the data.
+fn check_header_from(mut handle: impl Read, file_len: u64, file: &Path) -> Result<Vec<String>> {
+    let io_error = |error: std::io::Error| EngineError::WeightsFile {
+        file: file.to_path_buf(),
+        message: error.to_string(),
+    };
     let bad = |message: String| EngineError::WeightsFile {
         file: file.to_path_buf(),
         message,
     };
-    let mut handle = fs::File::open(file).map_err(io_error)?;
-    let file_len = handle.metadata().map_err(io_error)?.len();
     let mut len_bytes = [0u8; 8];
     handle.read_exact(&mut len_bytes).map_err(|_| {
         bad("not a safetensors file (shorter than its 8-byte header length)".into())

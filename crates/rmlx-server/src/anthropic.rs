@@ -43,7 +43,7 @@ pub struct PromptFields {
 #[derive(Debug, Deserialize)]
 pub struct MessagesRequest {
     #[serde(flatten)]
-    prompt: PromptFields,
+    pub(crate) prompt: PromptFields,
     max_tokens: usize,
     temperature: Option<f32>,
     top_p: Option<f32>,
@@ -54,6 +54,10 @@ pub struct MessagesRequest {
 
 struct Prepared {
     entry: ModelEntry,
+    prompt: Prompted,
+}
+
+pub(crate) struct Prompted {
     messages: Vec<Value>,
     images: convert::Images,
     options: TemplateOptions,
@@ -64,10 +68,18 @@ struct Prepared {
 
 fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError> {
     let entry = state.registry.resolve(&fields.model)?;
+    let prompt = convert_prompt(fields, &entry.id)?;
+    convert::check_vision(&entry.path, &entry.id, &prompt.images)?;
+    Ok(Prepared { entry, prompt })
+}
+
+/// A request's prompt as the engine takes it, before any model is involved (`model_id` names
+/// it in errors): what `prepare` does after resolving the model, and what the request fuzzer
+/// drives.
+pub(crate) fn convert_prompt(fields: &PromptFields, model_id: &str) -> Result<Prompted, ApiError> {
     let system = convert::anthropic_system(fields.system.as_ref())?;
     let (turns, prefill) = convert::anthropic_prefill(&fields.messages);
-    let (messages, images) = convert::anthropic_messages(system, turns, &entry.id)?;
-    convert::check_vision(&entry.path, &entry.id, &images)?;
+    let (messages, images) = convert::anthropic_messages(system, turns, model_id)?;
     let tools = convert::anthropic_tools(fields.tools.as_deref(), fields.tool_choice.as_ref())?;
     let forced = ForcedCall::new(
         forced::anthropic_requires_call(fields.tool_choice.as_ref()),
@@ -83,8 +95,7 @@ fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError
         Some("disabled") => Some(false),
         _ => None,
     };
-    Ok(Prepared {
-        entry,
+    Ok(Prompted {
         messages,
         images,
         prefill,
@@ -102,12 +113,19 @@ impl Prepared {
     /// Renders the prompt: whether the answer starts in reasoning, how the model writes calls,
     /// and the whole assistant prefill (the client's, then a forced call's opening).
     async fn prefill(&self, state: &AppState) -> Result<(PromptInfo, Option<String>), ApiError> {
-        let before = self.prefill.as_deref().unwrap_or("");
-        let info =
-            inspect_prompt(state, &self.entry, &self.messages, &self.options, before).await?;
-        let prefill = match &self.forced {
+        let prompt = &self.prompt;
+        let before = prompt.prefill.as_deref().unwrap_or("");
+        let info = inspect_prompt(
+            state,
+            &self.entry,
+            &prompt.messages,
+            &prompt.options,
+            before,
+        )
+        .await?;
+        let prefill = match &prompt.forced {
             Some(forced) => Some(forced.prefill(before, info.in_reasoning, info.tool_format)),
-            None => self.prefill.clone(),
+            None => prompt.prefill.clone(),
         };
         Ok((info, prefill))
     }
@@ -124,9 +142,9 @@ pub async fn count_tokens(
         let tokenizer = registry.tokenizer(&prepared.entry.path)?;
         let prefill = prefill.as_deref().unwrap_or("");
         let (_, ids) = tokenizer
-            .encode_chat_prefilled(&prepared.messages, &prepared.options, prefill)
+            .encode_chat_prefilled(&prepared.prompt.messages, &prepared.prompt.options, prefill)
             .map_err(|error| ApiError::from(EngineError::Chat(error)))?;
-        if prepared.images.is_empty() {
+        if prepared.prompt.images.is_empty() {
             return Ok(ids.len());
         }
         // Each image counts as its whole block, sized from the image alone (no resize).
@@ -136,7 +154,7 @@ pub async fn count_tokens(
             &model_type,
             &tokenizer,
             ids,
-            &prepared.images,
+            &prepared.prompt.images,
             None,
             false,
         )?;
@@ -196,11 +214,14 @@ pub async fn messages(
     let (info, assistant_prefill) = prepared.prefill(&state).await?;
     let Prepared {
         entry,
-        messages,
-        images,
-        options,
-        forced,
-        ..
+        prompt:
+            Prompted {
+                messages,
+                images,
+                options,
+                forced,
+                ..
+            },
     } = prepared;
     let parser = match &forced {
         Some(forced) => {

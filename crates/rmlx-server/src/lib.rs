@@ -10,6 +10,7 @@ pub mod convert;
 pub mod downloads;
 pub mod error;
 pub mod forced;
+pub mod fuzzing;
 pub mod generation;
 pub mod guard;
 pub mod logprobs;

@@ -107,9 +107,9 @@ impl SamplingFields {
         }
     }
 
-    fn params(
+    pub(crate) fn params(
         &self,
-        state: &AppState,
+        max_ctx: Option<usize>,
         max_tokens: usize,
         logprobs: Option<usize>,
     ) -> Result<GenerateParams, ApiError> {
@@ -121,7 +121,7 @@ impl SamplingFields {
             max_tokens,
             sampling: self.sampling()?,
             stop: self.stops(),
-            max_ctx: state.config.max_ctx,
+            max_ctx,
             logprobs,
             ..GenerateParams::default()
         })
@@ -138,8 +138,8 @@ impl SamplingFields {
 pub struct ChatRequest {
     model: String,
     messages: Vec<Value>,
-    max_tokens: Option<usize>,
-    max_completion_tokens: Option<usize>,
+    pub(crate) max_tokens: Option<usize>,
+    pub(crate) max_completion_tokens: Option<usize>,
     tools: Option<Vec<Value>>,
     tool_choice: Option<Value>,
     enable_thinking: Option<bool>,
@@ -147,7 +147,7 @@ pub struct ChatRequest {
     response_format: Option<Value>,
     top_logprobs: Option<Value>,
     #[serde(flatten)]
-    sampling: SamplingFields,
+    pub(crate) sampling: SamplingFields,
 }
 
 pub fn usage(completion: &Completion) -> Value {
@@ -184,19 +184,27 @@ fn default_max_tokens(state: &AppState, entry: &ModelEntry) -> usize {
     state.registry.context_length(entry).unwrap_or(4096)
 }
 
-pub async fn chat_completions(
-    State(state): State<AppState>,
-    ApiJson(request): ApiJson<ChatRequest>,
-) -> Result<Response, ApiError> {
-    let entry = state.registry.resolve(&request.model)?;
+/// A chat request as the engine takes it, before any model is involved.
+pub(crate) struct ChatParts {
+    response_format: ResponseFormat,
+    messages: Vec<Value>,
+    images: convert::Images,
+    tools: Option<Value>,
+    forced: Option<ForcedCall>,
+    options: TemplateOptions,
+    logprobs: Option<usize>,
+}
+
+/// Converts a chat request's fields (`model_id` names the model in errors): everything the
+/// handler does before it needs the model, and what the request fuzzer drives.
+pub(crate) fn chat_parts(request: &ChatRequest, model_id: &str) -> Result<ChatParts, ApiError> {
     // Enforced by constrained decoding in the engine; a schema it cannot compile is a 400.
     let response_format: ResponseFormat = match &request.response_format {
         None | Some(Value::Null) => ResponseFormat::Text,
         Some(format) => serde_json::from_value(format.clone())
             .map_err(|error| ApiError::BadRequest(format!("invalid response_format: {error}")))?,
     };
-    let (messages, images) = convert::openai_messages(&request.messages, &entry.id)?;
-    convert::check_vision(&entry.path, &entry.id, &images)?;
+    let (messages, images) = convert::openai_messages(&request.messages, model_id)?;
     let tools = convert::openai_tools(request.tools.as_deref(), request.tool_choice.as_ref())?;
     let forced = ForcedCall::new(
         forced::openai_requires_call(request.tool_choice.as_ref()),
@@ -211,15 +219,43 @@ pub async fn chat_completions(
         extra,
         ..TemplateOptions::default()
     };
-    let max_tokens = request
-        .max_completion_tokens
-        .or(request.max_tokens)
-        .unwrap_or_else(|| default_max_tokens(&state, &entry));
     let logprobs = logprobs::chat_request(
         request.sampling.logprobs.as_ref(),
         request.top_logprobs.as_ref(),
     )?;
-    let mut params = request.sampling.params(&state, max_tokens, logprobs)?;
+    Ok(ChatParts {
+        response_format,
+        messages,
+        images,
+        tools,
+        forced,
+        options,
+        logprobs,
+    })
+}
+
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    ApiJson(request): ApiJson<ChatRequest>,
+) -> Result<Response, ApiError> {
+    let entry = state.registry.resolve(&request.model)?;
+    let ChatParts {
+        response_format,
+        messages,
+        images,
+        tools,
+        forced,
+        options,
+        logprobs,
+    } = chat_parts(&request, &entry.id)?;
+    convert::check_vision(&entry.path, &entry.id, &images)?;
+    let max_tokens = request
+        .max_completion_tokens
+        .or(request.max_tokens)
+        .unwrap_or_else(|| default_max_tokens(&state, &entry));
+    let mut params = request
+        .sampling
+        .params(state.config.max_ctx, max_tokens, logprobs)?;
     params.response_format = response_format;
     let info = inspect_prompt(&state, &entry, &messages, &options, "").await?;
     // A forced call is all the answer holds: its grammar replaces any response_format.
@@ -405,18 +441,27 @@ fn legacy_prompt(prompt: &Value) -> Result<Prompt, ApiError> {
     }
 }
 
+/// A legacy completion request as the engine takes it, before any model is involved (what the
+/// request fuzzer drives).
+pub(crate) fn completion_parts(
+    request: &CompletionRequest,
+    max_ctx: Option<usize>,
+) -> Result<(Prompt, GenerateParams), ApiError> {
+    let prompt = legacy_prompt(&request.prompt)?;
+    let logprobs = logprobs::legacy_request(request.sampling.logprobs.as_ref())?;
+    // OpenAI's legacy default.
+    let params = request
+        .sampling
+        .params(max_ctx, request.max_tokens.unwrap_or(16), logprobs)?;
+    Ok((prompt, params))
+}
+
 pub async fn completions(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let entry = state.registry.resolve(&request.model)?;
-    let prompt = legacy_prompt(&request.prompt)?;
-    // OpenAI's legacy default.
-    let logprobs = logprobs::legacy_request(request.sampling.logprobs.as_ref())?;
-    // OpenAI's legacy default.
-    let params = request
-        .sampling
-        .params(&state, request.max_tokens.unwrap_or(16), logprobs)?;
+    let (prompt, params) = completion_parts(&request, state.config.max_ctx)?;
     let id = new_id("cmpl-");
     let engine_request = Request {
         model: entry.path.clone(),

@@ -239,43 +239,38 @@ pub async fn chat_completions(
     ApiJson(request): ApiJson<ChatRequest>,
 ) -> Result<Response, ApiError> {
     let entry = state.registry.resolve(&request.model)?;
-    let ChatParts {
-        response_format,
-        messages,
-        images,
-        tools,
-        forced,
-        options,
-        logprobs,
-    } = chat_parts(&request, &entry.id)?;
-    convert::check_vision(&entry.path, &entry.id, &images)?;
+    let parts = chat_parts(&request, &entry.id)?;
+    convert::check_vision(&entry.path, &entry.id, &parts.images)?;
     let max_tokens = request
         .max_completion_tokens
         .or(request.max_tokens)
         .unwrap_or_else(|| default_max_tokens(&state, &entry));
     let mut params = request
         .sampling
-        .params(state.config.max_ctx, max_tokens, logprobs)?;
-    params.response_format = response_format;
-    let info = inspect_prompt(&state, &entry, &messages, &options, "").await?;
+        .params(state.config.max_ctx, max_tokens, parts.logprobs)?;
+    params.response_format = parts.response_format;
+    let info = inspect_prompt(&state, &entry, &parts.messages, &parts.options, "").await?;
     // A forced call is all the answer holds: its grammar replaces any response_format.
-    let (parser, assistant_prefill) = match &forced {
+    let (parser, assistant_prefill) = match &parts.forced {
         Some(forced) => {
             params.response_format = forced.response_format(info.tool_format);
             let prefill = forced.prefill("", info.in_reasoning, info.tool_format);
             (forced.parser(info.tool_format), Some(prefill))
         }
         None => (
-            OutputParser::for_tools(info.in_reasoning, info.tool_format, tools.as_ref()),
+            OutputParser::for_tools(info.in_reasoning, info.tool_format, parts.tools.as_ref()),
             None,
         ),
     };
     let (id, created) = (new_id("chatcmpl-"), unix_now());
     let engine_request = Request {
         model: entry.path.clone(),
-        prompt: Prompt::Chat { messages, options },
+        prompt: Prompt::Chat {
+            messages: parts.messages,
+            options: parts.options,
+        },
         assistant_prefill,
-        images,
+        images: parts.images,
         params,
         request_id: Some(id.clone()),
         ..Request::default()

@@ -49,7 +49,7 @@ pub fn build(app: &AppHandle) -> tauri::Result<()> {
             &quit,
         ],
     )?;
-    let icon = Image::from_bytes(include_bytes!("../icons/tray-template@2x.png"))?;
+    let icon = Image::from_bytes(include_bytes!("../../icons/tray-template@2x.png"))?;
     TrayIconBuilder::with_id("main")
         .icon(icon)
         .icon_as_template(true)

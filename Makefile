@@ -7,7 +7,7 @@ ifdef CI
 export CARGO_INCREMENTAL ?= 0
 endif
 
-.PHONY: run generate test scripts-test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-build ui-test app-deps app-test clean-mlx bench soak fuzz
+.PHONY: run generate test scripts-test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-build ui-test app-deps app-test clean-mlx bench soak fuzz packaging-test bottle
 
 ## Provide the pinned MLX + mlx-c pair under .mlx/ (idempotent; apt packages when root).
 bootstrap:
@@ -81,7 +81,18 @@ lint: fmt-check clippy
 scripts-test:
 	tests/scripts/apt-lock.sh
 
-test: scripts-test fmt-check clippy cargo-test ui-test app-test
+## The Homebrew formula and cask, the bottle flow and the release's version agreement
+## (tests/packaging/; seconds; no Homebrew: Ruby syntax and DSL, brew's real JSON, a fake brew).
+packaging-test:
+	tests/packaging/run.sh
+
+test: scripts-test packaging-test fmt-check clippy cargo-test ui-test app-test
+
+## A Homebrew bottle of packaging/homebrew/rmlx.rb for this machine (a Mac with Homebrew), renamed
+## to its release asset name, and the `bottle do` block to paste (docs/RELEASING.md). Not part of
+## `make test`. ROOT_URL, TAP, OUT, SOURCE_TARBALL, WRITE=1: see the script.
+bottle:
+	scripts/release/build_bottle.sh
 
 ## SOAK_MINUTES (5) of mixed traffic against a real server, with the load test's end checks
 ## (not part of `make test`).

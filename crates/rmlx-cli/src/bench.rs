@@ -244,18 +244,30 @@ fn report(args: &BenchArgs, concurrency: usize, runs: &[Run], steps: Option<&Ste
     println!("  decode          {} tok/s per stream", cell(decode));
     println!("  all streams     {} tok/s", cell(aggregate));
     if let Some(profile) = steps {
-        println!("  decode steps (ms per step: build graph / async_eval / wait for tokens / loop between):");
-        for row in step_rows(profile) {
-            println!(
-                "    {:>2} rows  {:>6} steps  {:.3} / {:.3} / {:.3} / {:.3} = {:.3}",
-                row["rows"],
-                row["steps"],
-                row["build_ms"].as_f64().unwrap_or(0.0),
-                row["submit_ms"].as_f64().unwrap_or(0.0),
-                row["read_ms"].as_f64().unwrap_or(0.0),
-                row["between_ms"].as_f64().unwrap_or(0.0),
-                row["step_ms"].as_f64().unwrap_or(0.0),
-            );
-        }
+        step_lines(profile)
+            .iter()
+            .for_each(|line| println!("{line}"));
     }
+}
+
+/// The step profile, a line per batch width (also what `rmlx serve` prints at exit with
+/// `RMLX_STEP_PROFILE=1`).
+pub fn step_lines(profile: &StepProfile) -> Vec<String> {
+    let mut lines = vec![
+        "  decode steps (ms per step: build graph / async_eval / wait for tokens / loop between):"
+            .to_string(),
+    ];
+    for row in step_rows(profile) {
+        lines.push(format!(
+            "    {:>2} rows  {:>6} steps  {:.3} / {:.3} / {:.3} / {:.3} = {:.3}",
+            row["rows"],
+            row["steps"],
+            row["build_ms"].as_f64().unwrap_or(0.0),
+            row["submit_ms"].as_f64().unwrap_or(0.0),
+            row["read_ms"].as_f64().unwrap_or(0.0),
+            row["between_ms"].as_f64().unwrap_or(0.0),
+            row["step_ms"].as_f64().unwrap_or(0.0),
+        ));
+    }
+    lines
 }

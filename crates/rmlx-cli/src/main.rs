@@ -44,6 +44,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Download a model from the Hugging Face hub into the models folder (reruns resume).
     Pull(pull::PullArgs),
+    /// Print the server's OpenAPI 3.1 document as YAML (what docs/openapi.yaml holds).
+    Openapi,
     /// Check the MLX runtime: library, version, device, and a few real operations.
     Doctor {
         /// Print one JSON object instead of text.
@@ -126,6 +128,10 @@ fn main() -> ExitCode {
         Command::Info { model, json } => info(&model, json),
         Command::Bench(args) => bench::bench(args),
         Command::Doctor { json } => doctor(json),
+        Command::Openapi => {
+            print!("{}", rmlx_server::openapi::yaml());
+            Ok(())
+        }
         Command::Serve(args) => serve::serve(args),
         Command::Pull(args) => pull::pull(args),
     };

@@ -84,8 +84,19 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ui_dir: args.ui_dir,
         embedded_ui: !args.no_ui,
     };
-    tokio::runtime::Builder::new_multi_thread()
+    // RMLX_STEP_PROFILE=1: where the decode steps' time went, printed when the server stops
+    // (what `rmlx bench --step-profile` shows, for the requests a client sent).
+    let profile = std::env::var("RMLX_STEP_PROFILE").as_deref() == Ok("1");
+    if profile {
+        rmlx_engine::profile::enable();
+    }
+    let served = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(rmlx_server::serve(config))
+        .block_on(rmlx_server::serve(config));
+    if profile {
+        let lines = crate::bench::step_lines(&rmlx_engine::profile::take());
+        lines.iter().for_each(|line| eprintln!("{line}"));
+    }
+    served
 }

@@ -504,6 +504,8 @@ impl EngineThread {
                 if !open {
                     break;
                 }
+                // Time spent idle is not time between decode steps.
+                crate::profile::idle();
                 match inbox.recv() {
                     Ok(job) => self.pending.push_back(job),
                     Err(_) => break,

@@ -622,10 +622,10 @@ impl Sequence {
         Ok(())
     }
 
-    /// Whether this row's token is the argmax of its raw log-probs (see
-    /// [`Sampler::is_plain_greedy`]): such rows of a batch are sampled together.
-    fn is_plain_greedy(&self) -> bool {
-        self.constraint.is_none() && self.sampler.is_plain_greedy()
+    /// Whether this row's token is the argmax of its log-probs after at most a logit bias (see
+    /// [`Sampler::is_batchable_greedy`]): such rows of a batch are sampled together.
+    fn is_batchable_greedy(&self) -> bool {
+        self.constraint.is_none() && self.sampler.is_batchable_greedy()
     }
 
     /// Takes row `row` of a batch sampled together (`logprobs`: the batch's `[B, vocab]`).
@@ -824,9 +824,14 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
         let logits = model.forward(&input, caches, Logits::Last)?;
         let logits = logits.index((.., -1, ..));
         let mut queued = Vec::new();
-        // Greedy rows with no processor are sampled in one op for the whole batch (one
-        // log-softmax, one argmax, one host read), not row by row.
-        let together = if count > 1 && rows.iter_mut().all(|row| row.sequence().is_plain_greedy()) {
+        // Greedy rows with no processor but a logit bias are sampled in one op for the whole
+        // batch (one bias add, one log-softmax, one argmax, one host read), not row by row.
+        let together = if count > 1
+            && rows
+                .iter_mut()
+                .all(|row| row.sequence().is_batchable_greedy())
+        {
+            let logits = with_bias_rows(&logits, rows)?;
             let logprobs = crate::sample::log_softmax(&logits)?;
             let batch = Rc::new(BatchTokens {
                 tokens: crate::sample::greedy(&logprobs)?,
@@ -880,6 +885,27 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
         clock.finish(count);
     }
     Ok(())
+}
+
+/// `logits` `[B, vocab]` plus each row's logit bias (one add; unchanged when no row has one).
+fn with_bias_rows<R: DecodeRow>(logits: &Array, rows: &mut [R]) -> Result<Array> {
+    let (vocab, dtype) = (logits.shape()[1] as usize, logits.dtype());
+    let biases = rows
+        .iter_mut()
+        .map(|row| row.sequence().sampler.bias_row(vocab, dtype))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    if biases.iter().all(Option::is_none) {
+        return Ok(logits.clone());
+    }
+    let zeros = mlx_rs::ops::zeros_dtype(&[1, vocab as i32], dtype)?;
+    let rows: Vec<Array> = biases
+        .into_iter()
+        .map(|bias| bias.unwrap_or_else(|| zeros.clone()))
+        .collect();
+    Ok(mlx_rs::ops::add(
+        logits,
+        mlx_rs::ops::concatenate(&rows, 0)?,
+    )?)
 }
 
 /// The `[B, 1]` input of a decode step: the rows' next tokens. When every row still holds its

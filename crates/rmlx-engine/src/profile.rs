@@ -53,6 +53,17 @@ pub fn take() -> BTreeMap<usize, Phases> {
         .unwrap_or_default()
 }
 
+/// The engine has nothing to do: the next step's "between" starts when work arrives, not at
+/// the last step's end.
+pub(crate) fn idle() {
+    if !ENABLED.load(Ordering::Relaxed) {
+        return;
+    }
+    if let Some(profile) = STEPS.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        profile.last_end = None;
+    }
+}
+
 /// The clock of one step; `None` (and free) while recording is off.
 pub(crate) struct StepClock {
     start: Instant,

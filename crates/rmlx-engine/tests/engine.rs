@@ -317,8 +317,14 @@ fn listing_models_does_not_wait_behind_a_generation() {
     assert!(engine.loaded().unwrap().is_empty());
 }
 
-/// One request of the batching tests: a chat turn, greedy, with the top-2 log-probs.
+/// One request of the batching tests: a chat turn, greedy, with the top-2 log-probs. Prompts
+/// with a digit also carry a logit bias (rows with one are sampled with the batch, their bias
+/// added as a row).
 fn batch_request(dir: &str, text: &str, image: Option<&str>, max_tokens: usize) -> Request {
+    let logit_bias = match text.chars().any(|c| c.is_ascii_digit()) {
+        true => [(15, 6.0), (16, -2.5), (220, 5.0)].into_iter().collect(),
+        false => Default::default(),
+    };
     let content = match image {
         Some(_) => serde_json::json!([{"type": "image"}, {"type": "text", "text": text}]),
         None => serde_json::json!(text),
@@ -344,6 +350,10 @@ fn batch_request(dir: &str, text: &str, image: Option<&str>, max_tokens: usize) 
             max_tokens,
             ignore_eos: true,
             logprobs: Some(2),
+            sampling: SamplingParams {
+                logit_bias,
+                ..SamplingParams::default()
+            },
             ..GenerateParams::default()
         },
         ..Request::default()

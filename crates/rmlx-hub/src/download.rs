@@ -27,7 +27,7 @@ use crate::{
 /// for a progress bar and the UI's ~4 updates a second, without a callback per network chunk.
 const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum JobState {
     Queued,
@@ -63,7 +63,7 @@ impl JobState {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum FileState {
     Pending,
@@ -72,7 +72,7 @@ pub enum FileState {
     Failed,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct FileProgress {
     pub name: String,
     pub size: u64,
@@ -82,7 +82,7 @@ pub struct FileProgress {
 
 /// A download as docs/MODELS-API.md shows it: `{id, repo, revision, state, bytes_done,
 /// bytes_total, files, error, model_id}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Job {
     pub id: String,
     pub repo: String,

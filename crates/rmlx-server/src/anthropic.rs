@@ -11,16 +11,21 @@ use axum::{
 use rmlx_engine::{
     chat::TemplateOptions,
     engine::{Prompt, Request},
-    generate::{Completion, FinishReason, GenerateParams},
+    generate::GenerateParams,
     sample::SamplingParams,
     EngineError,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
+use utoipa::ToSchema;
 
 use crate::{
+    api::{
+        AnthropicUsage, AssistantRole, BlockDelta, ContentBlock, Message, MessageDeltaBody,
+        MessageStreamEvent, MessageType, StopReason, Timings, TokenCount,
+    },
     convert,
-    error::{Api, ApiError, ApiJson},
+    error::{whole, Api, ApiError, ApiJson},
     forced::{self, ForcedCall},
     generation::{inspect_prompt, new_id, Generation, PromptInfo, Step},
     parse::{log_warnings, OutputParser, Piece, ToolCall},
@@ -29,24 +34,41 @@ use crate::{
     AppState,
 };
 
-/// What shapes the prompt: shared by messages and count_tokens so the counts agree.
-#[derive(Debug, Deserialize)]
+/// What shapes the prompt (`POST /v1/messages/count_tokens` takes just these): shared by
+/// messages and count_tokens so the counts agree.
+#[derive(Debug, Deserialize, ToSchema)]
 pub struct PromptFields {
+    /// A model id from `GET /v1/models`.
     model: String,
+    /// Anthropic's messages: `role` (`user`, `assistant`) and `content` (a string or blocks of
+    /// `text`, `image` (base64 source), `tool_use`, `tool_result`); a last assistant message
+    /// is the answer's prefill.
+    #[schema(value_type = Vec<Object>)]
     messages: Vec<Value>,
+    /// A string or a list of `text` blocks.
     system: Option<Value>,
+    /// `{name, description, input_schema}`.
+    #[schema(value_type = Option<Vec<Object>>)]
     tools: Option<Vec<Value>>,
+    /// `{"type": "auto" | "any" | "none" | "tool", "name": ...}`.
     tool_choice: Option<Value>,
+    /// `{"type": "enabled" | "disabled"}`.
+    #[schema(value_type = Option<Object>)]
     thinking: Option<Value>,
 }
 
-#[derive(Debug, Deserialize)]
+/// `POST /v1/messages`.
+#[derive(Debug, Deserialize, ToSchema)]
 pub struct MessagesRequest {
     #[serde(flatten)]
     pub(crate) prompt: PromptFields,
+    /// Tokens to generate at most (at least 1).
+    #[serde(deserialize_with = "whole::required")]
+    #[schema(minimum = 1)]
     max_tokens: usize,
     temperature: Option<f32>,
     top_p: Option<f32>,
+    #[serde(default, deserialize_with = "whole::optional")]
     top_k: Option<i64>,
     stop_sequences: Option<Vec<String>>,
     stream: Option<bool>,
@@ -131,6 +153,9 @@ impl Prepared {
     }
 }
 
+/// The tokens `POST /v1/messages` would prefill for the same fields.
+#[utoipa::path(post, path = "/v1/messages/count_tokens", tag = "anthropic", request_body = PromptFields,
+    responses((status = 200, description = "The count", body = TokenCount)))]
 pub async fn count_tokens(
     State(state): State<AppState>,
     ApiJson(fields): ApiJson<PromptFields>,
@@ -162,34 +187,24 @@ pub async fn count_tokens(
     })
     .await
     .map_err(|error| ApiError::Internal(error.to_string()))??;
-    Ok(Json(json!({"input_tokens": count})).into_response())
+    Ok(Json(TokenCount {
+        input_tokens: count,
+    })
+    .into_response())
 }
 
-/// `input_tokens` is the whole prompt (it equals count_tokens and message_start's figure);
-/// `cache_read_input_tokens` says how many of those the prefix cache supplied.
-fn usage(completion: &Completion) -> Value {
-    json!({"input_tokens": completion.prompt_tokens,
-           "output_tokens": completion.completion_tokens,
-           "cache_creation_input_tokens": 0,
-           "cache_read_input_tokens": completion.cached_tokens})
-}
-
-/// Anthropic's stop reason, and the stop sequence the engine says ended the answer.
-fn stop_reason(completion: &Completion, tool_calls: bool) -> (&'static str, Option<String>) {
-    match completion.finish_reason {
-        _ if tool_calls => ("tool_use", None),
-        FinishReason::Length => ("max_tokens", None),
-        FinishReason::Stop | FinishReason::Cancelled => match &completion.stop_sequence {
-            Some(sequence) => ("stop_sequence", Some(sequence.clone())),
-            None => ("end_turn", None),
-        },
+fn tool_use_block(call: &ToolCall) -> ContentBlock {
+    ContentBlock::ToolUse {
+        id: new_id("toolu_"),
+        name: call.name.clone(),
+        input: call.arguments.clone(),
     }
 }
 
-fn tool_use_block(call: &ToolCall) -> Value {
-    json!({"type": "tool_use", "id": new_id("toolu_"), "name": call.name, "input": call.arguments})
-}
-
+/// An Anthropic Messages answer, whole or streamed (`stream: true`: `MessageStreamEvent`s).
+#[utoipa::path(post, path = "/v1/messages", tag = "anthropic", request_body = MessagesRequest,
+    responses((status = 200, description = "The message, or its stream of `MessageStreamEvent`s",
+        content((Message = "application/json"), (String = "text/event-stream")))))]
 pub async fn messages(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<MessagesRequest>,
@@ -243,7 +258,22 @@ pub async fn messages(
         ..Request::default()
     };
     let generation = Generation::start(&state, &entry, engine_request).await?;
-    let message = json!({"id": id, "type": "message", "role": "assistant", "model": entry.id});
+    let message = Message {
+        id,
+        kind: MessageType::Message,
+        role: AssistantRole::Assistant,
+        model: entry.id,
+        content: Vec::new(),
+        stop_reason: None,
+        stop_sequence: None,
+        usage: AnthropicUsage {
+            input_tokens: generation.prompt_tokens,
+            output_tokens: 0,
+            cache_creation_input_tokens: None,
+            cache_read_input_tokens: None,
+        },
+        timings: None,
+    };
     if request.stream.unwrap_or(false) {
         return Ok(sse::respond(MessageStream {
             generation,
@@ -259,20 +289,27 @@ pub async fn messages(
     let mut parsed = parser.parse(&completion.text);
     log_warnings(std::mem::take(&mut parsed.warnings));
     let mut content = Vec::new();
-    if let Some(reasoning) = &parsed.reasoning {
-        content.push(json!({"type": "thinking", "thinking": reasoning, "signature": ""}));
+    if let Some(reasoning) = parsed.reasoning {
+        content.push(ContentBlock::Thinking {
+            thinking: reasoning,
+            signature: String::new(),
+        });
     }
     if !parsed.content.is_empty() || (parsed.tool_calls.is_empty() && content.is_empty()) {
-        content.push(json!({"type": "text", "text": parsed.content}));
+        content.push(ContentBlock::Text {
+            text: parsed.content,
+        });
     }
     content.extend(parsed.tool_calls.iter().map(tool_use_block));
-    let (reason, sequence) = stop_reason(&completion, !parsed.tool_calls.is_empty());
-    let mut body = message;
-    body["content"] = json!(content);
-    body["stop_reason"] = json!(reason);
-    body["stop_sequence"] = json!(sequence);
-    body["usage"] = usage(&completion);
-    body["timings"] = crate::openai::timings(&completion);
+    let (reason, sequence) = StopReason::of(&completion, !parsed.tool_calls.is_empty());
+    let body = Message {
+        content,
+        stop_reason: Some(reason),
+        stop_sequence: sequence,
+        usage: AnthropicUsage::of(&completion),
+        timings: Some(Timings::of(&completion)),
+        ..message
+    };
     Ok(Json(body).into_response())
 }
 
@@ -285,7 +322,7 @@ enum Block {
 struct MessageStream {
     generation: Generation,
     parser: OutputParser,
-    message: Value,
+    message: Message,
     started: bool,
     /// The open text/thinking block and its index.
     open: Option<(Block, usize)>,
@@ -293,29 +330,31 @@ struct MessageStream {
     tool_calls: usize,
 }
 
+/// An event of the stream, named by its `type`.
+fn event(event: MessageStreamEvent) -> Event {
+    sse::named(event.name(), &event)
+}
+
 impl MessageStream {
     /// Opens a block (closing the previous one); `ping` follows the first block's start, as
     /// Anthropic's own stream does.
-    fn start_block(&mut self, block: Value, events: &mut Vec<Event>) -> usize {
+    fn start_block(&mut self, block: ContentBlock, events: &mut Vec<Event>) -> usize {
         self.close_block(events);
         let index = self.next_index;
         self.next_index += 1;
-        events.push(sse::named(
-            "content_block_start",
-            &json!({"type": "content_block_start", "index": index, "content_block": block}),
-        ));
+        events.push(event(MessageStreamEvent::ContentBlockStart {
+            index,
+            content_block: block,
+        }));
         if index == 0 {
-            events.push(sse::named("ping", &json!({"type": "ping"})));
+            events.push(event(MessageStreamEvent::Ping));
         }
         index
     }
 
     fn close_block(&mut self, events: &mut Vec<Event>) {
         if let Some((_, index)) = self.open.take() {
-            events.push(sse::named(
-                "content_block_stop",
-                &json!({"type": "content_block_stop", "index": index}),
-            ));
+            events.push(event(MessageStreamEvent::ContentBlockStop { index }));
         }
     }
 
@@ -324,8 +363,13 @@ impl MessageStream {
             Some((open, index)) if open == kind => index,
             _ => {
                 let block = match kind {
-                    Block::Text => json!({"type": "text", "text": ""}),
-                    Block::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
+                    Block::Text => ContentBlock::Text {
+                        text: String::new(),
+                    },
+                    Block::Thinking => ContentBlock::Thinking {
+                        thinking: String::new(),
+                        signature: String::new(),
+                    },
                 };
                 let index = self.start_block(block, events);
                 self.open = Some((kind, index));
@@ -340,34 +384,34 @@ impl MessageStream {
             let (index, delta) = match piece {
                 Piece::Content(text) => (
                     self.ensure(Block::Text, events),
-                    json!({"type": "text_delta", "text": text}),
+                    BlockDelta::TextDelta { text },
                 ),
-                Piece::Reasoning(text) => (
+                Piece::Reasoning(thinking) => (
                     self.ensure(Block::Thinking, events),
-                    json!({"type": "thinking_delta", "thinking": text}),
+                    BlockDelta::ThinkingDelta { thinking },
                 ),
                 Piece::ToolCall(call) => {
                     self.tool_calls += 1;
                     let mut block = tool_use_block(&call);
-                    block["input"] = json!({});
+                    if let ContentBlock::ToolUse { input, .. } = &mut block {
+                        *input = json!({});
+                    }
                     let index = self.start_block(block, events);
-                    let delta =
-                        json!({"type": "input_json_delta", "partial_json": call.arguments_json()});
-                    events.push(sse::named(
-                        "content_block_delta",
-                        &json!({"type": "content_block_delta", "index": index, "delta": delta}),
-                    ));
-                    events.push(sse::named(
-                        "content_block_stop",
-                        &json!({"type": "content_block_stop", "index": index}),
-                    ));
+                    let delta = BlockDelta::InputJsonDelta {
+                        partial_json: call.arguments_json(),
+                    };
+                    events.push(event(MessageStreamEvent::ContentBlockDelta {
+                        index,
+                        delta,
+                    }));
+                    events.push(event(MessageStreamEvent::ContentBlockStop { index }));
                     continue;
                 }
             };
-            events.push(sse::named(
-                "content_block_delta",
-                &json!({"type": "content_block_delta", "index": index, "delta": delta}),
-            ));
+            events.push(event(MessageStreamEvent::ContentBlockDelta {
+                index,
+                delta,
+            }));
         }
     }
 }
@@ -376,16 +420,9 @@ impl EventSource for MessageStream {
     async fn step(&mut self) -> Option<Vec<Event>> {
         if !self.started {
             self.started = true;
-            let mut message = self.message.clone();
-            message["content"] = json!([]);
-            message["stop_reason"] = Value::Null;
-            message["stop_sequence"] = Value::Null;
-            message["usage"] =
-                json!({"input_tokens": self.generation.prompt_tokens, "output_tokens": 0});
-            return Some(vec![sse::named(
-                "message_start",
-                &json!({"type": "message_start", "message": message}),
-            )]);
+            return Some(vec![event(MessageStreamEvent::MessageStart {
+                message: self.message.clone(),
+            })]);
         }
         let mut events = Vec::new();
         match self.generation.next().await? {
@@ -400,15 +437,15 @@ impl EventSource for MessageStream {
                     self.ensure(Block::Text, &mut events);
                 }
                 self.close_block(&mut events);
-                let (reason, sequence) = stop_reason(&completion, self.tool_calls > 0);
-                events.push(sse::named(
-                    "message_delta",
-                    &json!({"type": "message_delta",
-                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    // The whole usage (as Anthropic now sends): cache reads are known only here.
-                    "usage": usage(&completion)}),
-                ));
-                events.push(sse::named("message_stop", &json!({"type": "message_stop"})));
+                let (stop_reason, stop_sequence) = StopReason::of(&completion, self.tool_calls > 0);
+                events.push(event(MessageStreamEvent::MessageDelta {
+                    delta: MessageDeltaBody {
+                        stop_reason,
+                        stop_sequence,
+                    },
+                    usage: AnthropicUsage::of(&completion),
+                }));
+                events.push(event(MessageStreamEvent::MessageStop));
             }
             Step::Failed(error) => events.push(sse::named("error", &error.body(Api::Anthropic))),
         }
@@ -418,7 +455,7 @@ impl EventSource for MessageStream {
 
 #[cfg(test)]
 mod tests {
-    use rmlx_engine::{engine::Event, EngineError};
+    use rmlx_engine::{engine::Event, generate::FinishReason, EngineError};
 
     use super::*;
     use crate::sse::testing::{delta, done, events, generation};
@@ -427,7 +464,22 @@ mod tests {
         MessageStream {
             generation: generation(events),
             parser: OutputParser::new(false, tools),
-            message: json!({"id": "msg_test", "type": "message", "role": "assistant", "model": "m"}),
+            message: Message {
+                id: "msg_test".into(),
+                kind: MessageType::Message,
+                role: AssistantRole::Assistant,
+                model: "m".into(),
+                content: Vec::new(),
+                stop_reason: None,
+                stop_sequence: None,
+                usage: AnthropicUsage {
+                    input_tokens: 3,
+                    output_tokens: 0,
+                    cache_creation_input_tokens: None,
+                    cache_read_input_tokens: None,
+                },
+                timings: None,
+            },
             started: false,
             open: None,
             next_index: 0,

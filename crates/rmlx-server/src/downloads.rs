@@ -9,21 +9,34 @@ use axum::{
 };
 use rmlx_hub::{DownloadManager, Job, JobState};
 use serde::Deserialize;
-use serde_json::{json, Value};
+use utoipa::{IntoParams, ToSchema};
 
 use crate::{
+    api::{JobList, ListObject},
     error::{ApiError, ApiJson},
     AppState,
 };
 
-#[derive(Deserialize)]
+/// A repository of the hub to download into the models folder.
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StartDownload {
     /// `org/name` on the hub.
+    /// `org/name` on the hub.
     repo: String,
     /// Branch, tag or commit; `main` when absent.
+    /// A branch, tag or commit (`main` when left out).
     #[serde(default)]
     revision: Option<String>,
+}
+
+/// A download job's id in a path.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Path)]
+#[allow(dead_code)]
+struct JobId {
+    /// The id `POST /admin/downloads` answered with.
+    id: String,
 }
 
 fn manager(state: &AppState) -> Result<&DownloadManager, ApiError> {
@@ -33,61 +46,84 @@ fn manager(state: &AppState) -> Result<&DownloadManager, ApiError> {
         .map_err(|why| ApiError::BadRequest(why.clone()))
 }
 
-fn job_json(job: Job) -> Json<Value> {
-    Json(json!(job))
-}
-
-/// `POST /admin/downloads {repo, revision?}` → 202 and the job (state `queued`); a repository
-/// already downloading answers its running job instead of starting a second one.
+/// Starts a download (resuming files partly here); a repository already downloading answers
+/// its running job instead of starting a second one.
+#[utoipa::path(post, path = "/admin/downloads", tag = "downloads", operation_id = "start_download",
+    request_body = StartDownload,
+    responses((status = 202, description = "The job, queued", body = Job,
+        links(
+            ("GetDownload" = (operation_id = "get_download", parameters(("id" = "$response.body#/id")))),
+            ("PauseDownload" = (operation_id = "pause_download", parameters(("id" = "$response.body#/id")))),
+            ("ResumeDownload" = (operation_id = "resume_download", parameters(("id" = "$response.body#/id")))),
+            ("CancelDownload" = (operation_id = "cancel_download", parameters(("id" = "$response.body#/id"))))
+        ))))]
 pub async fn start(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<StartDownload>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<Job>), ApiError> {
     let job = manager(&state)?.start(&body.repo, body.revision.as_deref())?;
-    Ok((StatusCode::ACCEPTED, job_json(job)))
+    Ok((StatusCode::ACCEPTED, Json(job)))
 }
 
-pub async fn list(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
-    Ok(Json(
-        json!({"object": "list", "data": manager(&state)?.list()}),
-    ))
+/// Every job this server has run, newest last.
+#[utoipa::path(get, path = "/admin/downloads", tag = "downloads", operation_id = "list_downloads",
+    responses((status = 200, description = "The jobs", body = JobList)))]
+pub async fn list(State(state): State<AppState>) -> Result<Json<JobList>, ApiError> {
+    Ok(Json(JobList {
+        object: ListObject::List,
+        data: manager(&state)?.list(),
+    }))
 }
 
+#[utoipa::path(get, path = "/admin/downloads/{id}", tag = "downloads", operation_id = "get_download",
+    params(JobId), responses((status = 200, description = "The job", body = Job)))]
 pub async fn get(
     State(state): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Job>, ApiError> {
     manager(&state)?
         .get(&id)
-        .map(job_json)
+        .map(Json)
         .ok_or_else(|| rmlx_hub::HubError::JobNotFound(id).into())
 }
 
-/// `POST /admin/downloads/{id}/pause` keeps the `.partial` files; `/resume` continues them.
+/// `POST /admin/downloads/{id}/pause` or `/resume`.
 pub async fn act(
     State(state): State<AppState>,
     Path((id, action)): Path<(String, String)>,
-) -> Result<Json<Value>, ApiError> {
-    let downloads = manager(&state)?;
-    let job = match action.as_str() {
-        "pause" => downloads.pause(&id).await?,
-        "resume" => downloads.resume(&id)?,
-        _ => {
-            return Err(ApiError::NotFound(format!(
-                "no route POST /admin/downloads/{id}/{action}"
-            )))
-        }
-    };
-    Ok(job_json(job))
+) -> Result<Json<Job>, ApiError> {
+    match action.as_str() {
+        "pause" => pause(&state, &id).await,
+        "resume" => resume(&state, &id),
+        _ => Err(ApiError::NotFound(format!(
+            "no route POST /admin/downloads/{id}/{action}"
+        ))),
+    }
 }
 
-/// `DELETE /admin/downloads/{id}`: stops a job and removes its partial files (complete files
-/// stay); a job already `done` or `cancelled` is dropped from the list instead (the UI's
-/// "clear"; the model, if any, stays on disk).
+/// Stops a running job, keeping its `.partial` files.
+#[utoipa::path(post, path = "/admin/downloads/{id}/pause", tag = "downloads", operation_id = "pause_download",
+    params(JobId), responses((status = 200, description = "The job, paused", body = Job)))]
+pub(crate) async fn pause(state: &AppState, id: &str) -> Result<Json<Job>, ApiError> {
+    Ok(Json(manager(state)?.pause(id).await?))
+}
+
+/// Continues a paused or failed job from its `.partial` files.
+#[utoipa::path(post, path = "/admin/downloads/{id}/resume", tag = "downloads", operation_id = "resume_download",
+    params(JobId), responses((status = 200, description = "The job, queued again", body = Job)))]
+pub(crate) fn resume(state: &AppState, id: &str) -> Result<Json<Job>, ApiError> {
+    Ok(Json(manager(state)?.resume(id)?))
+}
+
+/// Stops the job if it is not finished (removing its partial files; complete files stay) and
+/// drops it from the list, so the id is gone afterwards (a model it finished stays on disk).
+/// The answer is the job as it ended (`cancelled` when this stopped it).
+#[utoipa::path(delete, path = "/admin/downloads/{id}", tag = "downloads", operation_id = "cancel_download",
+    params(JobId), responses((status = 200, description = "The job as it ended, now gone from the list", body = Job)))]
 pub async fn cancel(
     State(state): State<AppState>,
     Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Job>, ApiError> {
     let downloads = manager(&state)?;
     let finished = downloads
         .get(&id)
@@ -95,7 +131,9 @@ pub async fn cancel(
     let job = if finished {
         downloads.forget(&id)?
     } else {
-        downloads.cancel(&id).await?
+        let job = downloads.cancel(&id).await?;
+        downloads.forget(&id)?;
+        job
     };
-    Ok(job_json(job))
+    Ok(Json(job))
 }

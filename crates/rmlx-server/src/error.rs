@@ -12,7 +12,8 @@ use axum::{
 };
 use rmlx_engine::EngineError;
 use serde::de::DeserializeOwned;
-use serde_json::json;
+
+use crate::api;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ApiError {
@@ -145,26 +146,36 @@ impl ApiError {
 
     /// The JSON body in one API's shape (also the payload of a mid-stream SSE error).
     pub fn body(&self, api: Api) -> serde_json::Value {
-        match api {
+        let body = match api {
             Api::OpenAi => {
                 let (kind, code) = self.openai_kind();
-                let mut error =
-                    json!({"message": self.to_string(), "type": kind, "param": null, "code": code});
-                if let Self::ContextLength {
-                    prompt_tokens,
-                    max_ctx,
-                } = self.plain()
-                {
-                    error["prompt_tokens"] = json!(prompt_tokens);
-                    error["context_length"] = json!(max_ctx);
-                }
-                json!({ "error": error })
+                let (prompt_tokens, context_length) = match self.plain() {
+                    Self::ContextLength {
+                        prompt_tokens,
+                        max_ctx,
+                    } => (Some(*prompt_tokens), Some(*max_ctx)),
+                    _ => (None, None),
+                };
+                serde_json::to_value(api::OpenAiError {
+                    error: api::OpenAiErrorDetail {
+                        message: self.to_string(),
+                        kind: kind.into(),
+                        param: None,
+                        code: code.map(Into::into),
+                        prompt_tokens,
+                        context_length,
+                    },
+                })
             }
-            Api::Anthropic => json!({
-                "type": "error",
-                "error": {"type": self.anthropic_kind(), "message": self.to_string()},
+            Api::Anthropic => serde_json::to_value(api::AnthropicError {
+                kind: api::ErrorType::Error,
+                error: api::AnthropicErrorDetail {
+                    kind: self.anthropic_kind().into(),
+                    message: self.to_string(),
+                },
             }),
-        }
+        };
+        body.unwrap_or_default()
     }
 
     pub fn response(&self, api: Api) -> Response {
@@ -247,3 +258,34 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
 /// The configured body limit, for the 413 message.
 #[derive(Clone, Copy)]
 pub struct BodyLimitMb(pub usize);
+
+/// Integer request fields that also take integral floats (`2.0`): JSON Schema, and so our
+/// OpenAPI document, calls them integers, and Python's `json.dumps` writes floats that way.
+pub mod whole {
+    use serde::{de::Error, Deserialize, Deserializer};
+    use serde_json::Number;
+
+    fn integer<E: Error, T: TryFrom<i128>>(number: &Number) -> Result<T, E> {
+        let value = match (number.as_i64(), number.as_u64(), number.as_f64()) {
+            (Some(i), _, _) => i128::from(i),
+            (None, Some(u), _) => i128::from(u),
+            (None, None, Some(f)) if f.fract() == 0.0 && f.abs() < 1e19 => f as i128,
+            _ => return Err(E::custom(format!("expected an integer, got {number}"))),
+        };
+        T::try_from(value).map_err(|_| E::custom(format!("{value} is out of range")))
+    }
+
+    pub fn required<'de, D: Deserializer<'de>, T: TryFrom<i128>>(
+        deserializer: D,
+    ) -> Result<T, D::Error> {
+        integer(&Number::deserialize(deserializer)?)
+    }
+
+    pub fn optional<'de, D: Deserializer<'de>, T: TryFrom<i128>>(
+        deserializer: D,
+    ) -> Result<Option<T>, D::Error> {
+        Option::<Number>::deserialize(deserializer)?
+            .map(|number| integer(&number))
+            .transpose()
+    }
+}

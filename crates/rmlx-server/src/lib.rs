@@ -6,6 +6,7 @@
 #![allow(clippy::needless_update)]
 
 pub mod anthropic;
+pub mod api;
 pub mod convert;
 pub mod downloads;
 pub mod error;
@@ -17,6 +18,7 @@ pub mod logprobs;
 pub mod metrics;
 pub mod models;
 pub mod openai;
+pub mod openapi;
 pub mod parse;
 pub mod registry;
 mod sse;
@@ -183,12 +185,20 @@ pub fn app(state: AppState) -> Router {
     let routes = Router::new()
         .route("/health", get(models::health))
         .route("/v1/models", get(models::list))
+        // Ids are `name` or `org/name` (`org%2Fname` works too): each path takes exactly its
+        // methods, so any other is a 405 that lists them.
         .route(
-            "/v1/models/{*id}",
-            get(models::retrieve)
-                .post(models::admin)
-                .delete(models::delete),
+            "/v1/models/{id}",
+            get(models::retrieve).delete(models::delete),
         )
+        .route(
+            "/v1/models/{id}/{name}",
+            get(models::retrieve).delete(models::delete),
+        )
+        .route("/v1/models/{id}/load", post(models::load))
+        .route("/v1/models/{id}/{name}/load", post(models::load))
+        .route("/v1/models/{id}/unload", post(models::unload))
+        .route("/v1/models/{id}/{name}/unload", post(models::unload))
         .route(
             "/admin/downloads",
             get(downloads::list).post(downloads::start),
@@ -203,7 +213,8 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/metrics/cache", get(metrics::cache))
-        .route("/metrics", get(metrics::prometheus));
+        .route("/metrics", get(metrics::prometheus))
+        .route("/openapi.json", get(openapi::openapi_json));
     // Without a UI, unknown paths get the API's JSON 404 behind the key like every route.
     let embedded_ui = state.config.ui_dir.is_none() && state.config.embedded_ui && ui::embedded();
     let routes = match &state.config.ui_dir {

@@ -5,7 +5,7 @@
 //! non-streamed list. Reference: OpenAI API reference (chat `logprobs`, completions `logprobs`).
 
 use rmlx_engine::generate::{TokenLogprob, MAX_TOP_LOGPROBS};
-use serde_json::{json, Map, Value};
+use serde_json::Value;
 
 use crate::error::ApiError;
 
@@ -43,7 +43,14 @@ pub fn legacy_request(logprobs: Option<&Value>) -> Result<Option<usize>, ApiErro
 }
 
 fn top_count(value: &Value, field: &str) -> Result<usize, ApiError> {
-    match value.as_u64() {
+    // 2.0 counts as 2, as JSON Schema's integers do.
+    let whole = value.as_u64().or_else(|| {
+        value
+            .as_f64()
+            .filter(|f| f.fract() == 0.0 && *f >= 0.0)
+            .map(|f| f as u64)
+    });
+    match whole {
         Some(n) if n as usize <= MAX_TOP_LOGPROBS => Ok(n as usize),
         _ => Err(ApiError::BadRequest(format!(
             "{field} must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {value}"
@@ -51,55 +58,6 @@ fn top_count(value: &Value, field: &str) -> Result<usize, ApiError> {
     }
 }
 
-fn bytes(token: &str) -> Value {
-    json!(token.as_bytes())
-}
-
-/// Chat's `logprobs` object for these tokens.
-pub fn chat(entries: &[TokenLogprob]) -> Value {
-    let content: Vec<Value> = entries
-        .iter()
-        .map(|entry| {
-            let top: Vec<Value> = entry
-                .top
-                .iter()
-                .map(|alt| json!({"token": alt.token, "logprob": alt.logprob, "bytes": bytes(&alt.token)}))
-                .collect();
-            json!({"token": entry.token, "logprob": entry.logprob, "bytes": bytes(&entry.token),
-                   "top_logprobs": top})
-        })
-        .collect();
-    json!({ "content": content })
-}
-
-/// The legacy `logprobs` object; `offset` is where the first token starts in the generated
-/// text (in characters) and is advanced past these tokens, so stream chunks continue it.
-pub fn legacy(entries: &[TokenLogprob], offset: &mut usize) -> Value {
-    let mut text_offset = Vec::with_capacity(entries.len());
-    for entry in entries {
-        text_offset.push(*offset);
-        *offset += entry.token.chars().count();
-    }
-    let top: Vec<Value> = entries
-        .iter()
-        .map(|entry| {
-            let alternatives: Map<String, Value> = entry
-                .top
-                .iter()
-                .map(|alt| (alt.token.clone(), json!(alt.logprob)))
-                .collect();
-            Value::Object(alternatives)
-        })
-        .collect();
-    json!({
-        "tokens": entries.iter().map(|e| e.token.as_str()).collect::<Vec<_>>(),
-        "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
-        "top_logprobs": top,
-        "text_offset": text_offset,
-    })
-}
-
-/// Entries a stream has seen but not yet sent; each chunk takes what is waiting.
 #[derive(Default)]
 pub struct Pending {
     waiting: Vec<TokenLogprob>,
@@ -132,6 +90,8 @@ impl Pending {
 #[cfg(test)]
 mod tests {
     use rmlx_engine::generate::TopLogprob;
+
+    use serde_json::json;
 
     use super::*;
 
@@ -171,19 +131,30 @@ mod tests {
         assert_eq!(legacy_request(Some(&json!(5))).unwrap(), Some(5));
         assert!(legacy_request(Some(&json!(21))).is_err());
         assert!(legacy_request(Some(&json!(true))).is_err());
+        // Integral floats are integers (JSON Schema's reading); fractions are not.
+        assert_eq!(legacy_request(Some(&json!(5.0))).unwrap(), Some(5));
+        assert!(legacy_request(Some(&json!(5.5))).is_err());
     }
 
     #[test]
     fn shapes() {
-        let entries = [entry("Hé", -0.5), entry(" yo", -1.0)];
-        let chat = chat(&entries);
+        let entries = [
+            entry("Hé", -0.5),
+            entry(" yo", -1.0),
+            entry("x", f32::NEG_INFINITY),
+        ];
+        let chat = serde_json::to_value(crate::api::ChatLogprobs::of(&entries)).unwrap();
         assert_eq!(chat["content"][0]["bytes"], json!([72, 195, 169]));
         assert_eq!(chat["content"][1]["top_logprobs"][0]["token"], " yo");
         let mut offset = 0;
-        let legacy = legacy(&entries, &mut offset);
-        assert_eq!(legacy["text_offset"], json!([0, 2]));
+        let legacy =
+            serde_json::to_value(crate::api::LegacyLogprobs::of(&entries, &mut offset)).unwrap();
+        assert_eq!(legacy["text_offset"], json!([0, 2, 5]));
         assert_eq!(legacy["top_logprobs"][1], json!({" yo": -1.0}));
-        assert_eq!(offset, 5);
+        assert_eq!(offset, 6);
+        // Minus infinity is sent as OpenAI's floor, never as null.
+        assert_eq!(chat["content"][2]["logprob"], json!(-9999.0));
+        assert_eq!(legacy["token_logprobs"][2], json!(-9999.0));
     }
 
     #[test]

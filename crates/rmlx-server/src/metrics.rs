@@ -12,9 +12,11 @@ use axum::{
     Json,
 };
 use rmlx_engine::metrics::{MetricsSnapshot, Summary};
-use serde_json::{json, Value};
 
-use crate::AppState;
+use crate::{
+    api::{CacheMetrics, Latency, ModelCacheMetrics, RecentRequest},
+    AppState,
+};
 
 /// Errors answered by the server itself, by kind; the engine counts its own.
 #[derive(Debug, Default)]
@@ -40,74 +42,84 @@ pub fn snapshot(state: &AppState) -> MetricsSnapshot {
     snapshot
 }
 
-fn latency(model_id: &str, summary: &Summary) -> Value {
-    json!({"model_id": model_id, "p50": summary.p50, "p95": summary.p95, "mean": summary.mean,
-           "count": summary.count})
+fn latency(model_id: &str, summary: &Summary) -> Latency {
+    Latency {
+        model_id: model_id.into(),
+        p50: summary.p50,
+        p95: summary.p95,
+        mean: summary.mean,
+        count: summary.count,
+    }
 }
 
-/// The `/metrics/cache` body. Memory figures are process-wide (MLX has one allocator; the
-/// running batch holds one model's requests), so each model entry repeats the global live KV
-/// and memory.
-pub fn cache_json(snapshot: &MetricsSnapshot) -> Value {
-    let models: Vec<Value> = snapshot
+pub fn cache_metrics(snapshot: &MetricsSnapshot) -> CacheMetrics {
+    let models = snapshot
         .models
         .iter()
-        .map(|model| {
-            json!({
-                "model_id": model.model_id,
-                "prefix_cache_hits": model.prefix_cache_hits,
-                "prefix_cache_misses": model.prefix_cache_misses,
-                "prefix_cache_evictions": model.prefix_cache_evictions,
-                "kv_cache_bytes": snapshot.kv_cache_bytes,
-                "active_memory_bytes": snapshot.mlx_active_bytes,
-                "peak_memory_bytes": snapshot.mlx_peak_bytes,
-            })
+        .map(|model| ModelCacheMetrics {
+            model_id: model.model_id.clone(),
+            prefix_cache_hits: model.prefix_cache_hits,
+            prefix_cache_misses: model.prefix_cache_misses,
+            prefix_cache_evictions: model.prefix_cache_evictions,
+            kv_cache_bytes: snapshot.kv_cache_bytes,
+            active_memory_bytes: snapshot.mlx_active_bytes,
+            peak_memory_bytes: snapshot.mlx_peak_bytes,
         })
         .collect();
-    let ttft: Vec<Value> = snapshot
-        .models
-        .iter()
-        .map(|model| latency(&model.model_id, &model.ttft_ms))
-        .collect();
-    let itl: Vec<Value> = snapshot
-        .models
-        .iter()
-        .map(|model| latency(&model.model_id, &model.itl_ms))
-        .collect();
-    let recent: Vec<Value> = snapshot
+    let recent = snapshot
         .recent
         .iter()
-        .map(|record| {
-            json!({"id": record.id, "model": record.model, "ttft_ms": record.ttft_ms,
-                   "itl_p50_ms": record.itl_p50_ms, "itl_ms": record.itl_ms,
-                   "tokens_in": record.tokens_in, "cached_tokens": record.cached_tokens,
-                   "tokens_out": record.tokens_out, "ended": record.ended})
+        .map(|record| RecentRequest {
+            id: record.id.clone(),
+            model: record.model.clone(),
+            ttft_ms: record.ttft_ms,
+            itl_p50_ms: record.itl_p50_ms,
+            itl_ms: record.itl_ms.clone(),
+            tokens_in: record.tokens_in,
+            cached_tokens: record.cached_tokens,
+            tokens_out: record.tokens_out,
+            ended: record.ended,
         })
         .collect();
-    json!({
-        "models": models,
-        "ttft": ttft,
-        "itl": itl,
-        "recent": recent,
-        "tokens_in": snapshot.tokens_in,
-        "tokens_out": snapshot.tokens_out,
-        "queue_depth": snapshot.queue_depth,
-        "in_flight": snapshot.in_flight,
-        "kv_cache_bytes": snapshot.kv_cache_bytes,
-        "prefix_cache_bytes": snapshot.prefix_cache_bytes,
-        "prefix_snapshots": snapshot.prefix_snapshots,
-        "prefix_snapshot_bytes": snapshot.prefix_snapshot_bytes,
-        "active_memory_bytes": snapshot.mlx_active_bytes,
-        "peak_memory_bytes": snapshot.mlx_peak_bytes,
-        "cache_memory_bytes": snapshot.mlx_cache_bytes,
-        "error_counts": snapshot.error_counts,
-    })
+    CacheMetrics {
+        models,
+        ttft: snapshot
+            .models
+            .iter()
+            .map(|model| latency(&model.model_id, &model.ttft_ms))
+            .collect(),
+        itl: snapshot
+            .models
+            .iter()
+            .map(|model| latency(&model.model_id, &model.itl_ms))
+            .collect(),
+        recent,
+        tokens_in: snapshot.tokens_in,
+        tokens_out: snapshot.tokens_out,
+        queue_depth: snapshot.queue_depth,
+        in_flight: snapshot.in_flight,
+        kv_cache_bytes: snapshot.kv_cache_bytes,
+        prefix_cache_bytes: snapshot.prefix_cache_bytes,
+        prefix_snapshots: snapshot.prefix_snapshots,
+        prefix_snapshot_bytes: snapshot.prefix_snapshot_bytes,
+        active_memory_bytes: snapshot.mlx_active_bytes,
+        peak_memory_bytes: snapshot.mlx_peak_bytes,
+        cache_memory_bytes: snapshot.mlx_cache_bytes,
+        error_counts: snapshot.error_counts.clone(),
+    }
 }
 
-pub async fn cache(State(state): State<AppState>) -> Json<Value> {
-    Json(cache_json(&snapshot(&state)))
+/// The engine's live figures (what the app's dashboard draws).
+#[utoipa::path(get, path = "/metrics/cache", tag = "server",
+    responses((status = 200, description = "The metrics", body = CacheMetrics)))]
+pub async fn cache(State(state): State<AppState>) -> Json<CacheMetrics> {
+    Json(cache_metrics(&snapshot(&state)))
 }
 
+/// The same metrics in Prometheus' text format 0.0.4.
+#[utoipa::path(get, path = "/metrics", tag = "server",
+    responses((status = 200, description = "Prometheus text", body = String,
+        content_type = "text/plain; version=0.0.4; charset=utf-8")))]
 pub async fn prometheus(State(state): State<AppState>) -> Response {
     (
         [(

@@ -10,65 +10,78 @@ use axum::{
     http::Uri,
     Json,
 };
-use serde_json::{json, Value};
+use serde_json::Value;
+use utoipa::IntoParams;
 
 use rmlx_engine::engine::Engine;
 
 use crate::{
+    api::{
+        Deleted, Fits, Health, HealthStatus, ListObject, MemoryInfo, ModelList, ModelObject,
+        ModelObjectType, ModelSource, Quantization, Unloaded,
+    },
     error::ApiError,
     registry::{canonical, read_config, ModelEntry, Source},
     AppState,
 };
 
-pub async fn health() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+/// Always answers, even with --api-key set.
+#[utoipa::path(get, path = "/health", tag = "server", security(()),
+    responses((status = 200, description = "The server is up", body = Health)))]
+pub async fn health() -> Json<Health> {
+    Json(Health {
+        status: HealthStatus::Ok,
+    })
 }
 
 /// One `/v1/models` entry. `available` is the memory available now, read once per listing.
-fn model_json(
+fn model_object(
     state: &AppState,
     entry: &ModelEntry,
     resident: &[PathBuf],
     available: Option<u64>,
-) -> Value {
+) -> ModelObject {
     let info = state.registry.info(entry);
     let config = read_config(&entry.path).unwrap_or(Value::Null);
-    json!({
-        "id": entry.id,
-        "object": "model",
-        "created": entry.created,
-        "owned_by": entry.owned_by,
-        "context_length": state.registry.context_length(entry),
-        "loaded": resident.contains(&canonical(&entry.path)),
-        // Before a model is loaded its config says whether it has a vision tower.
-        "vision": info.as_ref().map_or_else(|| crate::convert::config_has_vision(&config), |info| info.vision),
-        "model_type": config["model_type"].as_str(),
-        "parameters": info.as_ref().map(|info| info.parameters),
-        "quantization": quantization(&config),
-        "size_bytes": folder_size(&entry.path, 0),
-        "source": entry.source.as_str(),
-        "deletable": entry.source != Source::Model,
-        "structure": rmlx_engine::models::structure::describe(&config),
-        "fits": available.and_then(|available| fits(&entry.path, &config, &state.config, available)),
-    })
-}
-
-/// `{bits, group_size, mode}` from config.json's `quantization` (mlx-lm's key; `mode` defaults
-/// to affine as there), or null for an unquantized model.
-fn quantization(config: &Value) -> Value {
-    let table = &config["quantization"];
-    if !table.is_object() {
-        return Value::Null;
+    ModelObject {
+        id: entry.id.clone(),
+        object: ModelObjectType::Model,
+        created: entry.created,
+        owned_by: entry.owned_by.clone(),
+        context_length: state.registry.context_length(entry),
+        loaded: resident.contains(&canonical(&entry.path)),
+        vision: info.as_ref().map_or_else(
+            || crate::convert::config_has_vision(&config),
+            |info| info.vision,
+        ),
+        model_type: config["model_type"].as_str().map(Into::into),
+        parameters: info.as_ref().map(|info| info.parameters),
+        quantization: quantization(&config),
+        size_bytes: folder_size(&entry.path, 0),
+        source: match entry.source {
+            Source::Model => ModelSource::Model,
+            Source::ModelsDir => ModelSource::ModelsDir,
+            Source::HfCache => ModelSource::HfCache,
+        },
+        deletable: entry.source != Source::Model,
+        structure: rmlx_engine::models::structure::describe(&config),
+        fits: available.and_then(|available| fits(&entry.path, &config, &state.config, available)),
     }
-    json!({
-        "bits": table["bits"],
-        "group_size": table["group_size"],
-        "mode": table["mode"].as_str().unwrap_or("affine"),
+}
+
+fn quantization(config: &Value) -> Option<Quantization> {
+    let table = config["quantization"].as_object()?;
+    Some(Quantization {
+        bits: table.get("bits").and_then(Value::as_u64),
+        group_size: table.get("group_size").and_then(Value::as_u64),
+        mode: table
+            .get("mode")
+            .and_then(Value::as_str)
+            .unwrap_or("affine")
+            .into(),
     })
 }
 
-/// Bytes on disk, following file symlinks (a hub cache snapshot links into `blobs/`) but not
-/// folder symlinks, which could loop.
 fn folder_size(dir: &std::path::Path, depth: usize) -> u64 {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
@@ -98,27 +111,36 @@ fn fits(
     config: &Value,
     server: &crate::ServerConfig,
     available: u64,
-) -> Option<&'static str> {
+) -> Option<Fits> {
     let needed =
         rmlx_engine::runtime::memory_needed_at(dir, config, server.max_ctx, server.max_batch)
             .ok()?;
     Some(if needed > available {
-        "no"
+        Fits::No
     } else if needed > available / 4 * 3 {
-        "tight"
+        Fits::Tight
     } else {
-        "yes"
+        Fits::Yes
     })
 }
 
-fn memory_json(available: Option<u64>) -> Value {
-    json!({
-        "total_bytes": rmlx_engine::runtime::total_memory(),
-        "available_bytes": available,
-    })
+fn memory(available: Option<u64>) -> MemoryInfo {
+    MemoryInfo {
+        total_bytes: rmlx_engine::runtime::total_memory(),
+        available_bytes: available,
+    }
 }
 
 /// Runs a blocking engine call (it waits its turn on the engine thread) off the async workers.
+/// A model id in a path.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Path)]
+#[allow(dead_code)]
+struct ModelId {
+    /// The model's id, as `GET /v1/models` lists it (`org/name` ids send `/` as `%2F`).
+    id: String,
+}
+
 async fn on_engine<T: Send + 'static>(
     state: &AppState,
     call: impl FnOnce(&Engine) -> rmlx_engine::Result<T> + Send + 'static,
@@ -140,65 +162,100 @@ async fn resident(state: &AppState) -> Result<Vec<PathBuf>, ApiError> {
     Ok(infos.iter().map(|info| canonical(&info.path)).collect())
 }
 
-pub async fn list(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+/// Every model the server can run, loaded or not, and the machine's memory.
+#[utoipa::path(get, path = "/v1/models", tag = "models",
+    responses((status = 200, description = "The models", body = ModelList)))]
+pub async fn list(State(state): State<AppState>) -> Result<Json<ModelList>, ApiError> {
     let resident = resident(&state).await?;
     let available = rmlx_engine::runtime::available_memory();
-    let data: Vec<Value> = state
+    let data = state
         .registry
         .list()
         .iter()
-        .map(|entry| model_json(&state, entry, &resident, available))
+        .map(|entry| model_object(&state, entry, &resident, available))
         .collect();
-    Ok(Json(
-        json!({"object": "list", "data": data, "memory": memory_json(available)}),
-    ))
+    Ok(Json(ModelList {
+        object: ListObject::List,
+        data,
+        memory: memory(available),
+    }))
 }
 
+/// One model.
+#[utoipa::path(get, path = "/v1/models/{id}", tag = "models", params(ModelId),
+    responses((status = 200, description = "The model", body = ModelObject)))]
 pub async fn retrieve(
     State(state): State<AppState>,
-    Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+    ModelPath(id): ModelPath,
+) -> Result<Json<ModelObject>, ApiError> {
     let entry = state.registry.resolve(&id)?;
     let resident = resident(&state).await?;
     let available = rmlx_engine::runtime::available_memory();
-    Ok(Json(model_json(&state, &entry, &resident, available)))
+    Ok(Json(model_object(&state, &entry, &resident, available)))
 }
 
-/// `{id}/load` loads now (what the first request would otherwise do; the engine may evict its
-/// least recently used model to make room); `{id}/unload` frees it and its prefix-cache KV.
-pub async fn admin(
+/// The model id of a `/v1/models/...` path: `{id}`, or `{id}/{name}` for `org/name`.
+pub struct ModelPath(String);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for ModelPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        let Path(segments) = Path::<Vec<(String, String)>>::from_request_parts(parts, state)
+            .await
+            .map_err(|rejection| ApiError::BadRequest(rejection.to_string()))?;
+        let id: Vec<String> = segments.into_iter().map(|(_, value)| value).collect();
+        Ok(Self(id.join("/")))
+    }
+}
+
+/// Loads now what the first request would otherwise load (the engine may evict its least
+/// recently used model to make room).
+#[utoipa::path(post, path = "/v1/models/{id}/load", tag = "models",
+    params(ModelId), responses((status = 200, description = "The model, loaded", body = ModelObject)))]
+pub async fn load(
     State(state): State<AppState>,
-    Path(rest): Path<String>,
-) -> Result<Json<Value>, ApiError> {
-    if let Some(id) = rest.strip_suffix("/load") {
-        let entry = state.registry.resolve(id)?;
-        let path = entry.path.clone();
-        let info = on_engine(&state, move |engine| engine.model_info(&path)).await?;
-        state.registry.remember(&info);
-        let resident = resident(&state).await?;
-        let available = rmlx_engine::runtime::available_memory();
-        let mut body = model_json(&state, &entry, &resident, available);
-        body["parameters"] = json!(info.parameters);
-        body["model_type"] = json!(info.model_type);
-        return Ok(Json(body));
-    }
-    if let Some(id) = rest.strip_suffix("/unload") {
-        let entry = state.registry.resolve(id)?;
-        let path = entry.path.clone();
-        let unloaded = on_engine(&state, move |engine| engine.unload(&path)).await?;
-        return Ok(Json(json!({"id": entry.id, "unloaded": unloaded})));
-    }
-    Err(ApiError::NotFound(format!(
-        "no route POST /v1/models/{rest}"
-    )))
+    ModelPath(id): ModelPath,
+) -> Result<Json<ModelObject>, ApiError> {
+    let entry = state.registry.resolve(&id)?;
+    let path = entry.path.clone();
+    let info = on_engine(&state, move |engine| engine.model_info(&path)).await?;
+    state.registry.remember(&info);
+    let resident = resident(&state).await?;
+    let available = rmlx_engine::runtime::available_memory();
+    let mut body = model_object(&state, &entry, &resident, available);
+    body.parameters = Some(info.parameters);
+    body.model_type = Some(info.model_type);
+    Ok(Json(body))
+}
+
+/// Frees the model and its prefix-cache KV.
+#[utoipa::path(post, path = "/v1/models/{id}/unload", tag = "models",
+    params(ModelId), responses((status = 200, description = "Whether it was loaded", body = Unloaded)))]
+pub async fn unload(
+    State(state): State<AppState>,
+    ModelPath(id): ModelPath,
+) -> Result<Json<Unloaded>, ApiError> {
+    let entry = state.registry.resolve(&id)?;
+    let path = entry.path.clone();
+    let unloaded = on_engine(&state, move |engine| engine.unload(&path)).await?;
+    Ok(Json(Unloaded {
+        id: entry.id,
+        unloaded,
+    }))
 }
 
 /// Unloads the model, then removes its folder (its whole repository folder in the hub cache).
 /// `--model` folders are refused; so is a model whose download is still running.
+#[utoipa::path(delete, path = "/v1/models/{id}", tag = "models", params(ModelId),
+    responses((status = 200, description = "The model's folder is gone", body = Deleted)))]
 pub async fn delete(
     State(state): State<AppState>,
-    Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+    ModelPath(id): ModelPath,
+) -> Result<Json<Deleted>, ApiError> {
     let entry = state.registry.resolve(&id)?;
     let folder = state.registry.deletable_folder(&entry)?;
     if let Ok(downloads) = &state.downloads {
@@ -234,9 +291,11 @@ pub async fn delete(
     .await
     .map_err(|error| ApiError::Internal(error.to_string()))?
     .map_err(|error| ApiError::Internal(format!("cannot delete {}: {error}", folder.display())))?;
-    Ok(Json(
-        json!({"id": entry.id, "object": "model", "deleted": true}),
-    ))
+    Ok(Json(Deleted {
+        id: entry.id,
+        object: ModelObjectType::Model,
+        deleted: true,
+    }))
 }
 
 pub async fn not_found(uri: Uri) -> ApiError {

@@ -13,15 +13,22 @@ use rmlx_engine::constrain::ResponseFormat;
 use rmlx_engine::{
     chat::TemplateOptions,
     engine::{Prompt, Request},
-    generate::{Completion, FinishReason, GenerateParams, TokenLogprob},
+    generate::{GenerateParams, TokenLogprob},
     sample::SamplingParams,
 };
 use serde::Deserialize;
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
+use utoipa::ToSchema;
 
 use crate::{
+    api::{
+        AssistantMessage, AssistantRole, ChatChoice, ChatChunkChoice, ChatChunkObject,
+        ChatCompletion, ChatCompletionChunk, ChatCompletionObject, ChatDelta, ChatLogprobs,
+        FunctionCall, FunctionType, LegacyLogprobs, OpenAiFinish, TextChoice, TextCompletion,
+        TextCompletionObject, Timings, ToolCallOut, Usage,
+    },
     convert,
-    error::{Api, ApiError, ApiJson},
+    error::{whole, Api, ApiError, ApiJson},
     forced::{self, ForcedCall},
     generation::{inspect_prompt, new_id, unix_now, Generation, Step},
     logprobs,
@@ -32,33 +39,54 @@ use crate::{
 };
 
 /// Sampling fields shared by both routes (OpenAI names; the extras are vLLM/mlx-lm's).
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, ToSchema)]
 pub struct SamplingFields {
+    /// 0 is greedy (default 1).
     temperature: Option<f32>,
     top_p: Option<f32>,
+    /// 0 keeps every token.
+    #[serde(default, deserialize_with = "whole::optional")]
     top_k: Option<i64>,
     min_p: Option<f32>,
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
     repetition_penalty: Option<f32>,
+    #[serde(default, deserialize_with = "whole::optional")]
     seed: Option<i64>,
+    /// Token id (as a string) to a bias added to its logit.
     logit_bias: Option<BTreeMap<String, f32>>,
+    /// Strings that end the answer (not included in it).
     stop: Option<Stop>,
+    /// Must be 1.
+    #[serde(default, deserialize_with = "whole::optional")]
     n: Option<usize>,
+    /// Chat: `true` for the chosen tokens' log-probs (`top_logprobs` for alternatives).
+    /// Completions: how many alternatives per token, 0 to 20.
+    #[schema(value_type = Option<LogprobsField>)]
     logprobs: Option<Value>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
 }
 
-#[derive(Debug, Deserialize)]
+/// `logprobs`: a boolean on chat, a count on completions.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+#[serde(untagged)]
+enum LogprobsField {
+    Chat(bool),
+    Completions(u8),
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum Stop {
     One(String),
     Many(Vec<String>),
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, ToSchema)]
 pub struct StreamOptions {
+    /// Send a last chunk with the usage (and no choices) before `[DONE]`.
     #[serde(default)]
     include_usage: bool,
 }
@@ -134,49 +162,53 @@ impl SamplingFields {
     }
 }
 
-#[derive(Debug, Deserialize)]
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Deserialize, ToSchema)]
 pub struct ChatRequest {
+    /// A model id from `GET /v1/models`.
     model: String,
+    /// OpenAI's messages: `role` (`system`, `developer`, `user`, `assistant`, `tool`) and
+    /// `content` (a string or a list of `text` and `image_url` parts; images as data URIs or
+    /// local paths), plus `tool_calls` / `tool_call_id` / `reasoning_content`.
+    #[schema(value_type = Vec<Object>)]
     messages: Vec<Value>,
+    /// Tokens to generate at most (default: the rest of the context).
+    #[serde(default, deserialize_with = "whole::optional")]
     pub(crate) max_tokens: Option<usize>,
+    /// Preferred over `max_tokens` when both are sent.
+    #[serde(default, deserialize_with = "whole::optional")]
     pub(crate) max_completion_tokens: Option<usize>,
+    /// OpenAI function tools: `{"type": "function", "function": {name, description, parameters}}`.
+    #[schema(value_type = Option<Vec<Object>>)]
     tools: Option<Vec<Value>>,
+    /// `none`, `auto`, `required`, or `{"type": "function", "function": {"name": ...}}`.
     tool_choice: Option<Value>,
+    /// Turns the model's thinking on or off where its template has the switch.
     enable_thinking: Option<bool>,
+    /// Extra variables for the chat template.
+    #[schema(value_type = Option<Object>)]
     chat_template_kwargs: Option<Map<String, Value>>,
+    /// `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "json_schema":
+    /// {"schema": ...}}`: enforced by constrained decoding.
+    #[schema(value_type = Option<Object>)]
     response_format: Option<Value>,
+    /// Alternatives per token, 0 to 20 (needs `logprobs: true`).
+    #[schema(value_type = Option<u8>, minimum = 0, maximum = 20)]
     top_logprobs: Option<Value>,
     #[serde(flatten)]
     pub(crate) sampling: SamplingFields,
 }
 
-pub fn usage(completion: &Completion) -> Value {
-    json!({
-        "prompt_tokens": completion.prompt_tokens,
-        "completion_tokens": completion.completion_tokens,
-        "total_tokens": completion.prompt_tokens + completion.completion_tokens,
-        // Prompt tokens whose KV the engine's prefix cache supplied.
-        "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
-    })
-}
-
-pub fn timings(completion: &Completion) -> Value {
-    let t = &completion.timings;
-    json!({"ttft_ms": t.ttft_ms, "prefill_tps": t.prefill_tps, "decode_tps": t.decode_tps, "total_ms": t.total_ms,
-           "batched_with": completion.batched_with})
-}
-
-fn finish_reason(reason: FinishReason, tool_calls: bool) -> &'static str {
-    match reason {
-        _ if tool_calls => "tool_calls",
-        FinishReason::Length => "length",
-        FinishReason::Stop | FinishReason::Cancelled => "stop",
+fn tool_call(call: &ToolCall, index: Option<usize>) -> ToolCallOut {
+    ToolCallOut {
+        index,
+        id: new_id("call_"),
+        kind: FunctionType::Function,
+        function: FunctionCall {
+            name: call.name.clone(),
+            arguments: call.arguments_json(),
+        },
     }
-}
-
-fn tool_call_json(call: &ToolCall, index: usize) -> Value {
-    json!({"index": index, "id": new_id("call_"), "type": "function",
-           "function": {"name": call.name, "arguments": call.arguments_json()}})
 }
 
 /// The default `max_tokens`: what is left of the context (OpenAI chat generates to the end).
@@ -234,6 +266,11 @@ pub(crate) fn chat_parts(request: &ChatRequest, model_id: &str) -> Result<ChatPa
     })
 }
 
+/// A chat answer, whole or streamed (`stream: true`: `ChatCompletionChunk` events, then
+/// `data: [DONE]`; a failure after the start is an `OpenAiError` event).
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatRequest,
+    responses((status = 200, description = "The answer, or its stream of `ChatCompletionChunk`s",
+        content((ChatCompletion = "application/json"), (String = "text/event-stream")))))]
 pub async fn chat_completions(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<ChatRequest>,
@@ -280,7 +317,11 @@ pub async fn chat_completions(
         return Ok(sse::respond(ChatStream {
             generation,
             parser,
-            head: json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": entry.id}),
+            head: ChunkHead {
+                id,
+                created,
+                model: entry.id,
+            },
             include_usage: request.sampling.include_usage(),
             started: false,
             tool_calls: 0,
@@ -290,41 +331,73 @@ pub async fn chat_completions(
     let completion = generation.complete().await?;
     let mut parsed = parser.parse(&completion.text);
     log_warnings(std::mem::take(&mut parsed.warnings));
-    let mut message = json!({"role": "assistant", "content": parsed.content});
-    if let Some(reasoning) = &parsed.reasoning {
-        message["reasoning_content"] = json!(reasoning);
-    }
-    if !parsed.tool_calls.is_empty() {
-        let calls: Vec<Value> = parsed
-            .tool_calls
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let mut call = tool_call_json(c, i);
-                call.as_object_mut().map(|o| o.remove("index"));
-                call
-            })
-            .collect();
-        message["tool_calls"] = json!(calls);
-        if parsed.content.is_empty() {
-            message["content"] = Value::Null;
+    let has_calls = !parsed.tool_calls.is_empty();
+    let message = AssistantMessage {
+        role: AssistantRole::Assistant,
+        content: (!has_calls || !parsed.content.is_empty()).then_some(parsed.content),
+        reasoning_content: parsed.reasoning,
+        tool_calls: has_calls.then(|| {
+            parsed
+                .tool_calls
+                .iter()
+                .map(|call| tool_call(call, None))
+                .collect()
+        }),
+    };
+    Ok(Json(ChatCompletion {
+        id,
+        object: ChatCompletionObject::ChatCompletion,
+        created,
+        model: entry.id,
+        choices: vec![ChatChoice {
+            index: 0,
+            message,
+            logprobs: completion.logprobs.as_deref().map(ChatLogprobs::of),
+            finish_reason: OpenAiFinish::of(completion.finish_reason, has_calls),
+        }],
+        usage: Usage::of(&completion),
+        timings: Timings::of(&completion),
+    })
+    .into_response())
+}
+
+/// What every chunk of one stream repeats.
+struct ChunkHead {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl ChunkHead {
+    fn chat(&self, choices: Vec<ChatChunkChoice>) -> ChatCompletionChunk {
+        ChatCompletionChunk {
+            id: self.id.clone(),
+            object: ChatChunkObject::ChatCompletionChunk,
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage: None,
+            timings: None,
         }
     }
-    Ok(Json(json!({
-        "id": id, "object": "chat.completion", "created": created, "model": entry.id,
-        "choices": [{"index": 0, "message": message,
-                     "logprobs": completion.logprobs.as_deref().map(logprobs::chat),
-                     "finish_reason": finish_reason(completion.finish_reason, !parsed.tool_calls.is_empty())}],
-        "usage": usage(&completion),
-        "timings": timings(&completion),
-    }))
-    .into_response())
+
+    fn text(&self, choices: Vec<TextChoice>) -> TextCompletion {
+        TextCompletion {
+            id: self.id.clone(),
+            object: TextCompletionObject::TextCompletion,
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage: None,
+            timings: None,
+        }
+    }
 }
 
 struct ChatStream {
     generation: Generation,
     parser: OutputParser,
-    head: Value,
+    head: ChunkHead,
     include_usage: bool,
     started: bool,
     tool_calls: usize,
@@ -332,14 +405,21 @@ struct ChatStream {
 }
 
 impl ChatStream {
-    /// A chunk, carrying the log-probs of the tokens since the last one (null when none).
-    fn chunk(&mut self, delta: Value, finish: Option<&str>) -> Event {
+    /// A chunk's choice, carrying the log-probs of the tokens since the last one (null when
+    /// none).
+    fn choice(&mut self, delta: ChatDelta, finish: Option<OpenAiFinish>) -> ChatChunkChoice {
         let waiting = self.logprobs.take();
-        let mut chunk = self.head.clone();
-        chunk["choices"] = json!([{"index": 0, "delta": delta,
-            "logprobs": (!waiting.is_empty()).then(|| logprobs::chat(&waiting)),
-            "finish_reason": finish}]);
-        sse::data(&chunk)
+        ChatChunkChoice {
+            index: 0,
+            delta,
+            logprobs: (!waiting.is_empty()).then(|| ChatLogprobs::of(&waiting)),
+            finish_reason: finish,
+        }
+    }
+
+    fn chunk(&mut self, delta: ChatDelta) -> Event {
+        let choice = self.choice(delta, None);
+        sse::data(&self.head.chat(vec![choice]))
     }
 
     fn pieces(&mut self, pieces: Vec<Piece>) -> Vec<Event> {
@@ -347,14 +427,21 @@ impl ChatStream {
         pieces
             .into_iter()
             .map(|piece| match piece {
-                Piece::Content(text) => self.chunk(json!({"content": text}), None),
-                Piece::Reasoning(text) => self.chunk(json!({"reasoning_content": text}), None),
+                Piece::Content(text) => self.chunk(ChatDelta {
+                    content: Some(text),
+                    ..ChatDelta::default()
+                }),
+                Piece::Reasoning(text) => self.chunk(ChatDelta {
+                    reasoning_content: Some(text),
+                    ..ChatDelta::default()
+                }),
                 Piece::ToolCall(call) => {
                     self.tool_calls += 1;
-                    self.chunk(
-                        json!({"tool_calls": [tool_call_json(&call, self.tool_calls - 1)]}),
-                        None,
-                    )
+                    let call = tool_call(&call, Some(self.tool_calls - 1));
+                    self.chunk(ChatDelta {
+                        tool_calls: Some(vec![call]),
+                        ..ChatDelta::default()
+                    })
                 }
             })
             .collect()
@@ -365,9 +452,11 @@ impl EventSource for ChatStream {
     async fn step(&mut self) -> Option<Vec<Event>> {
         if !self.started {
             self.started = true;
-            return Some(vec![
-                self.chunk(json!({"role": "assistant", "content": ""}), None)
-            ]);
+            return Some(vec![self.chunk(ChatDelta {
+                role: Some(AssistantRole::Assistant),
+                content: Some(String::new()),
+                ..ChatDelta::default()
+            })]);
         }
         match self.generation.next().await? {
             Step::Delta { text, logprob } => {
@@ -379,16 +468,18 @@ impl EventSource for ChatStream {
                 let pieces = self.parser.finish();
                 let mut events = self.pieces(pieces);
                 let rest = self.logprobs.finish(completion.logprobs.as_deref());
-                let mut last = self.head.clone();
-                last["choices"] = json!([{"index": 0, "delta": {},
-                    "logprobs": (!rest.is_empty()).then(|| logprobs::chat(&rest)),
-                    "finish_reason": finish_reason(completion.finish_reason, self.tool_calls > 0)}]);
-                last["timings"] = timings(&completion);
+                let finish = OpenAiFinish::of(completion.finish_reason, self.tool_calls > 0);
+                let mut last = self.head.chat(vec![ChatChunkChoice {
+                    index: 0,
+                    delta: ChatDelta::default(),
+                    logprobs: (!rest.is_empty()).then(|| ChatLogprobs::of(&rest)),
+                    finish_reason: Some(finish),
+                }]);
+                last.timings = Some(Timings::of(&completion));
                 events.push(sse::data(&last));
                 if self.include_usage {
-                    let mut tail = self.head.clone();
-                    tail["choices"] = json!([]);
-                    tail["usage"] = usage(&completion);
+                    let mut tail = self.head.chat(Vec::new());
+                    tail.usage = Some(Usage::of(&completion));
                     events.push(sse::data(&tail));
                 }
                 events.push(Event::default().data("[DONE]"));
@@ -399,13 +490,29 @@ impl EventSource for ChatStream {
     }
 }
 
-#[derive(Debug, Deserialize)]
+/// `POST /v1/completions`.
+#[derive(Debug, Deserialize, ToSchema)]
 pub struct CompletionRequest {
+    /// A model id from `GET /v1/models`.
     model: String,
+    /// A string, a list of one string, or a list of token ids.
+    #[schema(value_type = PromptField)]
     prompt: Value,
+    /// Tokens to generate at most (default 16).
+    #[serde(default, deserialize_with = "whole::optional")]
     max_tokens: Option<usize>,
     #[serde(flatten)]
     sampling: SamplingFields,
+}
+
+/// The legacy `prompt`'s shapes.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+#[serde(untagged)]
+enum PromptField {
+    Text(String),
+    OneText(Vec<String>),
+    Ids(Vec<u32>),
 }
 
 /// A string, a one-string list, or token ids.
@@ -451,6 +558,11 @@ pub(crate) fn completion_parts(
     Ok((prompt, params))
 }
 
+/// A text completion, whole or streamed (`stream: true`: `TextCompletion` events, then
+/// `data: [DONE]`).
+#[utoipa::path(post, path = "/v1/completions", tag = "openai", request_body = CompletionRequest,
+    responses((status = 200, description = "The completion, or its stream of `TextCompletion` chunks",
+        content((TextCompletion = "application/json"), (String = "text/event-stream")))))]
 pub async fn completions(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<CompletionRequest>,
@@ -466,8 +578,11 @@ pub async fn completions(
         ..Request::default()
     };
     let generation = Generation::start(&state, &entry, engine_request).await?;
-    let head =
-        json!({"id": id, "object": "text_completion", "created": unix_now(), "model": entry.id});
+    let head = ChunkHead {
+        id,
+        created: unix_now(),
+        model: entry.id,
+    };
     if request.sampling.stream.unwrap_or(false) {
         return Ok(sse::respond(TextStream {
             generation,
@@ -478,21 +593,23 @@ pub async fn completions(
         }));
     }
     let completion = generation.complete().await?;
-    let mut body = head;
-    let logprobs = completion
-        .logprobs
-        .as_deref()
-        .map(|entries| logprobs::legacy(entries, &mut 0));
-    body["choices"] = json!([{"index": 0, "text": completion.text, "logprobs": logprobs,
-        "finish_reason": finish_reason(completion.finish_reason, false)}]);
-    body["usage"] = usage(&completion);
-    body["timings"] = timings(&completion);
+    let mut body = head.text(vec![TextChoice {
+        index: 0,
+        logprobs: completion
+            .logprobs
+            .as_deref()
+            .map(|entries| LegacyLogprobs::of(entries, &mut 0)),
+        text: completion.text.clone(),
+        finish_reason: Some(OpenAiFinish::of(completion.finish_reason, false)),
+    }]);
+    body.usage = Some(Usage::of(&completion));
+    body.timings = Some(Timings::of(&completion));
     Ok(Json(body).into_response())
 }
 
 struct TextStream {
     generation: Generation,
-    head: Value,
+    head: ChunkHead,
     include_usage: bool,
     logprobs: logprobs::Pending,
     /// Characters of generated text the sent log-probs cover (legacy `text_offset`).
@@ -500,10 +617,20 @@ struct TextStream {
 }
 
 impl TextStream {
-    fn choices(&mut self, text: &str, finish: Option<&str>, waiting: Vec<TokenLogprob>) -> Value {
+    fn choice(
+        &mut self,
+        text: String,
+        finish: Option<OpenAiFinish>,
+        waiting: Vec<TokenLogprob>,
+    ) -> TextChoice {
         let logprobs =
-            (!waiting.is_empty()).then(|| logprobs::legacy(&waiting, &mut self.text_offset));
-        json!([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}])
+            (!waiting.is_empty()).then(|| LegacyLogprobs::of(&waiting, &mut self.text_offset));
+        TextChoice {
+            index: 0,
+            text,
+            logprobs,
+            finish_reason: finish,
+        }
     }
 }
 
@@ -516,21 +643,19 @@ impl EventSource for TextStream {
                     return Some(Vec::new());
                 }
                 let waiting = self.logprobs.take();
-                let mut chunk = self.head.clone();
-                chunk["choices"] = self.choices(&text, None, waiting);
-                Some(vec![sse::data(&chunk)])
+                let choice = self.choice(text, None, waiting);
+                Some(vec![sse::data(&self.head.text(vec![choice]))])
             }
             Step::Done(completion) => {
                 let rest = self.logprobs.finish(completion.logprobs.as_deref());
-                let reason = finish_reason(completion.finish_reason, false);
-                let mut last = self.head.clone();
-                last["choices"] = self.choices("", Some(reason), rest);
-                last["timings"] = timings(&completion);
+                let reason = OpenAiFinish::of(completion.finish_reason, false);
+                let choice = self.choice(String::new(), Some(reason), rest);
+                let mut last = self.head.text(vec![choice]);
+                last.timings = Some(Timings::of(&completion));
                 let mut events = vec![sse::data(&last)];
                 if self.include_usage {
-                    let mut tail = self.head.clone();
-                    tail["choices"] = json!([]);
-                    tail["usage"] = usage(&completion);
+                    let mut tail = self.head.text(Vec::new());
+                    tail.usage = Some(Usage::of(&completion));
                     events.push(sse::data(&tail));
                 }
                 events.push(Event::default().data("[DONE]"));
@@ -544,6 +669,7 @@ impl EventSource for TextStream {
 #[cfg(test)]
 mod tests {
     use rmlx_engine::{engine::Event, generate::FinishReason, EngineError};
+    use serde_json::json;
 
     use super::*;
     use crate::sse::testing::{delta, done, events, generation};
@@ -552,7 +678,11 @@ mod tests {
         ChatStream {
             generation: generation(events),
             parser: OutputParser::new(false, tools),
-            head: json!({"id": "chatcmpl-test", "object": "chat.completion.chunk"}),
+            head: ChunkHead {
+                id: "chatcmpl-test".into(),
+                created: 0,
+                model: "m".into(),
+            },
             include_usage: true,
             started: false,
             tool_calls: 0,

@@ -24,13 +24,15 @@ pub fn respond<M: EventSource>(machine: M) -> Response {
 }
 
 /// `data: {json}` (OpenAI's chunks carry no event name).
-pub fn data(value: &serde_json::Value) -> Event {
-    Event::default().data(value.to_string())
+pub fn data(value: &impl serde::Serialize) -> Event {
+    Event::default().data(serde_json::to_string(value).unwrap_or_default())
 }
 
 /// `event: name` + `data: {json}` (Anthropic names every event).
-pub fn named(name: &str, value: &serde_json::Value) -> Event {
-    Event::default().event(name).data(value.to_string())
+pub fn named(name: &str, value: &impl serde::Serialize) -> Event {
+    Event::default()
+        .event(name)
+        .data(serde_json::to_string(value).unwrap_or_default())
 }
 
 /// Test helpers: synthetic engine events through a stream machine, read back as SSE text.

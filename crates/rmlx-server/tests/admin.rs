@@ -237,6 +237,11 @@ async fn cancelling_removes_partials_and_a_corrupt_file_fails_the_job() {
     let (hub, router, id) = slow_download(models.path()).await;
     let cancelled = delete(&router, &format!("/admin/downloads/{id}")).await;
     assert_eq!(cancelled.json()["state"], "cancelled", "{}", cancelled.text);
+    // Stopped and gone: a deleted job is not listed or found any more.
+    assert_eq!(
+        get(&router, &format!("/admin/downloads/{id}")).await.status,
+        404
+    );
     let leftovers: Vec<_> = walk(models.path())
         .into_iter()
         .filter(|path| path.to_string_lossy().ends_with(".partial"))

@@ -175,6 +175,8 @@ pub struct Sampler {
     processors: LogitsProcessors,
     /// The next key is split off this one at every draw.
     key: Array,
+    /// `bias_row`'s row and the (vocab, dtype) it was built for.
+    bias_row: std::cell::OnceCell<((usize, mlx_rs::Dtype), Array)>,
 }
 
 impl Sampler {
@@ -186,6 +188,7 @@ impl Sampler {
             params: params.clone(),
             processors: LogitsProcessors::new(params),
             key: mlx_rs::random::key(seed)?,
+            bias_row: std::cell::OnceCell::new(),
         })
     }
 
@@ -225,10 +228,32 @@ impl Sampler {
         self.sample_pending(logits, history, None)
     }
 
-    /// Greedy with no processor: the token is the argmax of the raw log-probs, so a batch of
-    /// such rows can be sampled in one op over all rows.
-    pub fn is_plain_greedy(&self) -> bool {
-        self.params.is_greedy() && self.processors.is_empty()
+    /// Greedy with no processor but a logit bias: the token is the argmax of the log-probs of
+    /// logits + [`Sampler::bias_row`], so a batch of such rows is sampled in one op over all
+    /// rows.
+    pub fn is_batchable_greedy(&self) -> bool {
+        self.params.is_greedy() && self.processors.is_bias_only()
+    }
+
+    /// The logit bias as a dense `[1, vocab]` row of `dtype`, built on first use and kept (a
+    /// batch adds the rows' biases to its logits in one op); `None` without a bias.
+    pub fn bias_row(
+        &self,
+        vocab: usize,
+        dtype: mlx_rs::Dtype,
+    ) -> Result<Option<Array>, SampleError> {
+        if let Some((cached, row)) = self.bias_row.get() {
+            if *cached == (vocab, dtype) {
+                return Ok(Some(row.clone()));
+            }
+        }
+        let Some(row) = self.processors.bias_row(vocab, dtype)? else {
+            return Ok(None);
+        };
+        // Evaluated once, so later steps read it instead of rebuilding it.
+        row.eval()?;
+        let _ = self.bias_row.set(((vocab, dtype), row.clone()));
+        Ok(Some(row))
     }
 
     /// `sample` with the newest id still lazy; see `process_pending`.

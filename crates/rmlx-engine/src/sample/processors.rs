@@ -95,6 +95,32 @@ impl LogitsProcessors {
         }
     }
 
+    /// No penalty reads the history: at most a logit bias, which a batch can add as one row.
+    pub(crate) fn is_bias_only(&self) -> bool {
+        self.repetition.is_none() && self.presence.is_none() && self.frequency.is_none()
+    }
+
+    /// The logit bias as a dense `[1, vocab]` row of `dtype` (zero elsewhere), built the way
+    /// `apply` adds it (so `logits + row` equals it); `None` without a bias.
+    pub(crate) fn bias_row(
+        &self,
+        vocab: usize,
+        dtype: mlx_rs::Dtype,
+    ) -> Result<Option<Array>, SampleError> {
+        let Some((ids, values, max_id)) = &self.bias else {
+            return Ok(None);
+        };
+        if *max_id as usize >= vocab {
+            return Err(SampleError::TokenOutOfRange {
+                token: *max_id,
+                vocab,
+                what: "logit_bias",
+            });
+        }
+        let zeros = mlx_rs::ops::zeros_dtype(&[1, vocab as i32], dtype)?;
+        Ok(Some(scatter_add(&zeros, ids, values)?))
+    }
+
     pub(crate) fn is_empty(&self) -> bool {
         self.bias.is_none()
             && self.repetition.is_none()

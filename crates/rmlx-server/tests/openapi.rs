@@ -1,0 +1,84 @@
+//! docs/openapi.yaml is the document the server's types generate (`rmlx openapi` writes it), so
+//! a change to a request or response type that is not written back fails here. The routes
+//! themselves are checked against a real server by tests/api (crates/rmlx-cli/tests/contract.rs).
+
+use std::path::Path;
+
+#[test]
+fn committed_document_is_current() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/openapi.yaml");
+    let current = rmlx_server::openapi::yaml();
+    if std::env::var("RMLX_WRITE_OPENAPI").as_deref() == Ok("1") {
+        std::fs::write(&path, &current).unwrap();
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        committed == current,
+        "docs/openapi.yaml is stale: run `cargo run -p rmlx-cli -- openapi > docs/openapi.yaml` \
+         (or this test with RMLX_WRITE_OPENAPI=1)"
+    );
+}
+
+#[test]
+fn document_names_every_route_and_both_error_shapes() {
+    let document: serde_json::Value =
+        serde_json::to_value(rmlx_server::openapi::document()).unwrap();
+    assert_eq!(document["openapi"], "3.1.0");
+    let paths = document["paths"].as_object().unwrap();
+    let mut operations: Vec<String> = paths
+        .iter()
+        .flat_map(|(path, item)| {
+            item.as_object()
+                .unwrap()
+                .keys()
+                .filter(|key| ["get", "post", "delete", "put", "patch"].contains(&key.as_str()))
+                .map(move |method| format!("{} {path}", method.to_uppercase()))
+        })
+        .collect();
+    operations.sort();
+    assert_eq!(
+        operations,
+        [
+            "DELETE /admin/downloads/{id}",
+            "DELETE /v1/models/{id}",
+            "GET /admin/downloads",
+            "GET /admin/downloads/{id}",
+            "GET /health",
+            "GET /metrics",
+            "GET /metrics/cache",
+            "GET /openapi.json",
+            "GET /v1/models",
+            "GET /v1/models/{id}",
+            "POST /admin/downloads",
+            "POST /admin/downloads/{id}/pause",
+            "POST /admin/downloads/{id}/resume",
+            "POST /v1/chat/completions",
+            "POST /v1/completions",
+            "POST /v1/messages",
+            "POST /v1/messages/count_tokens",
+            "POST /v1/models/{id}/load",
+            "POST /v1/models/{id}/unload",
+        ]
+    );
+    // Errors are shared responses, one set per API shape.
+    let error_of = |path: &str, method: &str| {
+        let reference = document["paths"][path][method]["responses"]["400"]["$ref"]
+            .as_str()
+            .unwrap()
+            .trim_start_matches("#/components/responses/")
+            .to_string();
+        document["components"]["responses"][&reference]["content"]["application/json"]["schema"]
+            ["$ref"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(
+        error_of("/v1/messages", "post"),
+        "#/components/schemas/AnthropicError"
+    );
+    assert_eq!(
+        error_of("/v1/chat/completions", "post"),
+        "#/components/schemas/OpenAiError"
+    );
+}

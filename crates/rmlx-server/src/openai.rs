@@ -170,7 +170,7 @@ pub struct ChatRequest {
     /// OpenAI's messages: `role` (`system`, `developer`, `user`, `assistant`, `tool`) and
     /// `content` (a string or a list of `text` and `image_url` parts; images as data URIs or
     /// local paths), plus `tool_calls` / `tool_call_id` / `reasoning_content`.
-    #[schema(value_type = Vec<Object>)]
+    #[schema(value_type = Vec<ChatMessageIn>)]
     messages: Vec<Value>,
     /// Tokens to generate at most (default: the rest of the context).
     #[serde(default, deserialize_with = "whole::optional")]
@@ -503,6 +503,58 @@ pub struct CompletionRequest {
     max_tokens: Option<usize>,
     #[serde(flatten)]
     sampling: SamplingFields,
+}
+
+/// A chat message as the document describes it (the handler reads the JSON itself, in
+/// `convert`): `tool_calls`, `tool_call_id` and `reasoning_content` are taken too, as OpenAI
+/// sends them.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct ChatMessageIn {
+    role: ChatRole,
+    /// Null or absent is empty.
+    content: Option<MessageContent>,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+#[serde(rename_all = "lowercase")]
+enum ChatRole {
+    System,
+    Developer,
+    User,
+    Assistant,
+    Tool,
+    Function,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+#[serde(untagged)]
+enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum ContentPart {
+    Text {
+        text: String,
+    },
+    /// A data URI (`data:image/png;base64,...`).
+    ImageUrl {
+        image_url: ImageUrl,
+    },
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+#[serde(untagged)]
+enum ImageUrl {
+    Url(String),
+    Object { url: String },
 }
 
 /// The legacy `prompt`'s shapes.

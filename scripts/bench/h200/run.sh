@@ -19,7 +19,8 @@
 #   warm TTFT through `rmlx serve` interleaved with mlx-lm's generate_step (bench.py), then
 #   1 / 4 / 8 / 16 concurrent streams through `rmlx serve` and mlx-lm's server (concurrency.py).
 #   Env: C_MODELS ("bf16 4bit"), C_STREAMS (1,4,8,16), C_RUNS (5), C_TOKENS (128), C_PROMPT (512),
-#   C_OPS_BUFFER (MLX_MAX_OPS_PER_BUFFER values to try first on one bf16 stream).
+#   C_RUNS_4BIT (C_RUNS), C_OPS_BUFFER (MLX_MAX_OPS_PER_BUFFER values to try first on one bf16
+#   stream).
 # MODE=profile (step 2 instead): probe_ops.py (per-op costs of MLX CUDA at the decode shapes),
 #   the same two checkpoints, `rmlx bench --step-profile` at 1 and P_STREAMS (8) streams (bf16 also
 #   with MLX_DISABLE_COMPILE=1 RMLX_WEIGHTS_ON_DEVICE=0), then concurrency.py and bench.py on bf16.
@@ -166,18 +167,20 @@ if [[ $MODE == concurrency ]]; then
   done
   for kind in ${C_MODELS:-bf16 4bit}; do
     model=$BENCH/qwen3-4b-shape-$kind
+    runs=${C_RUNS:-5}
+    [[ $kind == 4bit ]] && runs=${C_RUNS_4BIT:-$runs}
     step "single stream $kind"
     [[ ${C_SINGLE:-1} == 1 ]] || { echo "skipped (C_SINGLE=0)"; }
     [[ ${C_SINGLE:-1} == 1 ]] && left=$(( LIMIT - SECONDS )) &&
     RMLX_STEP_PROFILE=1 RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/bench.py --model "$model" \
       --rmlx /tmp/rmlx/rmlx --reference mlx-lm --rmlx-via serve --device gpu --prompt-tokens "${C_PROMPT:-512}" \
-      --gen-tokens "${C_TOKENS:-128}" --runs "${C_RUNS:-5}" --server-log "$OUT/rmlx-serve-$kind.log" \
+      --gen-tokens "${C_TOKENS:-128}" --runs "$runs" --server-log "$OUT/rmlx-serve-$kind.log" \
       --json-out "$OUT/h200-single-$kind.json" || rc=1
     grep -A4 "decode steps" "$OUT/rmlx-serve-$kind.log"
     step "concurrent streams $kind"
     left=$(( LIMIT - SECONDS ))
     RMLX_STEP_PROFILE=1 RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/concurrency.py --model "$model" \
-      --rmlx /tmp/rmlx/rmlx --streams "${C_STREAMS:-1,4,8,16}" --runs "${C_RUNS:-5}" \
+      --rmlx /tmp/rmlx/rmlx --streams "${C_STREAMS:-1,4,8,16}" --runs "$runs" \
       --max-tokens "${C_TOKENS:-128}" --rmlx-args "--max-batch 16" --json-out "$OUT/h200-concurrency-$kind.json" || rc=1
     # rmlx serve's step profile (RMLX_STEP_PROFILE=1), printed when it stopped.
     cp /tmp/bench-concurrency-rmlx.log "$OUT/concurrency-rmlx-$kind.log" 2>/dev/null

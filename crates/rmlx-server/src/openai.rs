@@ -168,8 +168,8 @@ pub struct ChatRequest {
     /// A model id from `GET /v1/models`.
     model: String,
     /// OpenAI's messages: `role` (`system`, `developer`, `user`, `assistant`, `tool`) and
-    /// `content` (a string or a list of `text` and `image_url` parts; images as data URIs or
-    /// local paths), plus `tool_calls` / `tool_call_id` / `reasoning_content`.
+    /// `content` (a string or a list of `text` and `image_url` parts; images inline as data
+    /// URIs, never fetched), plus `tool_calls` / `tool_call_id` / `reasoning_content`.
     #[schema(value_type = Vec<ChatMessageIn>)]
     messages: Vec<Value>,
     /// Tokens to generate at most (default: the rest of the context).

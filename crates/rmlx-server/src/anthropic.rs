@@ -43,7 +43,7 @@ pub struct PromptFields {
     /// Anthropic's messages: `role` (`user`, `assistant`) and `content` (a string or blocks of
     /// `text`, `image` (base64 source), `tool_use`, `tool_result`); a last assistant message
     /// is the answer's prefill.
-    #[schema(value_type = Vec<Object>)]
+    #[schema(value_type = Vec<AnthropicMessageIn>)]
     messages: Vec<Value>,
     /// A string or a list of `text` blocks.
     system: Option<Value>,
@@ -55,6 +55,67 @@ pub struct PromptFields {
     /// `{"type": "enabled" | "disabled"}`.
     #[schema(value_type = Option<Object>)]
     thinking: Option<Value>,
+}
+
+/// A message as the document describes it (the handler reads the JSON itself, in `convert`).
+/// Fields the server reads leniently (a thinking block's text, a tool call's id and input, a
+/// tool result's content) are left free here, so the document refuses nothing the server takes.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct AnthropicMessageIn {
+    role: AnthropicRole,
+    content: AnthropicContent,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+#[serde(rename_all = "lowercase")]
+enum AnthropicRole {
+    User,
+    Assistant,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+#[serde(untagged)]
+enum AnthropicContent {
+    Text(String),
+    Blocks(Vec<AnthropicBlock>),
+}
+
+/// A content block: `image` and `tool_result` in user messages, `tool_use` in assistant ones.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum AnthropicBlock {
+    Text {
+        text: String,
+    },
+    Image {
+        source: ImageSource,
+    },
+    Thinking {
+        thinking: Option<Value>,
+    },
+    RedactedThinking {},
+    ToolUse {
+        name: String,
+        id: Option<Value>,
+        input: Option<Value>,
+    },
+    ToolResult {
+        tool_use_id: Option<Value>,
+        content: Option<Value>,
+    },
+}
+
+/// Only inline images: `{"type": "base64", "media_type": ..., "data": ...}`.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct ImageSource {
+    #[schema(value_type = String, pattern = "^base64$")]
+    r#type: String,
+    data: String,
 }
 
 /// `POST /v1/messages`.

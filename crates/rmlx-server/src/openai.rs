@@ -513,7 +513,7 @@ pub struct CompletionRequest {
 struct ChatMessageIn {
     role: ChatRole,
     /// Null or absent is empty.
-    content: Option<MessageContent>,
+    content: Option<ChatContent>,
 }
 
 #[derive(ToSchema)]
@@ -531,7 +531,7 @@ enum ChatRole {
 #[derive(ToSchema)]
 #[allow(dead_code)]
 #[serde(untagged)]
-enum MessageContent {
+enum ChatContent {
     Text(String),
     Parts(Vec<ContentPart>),
 }

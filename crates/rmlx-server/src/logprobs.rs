@@ -1,8 +1,8 @@
-//! Log-probs in OpenAI's two shapes, from the engine's per-token `TokenLogprob`s: chat's
-//! `{"content": [{token, logprob, bytes, top_logprobs}]}` and the legacy completions'
-//! `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`. A stream carries
-//! each token's entry in the chunk that first follows it, so the chunks concatenate to the
-//! non-streamed list. Reference: OpenAI API reference (chat `logprobs`, completions `logprobs`).
+//! Log-probs requests in OpenAI's two forms (chat `logprobs: true` + `top_logprobs`, legacy
+//! `logprobs: N`) and the stream bookkeeping: a stream carries each token's entry in the chunk
+//! that first follows it, so the chunks concatenate to the non-streamed list. The response
+//! shapes are `api::ChatLogprobs` and `api::LegacyLogprobs`. Reference: OpenAI API reference
+//! (chat `logprobs`, completions `logprobs`).
 
 use rmlx_engine::generate::{TokenLogprob, MAX_TOP_LOGPROBS};
 use serde_json::Value;

@@ -190,7 +190,7 @@ pub struct ChatRequest {
     chat_template_kwargs: Option<Map<String, Value>>,
     /// `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "json_schema":
     /// {"schema": ...}}`: enforced by constrained decoding.
-    #[schema(value_type = Option<Object>)]
+    #[schema(value_type = Option<ResponseFormatIn>)]
     response_format: Option<Value>,
     /// Alternatives per token, 0 to 20 (needs `logprobs: true`).
     #[schema(value_type = Option<u8>, minimum = 0, maximum = 20)]
@@ -555,6 +555,27 @@ enum ContentPart {
 enum ImageUrl {
     Url(String),
     Object { url: String },
+}
+
+/// `response_format` as the document describes it (the engine's `ResponseFormat` reads it).
+#[derive(ToSchema)]
+#[allow(dead_code)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum ResponseFormatIn {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaIn },
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct JsonSchemaIn {
+    name: Option<String>,
+    description: Option<String>,
+    /// A JSON Schema the answer must follow (absent: any JSON value).
+    schema: Option<Value>,
+    /// Refuse keywords that cannot be enforced instead of ignoring them.
+    strict: Option<bool>,
 }
 
 /// The legacy `prompt`'s shapes.

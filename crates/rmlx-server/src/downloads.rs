@@ -128,12 +128,8 @@ pub async fn cancel(
     let finished = downloads
         .get(&id)
         .is_some_and(|job| matches!(job.state, JobState::Done | JobState::Cancelled));
-    let job = if finished {
-        downloads.forget(&id)?
-    } else {
-        let job = downloads.cancel(&id).await?;
-        downloads.forget(&id)?;
-        job
-    };
-    Ok(Json(job))
+    if !finished {
+        downloads.cancel(&id).await?;
+    }
+    Ok(Json(downloads.forget(&id)?))
 }

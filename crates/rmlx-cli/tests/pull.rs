@@ -9,6 +9,9 @@ use std::{
     process::{Command, Output},
 };
 
+mod common;
+
+use common::http;
 use rmlx_hub::testing::{fixture, fixture_hub, repo_files, TestHub, COMMIT, FIXTURE_REPO};
 
 const REPO: &str = FIXTURE_REPO;
@@ -171,25 +174,6 @@ fn hub_url_models_dir_and_token_come_from_the_environment() {
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("access denied (HTTP 401)"), "{stderr}");
     assert!(stderr.contains("HF_TOKEN"), "{stderr}");
-}
-
-/// One HTTP/1.1 exchange with `rmlx serve` on loopback (the tests need no client crate).
-fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> (u16, serde_json::Value) {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    let body = body.unwrap_or("");
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply).unwrap();
-    let (head, payload) = reply.split_once("\r\n\r\n").unwrap();
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (status, serde_json::from_str(payload).unwrap_or_default())
 }
 
 /// `rmlx serve` downloading into `models_dir`, and the port it listens on (its first line).

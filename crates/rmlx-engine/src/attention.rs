@@ -9,7 +9,7 @@ use mlx_rs::{
     fast::{self, ScaledDotProductAttentionMask},
     ops,
     ops::indexing::IndexOp,
-    transforms, Array,
+    Array,
 };
 
 use crate::{
@@ -113,7 +113,7 @@ pub fn vision_attention(
         let tile = queries.index((.., .., start..end, ..));
         let out = fast::scaled_dot_product_attention(&tile, keys, values, scale, None, None)?;
         if config.eval_each_tile {
-            transforms::eval([&out])?;
+            crate::runtime::eval([&out])?;
         }
         tiles.push(out);
         start = end;

@@ -293,7 +293,7 @@ impl KvCache {
             });
         }
         // Evaluated now: a lazy copy would keep the whole batch's buffers alive as its inputs.
-        mlx_rs::transforms::eval(cache.state())?;
+        crate::runtime::eval(cache.state())?;
         Ok(cache)
     }
 

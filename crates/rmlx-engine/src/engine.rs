@@ -63,6 +63,25 @@ pub struct Request {
     /// None uses the checkpoint's processor setting.
     pub image_soft_tokens: Option<usize>,
     pub params: GenerateParams,
+    /// Fault injection for tests: this request's work panics at that step, as a bug would.
+    #[doc(hidden)]
+    pub panic_at: Option<Step>,
+}
+
+/// A step of the engine loop (see [`Request::panic_at`]).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    Admit,
+    Prefill,
+    Decode,
+}
+
+/// Panics when the request asked for a panic at `step` (only tests do).
+fn injected_panic(panic_at: Option<Step>, step: Step) {
+    if panic_at == Some(step) {
+        panic!("injected panic at {step:?} (Request::panic_at)");
+    }
 }
 
 impl Default for Request {
@@ -76,6 +95,7 @@ impl Default for Request {
             request_id: None,
             image_soft_tokens: None,
             params: GenerateParams::default(),
+            panic_at: None,
         }
     }
 }
@@ -274,6 +294,7 @@ impl Engine {
                     pending: VecDeque::new(),
                     admitting: None,
                     batch: None,
+                    joining: false,
                 }
                 .run(inbox)
             })
@@ -423,6 +444,9 @@ struct EngineThread {
     admitting: Option<Admission>,
     /// The requests decoding together.
     batch: Option<Batch>,
+    /// Set while a prefilled request's caches join the batch's: a panic then leaves the batch
+    /// half joined (see `guarded`).
+    joining: bool,
 }
 
 /// What a request carries from submission to its end.
@@ -433,6 +457,47 @@ struct Ticket {
     request_id: Option<String>,
     /// Image soft tokens are one id for every image: such a request's KV is not reusable.
     has_images: bool,
+    /// The engine's count of unfinished requests, settled when this one ends.
+    queued: Arc<AtomicUsize>,
+    metrics: Arc<Metrics>,
+    /// Set by [`Ticket::close`]; a ticket dropped open was lost to a panic (see `Drop`).
+    closed: bool,
+    panic_at: Option<Step>,
+}
+
+impl Ticket {
+    /// The request's end: counters settle before the client hears the last event, so it sees
+    /// them idle.
+    fn close(mut self, last: Event) {
+        self.closed = true;
+        settle(&self.queued);
+        let _ = self.events.send(last);
+    }
+}
+
+impl Drop for Ticket {
+    /// Only a panic on the engine thread drops a ticket unclosed (its step's locals unwind):
+    /// the client still gets a typed error and the counters still settle.
+    fn drop(&mut self) {
+        if self.closed {
+            return;
+        }
+        let error = EngineError::Internal(
+            "the engine stopped serving this request after a bug (the server log has the \
+             panic); the next request is unaffected"
+                .into(),
+        );
+        self.metrics.record_error(error.kind());
+        settle(&self.queued);
+        let _ = self.events.send(Event::Error(error));
+    }
+}
+
+/// One request fewer unfinished; MLX's buffer cache goes back to the system when none is left.
+fn settle(queued: &AtomicUsize) {
+    if queued.fetch_sub(1, Ordering::SeqCst) == 1 {
+        crate::runtime::release_cached_memory();
+    }
 }
 
 struct Admission {
@@ -521,9 +586,23 @@ impl EngineThread {
                     }
                 }
             }
-            self.admit();
-            self.prefill_step();
-            self.decode_step();
+            self.guarded(Self::admit);
+            self.guarded(Self::prefill_step);
+            self.guarded(Self::decode_step);
+            self.publish_in_flight();
+        }
+    }
+
+    /// Runs one step of the loop; a panic in it (a bug) costs only the requests that step held:
+    /// their tickets unwind and tell their clients (see `Ticket`'s `Drop`), and the thread goes
+    /// on serving. Without this, one bad request would leave every later one unanswered.
+    fn guarded(&mut self, step: fn(&mut Self)) {
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(self)));
+        if outcome.is_err() {
+            // A batch left half joined is in no known state: its requests fail too.
+            if std::mem::take(&mut self.joining) {
+                drop(self.batch.take());
+            }
             self.publish_in_flight();
         }
     }
@@ -577,7 +656,7 @@ impl EngineThread {
                 } => {
                     self.waiting.fetch_sub(1, Ordering::SeqCst);
                     if cancel.load(Ordering::Relaxed) {
-                        self.settle();
+                        settle(&self.queued);
                         continue;
                     }
                     let ticket = Ticket {
@@ -586,7 +665,12 @@ impl EngineThread {
                         model_id: request.metrics_id(),
                         request_id: request.request_id.clone(),
                         has_images: !request.images.is_empty(),
+                        queued: self.queued.clone(),
+                        metrics: self.metrics.clone(),
+                        closed: false,
+                        panic_at: request.panic_at,
                     };
+                    injected_panic(ticket.panic_at, Step::Admit);
                     match self.start(&request) {
                         Ok((key, prefill, constraint)) => {
                             let _ = ticket.events.send(Event::Started {
@@ -613,18 +697,10 @@ impl EngineThread {
         }
     }
 
-    /// A request's end: counters settle before the client hears it, so it sees them idle.
-    fn settle(&self) {
-        if self.queued.fetch_sub(1, Ordering::SeqCst) == 1 {
-            crate::runtime::release_cached_memory();
-        }
-    }
-
     fn fail(&self, ticket: Ticket, error: EngineError) {
         self.metrics.record_error(error.kind());
-        self.settle();
+        ticket.close(Event::Error(error));
         self.publish_in_flight();
-        let _ = ticket.events.send(Event::Error(error));
     }
 
     fn publish_in_flight(&self) {
@@ -645,6 +721,7 @@ impl EngineThread {
         let Some(mut admission) = self.admitting.take() else {
             return;
         };
+        injected_panic(admission.ticket.panic_at, Step::Prefill);
         if admission.ticket.cancel.load(Ordering::Relaxed) {
             let (completion, _) = admission.prefill.cancelled();
             self.finish_request(&admission.key, admission.ticket, completion, None);
@@ -698,11 +775,13 @@ impl EngineThread {
                 })
             }
             Some(batch) => {
+                self.joining = true;
                 let joined = batch
                     .caches
                     .iter_mut()
                     .zip(&caches)
                     .try_for_each(|(running, new)| running.join(new));
+                self.joining = false;
                 match joined {
                     Ok(()) => batch.rows.push(row),
                     Err(error) => {
@@ -723,6 +802,9 @@ impl EngineThread {
         let Some(mut batch) = self.batch.take() else {
             return;
         };
+        for row in &batch.rows {
+            injected_panic(row.ticket.panic_at, Step::Decode);
+        }
         let Some(resident) = self.models.get(&batch.key) else {
             for row in batch.rows {
                 self.fail(row.ticket, EngineError::EngineStopped);
@@ -826,9 +908,8 @@ impl EngineThread {
                 .record_prefix_evictions(&ticket.model_id, evicted);
         }
         self.metrics.set_prefix_cache_usage(self.prefix.usage());
-        self.settle();
+        ticket.close(Event::Done(completion));
         self.publish_in_flight();
-        let _ = ticket.events.send(Event::Done(completion));
     }
 
     fn unload(&mut self, dir: &Path) -> bool {

@@ -46,6 +46,14 @@ pub enum EngineError {
     Sample(#[from] crate::sample::SampleError),
     #[error("MLX: {0}")]
     Mlx(String),
+    /// A buffer this request needed could not be allocated (host memory, or MLX's allocator
+    /// on any device); only this request fails, and the next one starts afresh.
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
+    /// A bug: code on the engine thread panicked while serving this request. The thread
+    /// carries on with the next one.
+    #[error("internal error in the engine: {0}")]
+    Internal(String),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
     #[error("the engine is busy: {0} requests queued")]
@@ -56,8 +64,37 @@ pub enum EngineError {
 
 impl From<mlx_rs::error::Exception> for EngineError {
     fn from(error: mlx_rs::error::Exception) -> Self {
-        Self::Mlx(error.what().to_string())
+        let what = error.what();
+        if is_allocation_failure(what) {
+            Self::OutOfMemory(format!("MLX: {what}"))
+        } else {
+            Self::Mlx(what.to_string())
+        }
     }
+}
+
+/// Whether an MLX message reports a failed allocation: Metal's allocator throws
+/// `[malloc] Unable to allocate N bytes.`, `[metal::malloc] Attempting to allocate N bytes which
+/// is greater than the maximum allowed buffer size ...` or `[metal::malloc] Resource limit (N)
+/// exceeded.` (mlx `backend/metal/allocator.cpp`); C++ containers inside MLX throw
+/// `std::bad_alloc`. (MLX 0.32's CPU allocator reports nothing: it hands out a null buffer.)
+pub fn is_allocation_failure(message: &str) -> bool {
+    message.contains("Unable to allocate")
+        || message.contains("Attempting to allocate")
+        || message.contains("Resource limit")
+        || message.contains("bad_alloc")
+}
+
+/// Reserves room for `additional` more values in `buffer`, or `OutOfMemory` naming `what`:
+/// the big per-request buffers (image rows) must never abort the process the way a failed
+/// `Vec` growth does.
+pub fn try_grow<T>(buffer: &mut Vec<T>, additional: usize, what: &str) -> Result<()> {
+    buffer.try_reserve_exact(additional).map_err(|_| {
+        EngineError::OutOfMemory(format!(
+            "cannot allocate {:.1} MB for {what}",
+            (additional * std::mem::size_of::<T>()) as f64 / 1e6
+        ))
+    })
 }
 
 impl EngineError {
@@ -77,6 +114,8 @@ impl EngineError {
             Self::Chat(_) => "chat_template",
             Self::Sample(_) => "invalid_sampling",
             Self::Mlx(_) => "mlx",
+            Self::OutOfMemory(_) => "out_of_memory",
+            Self::Internal(_) => "internal",
             Self::InvalidRequest(_) => "invalid_request",
             Self::QueueFull(_) => "queue_full",
             Self::EngineStopped => "engine_stopped",
@@ -88,6 +127,8 @@ impl EngineError {
     pub fn for_each_request(&self) -> Self {
         match self {
             Self::Mlx(message) => Self::Mlx(message.clone()),
+            Self::OutOfMemory(message) => Self::OutOfMemory(message.clone()),
+            Self::Internal(message) => Self::Internal(message.clone()),
             Self::InvalidRequest(message) => Self::InvalidRequest(message.clone()),
             Self::ContextOverflow {
                 prompt_tokens,
@@ -108,3 +149,33 @@ impl EngineError {
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocation_failures_are_told_apart_from_other_mlx_errors() {
+        for message in [
+            "[malloc] Unable to allocate 1073741824 bytes.",
+            "[metal::malloc] Attempting to allocate 99999999999 bytes which is greater than the \
+             maximum allowed buffer size of 77309411328 bytes.",
+            "[metal::malloc] Resource limit (499000) exceeded.",
+            "std::bad_alloc",
+        ] {
+            assert!(is_allocation_failure(message), "{message}");
+        }
+        for message in [
+            "[matmul] Last dimension of first input with shape (2,3) must match second to last \
+             dimension of second input with shape (4,5).",
+            "[load_safetensors] Failed to open file model.safetensors",
+        ] {
+            assert!(!is_allocation_failure(message), "{message}");
+        }
+        let mut rows = vec![0f32; 4];
+        let error = try_grow(&mut rows, usize::MAX / 8, "image rows").unwrap_err();
+        assert_eq!(error.kind(), "out_of_memory");
+        assert!(error.to_string().contains("image rows"), "{error}");
+        assert_eq!(rows.len(), 4);
+    }
+}

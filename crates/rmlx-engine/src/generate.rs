@@ -9,7 +9,7 @@ use std::{
     time::Instant,
 };
 
-use mlx_rs::{ops::indexing::IndexOp, transforms, Array};
+use mlx_rs::{ops::indexing::IndexOp, Array};
 
 use crate::{
     cache::KvCache,
@@ -164,7 +164,7 @@ struct BatchTokens {
 impl BatchTokens {
     fn get(&self, row: usize) -> Result<u32> {
         if self.host.get().is_none() {
-            transforms::eval([&self.tokens])?;
+            crate::runtime::eval([&self.tokens])?;
             let _ = self.host.set(self.tokens.as_slice::<u32>().to_vec());
         }
         Ok(self.host.get().expect("set above")[row])
@@ -453,7 +453,7 @@ impl Prefill {
                     &mut self.caches,
                     Logits::Last,
                 )?;
-                transforms::eval(self.caches.iter().flat_map(|cache| cache.state()))?;
+                crate::runtime::eval(self.caches.iter().flat_map(|cache| cache.state()))?;
             }
         }
         if self.cuts.contains(&piece.end) {
@@ -598,7 +598,7 @@ impl Sequence {
         if let Some(constraint) = self.constraint.as_mut() {
             // Start the forward, and build the grammar's mask on the host meanwhile. Adding it
             // before the processors equals mlx-lm's order: they keep -inf at -inf and x + 0 = x.
-            transforms::async_eval([&logits])?;
+            crate::runtime::async_eval([&logits])?;
             logits = constraint.apply(&logits)?;
         }
         // The newest token is still lazy when this step was queued ahead of reading it.
@@ -681,7 +681,7 @@ impl Sequence {
         self.history.push(token);
         let logprob = match (&current.logprobs, self.params.logprobs) {
             (Some(arrays), Some(top)) => {
-                transforms::eval(arrays.iter())?;
+                crate::runtime::eval(arrays.iter())?;
                 Some(read_logprob(tokenizer, token, arrays, top))
             }
             _ => None,
@@ -872,7 +872,7 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
         if let Some(clock) = clock.as_mut() {
             clock.built();
         }
-        transforms::async_eval(queued.iter())?;
+        crate::runtime::async_eval(queued.iter())?;
         if let Some(clock) = clock.as_mut() {
             clock.submitted();
         }

@@ -6,7 +6,7 @@
 use std::{ops::Range, path::Path};
 
 use image::RgbImage;
-use mlx_rs::{ops::indexing::IndexOp, transforms, Array};
+use mlx_rs::{ops::indexing::IndexOp, Array};
 
 use crate::{
     cache::KvCache,
@@ -16,6 +16,7 @@ use crate::{
     },
     error::{EngineError, Result},
     models::{ImageInput, Logits, VisionFeatures, VisionLanguageModel},
+    vision::preprocess::PreprocessError,
 };
 
 /// A prompt's images, ready for prefill.
@@ -117,7 +118,7 @@ pub fn prefill_piece(
             model.forward(&input, caches, Logits::Last)?;
         }
     }
-    transforms::eval(caches.iter().flat_map(|cache| cache.state()))?;
+    crate::runtime::eval(caches.iter().flat_map(|cache| cache.state()))?;
     Ok(())
 }
 
@@ -151,8 +152,11 @@ pub fn place_images(
     soft_tokens: Option<usize>,
     pixels: bool,
 ) -> Result<PlacedImages> {
-    let bad_image = |index: usize, error: &dyn std::fmt::Display| {
-        EngineError::InvalidRequest(format!("image {}: {error}", index + 1))
+    let bad_image = |index: usize, error: &PreprocessError| match error {
+        PreprocessError::OutOfMemory { .. } => {
+            EngineError::OutOfMemory(format!("image {}: {error}", index + 1))
+        }
+        _ => EngineError::InvalidRequest(format!("image {}: {error}", index + 1)),
     };
     let mut rows = Vec::new();
     let mut grids = Vec::new();
@@ -175,7 +179,13 @@ pub fn place_images(
                     .preprocess(image)
                     .map_err(|error| bad_image(index, &error))?;
                 row_len = processed.row_len;
-                rows.extend_from_slice(&processed.pixel_values);
+                // The first image's rows move; later ones are copied into room reserved first.
+                if rows.is_empty() {
+                    rows = processed.pixel_values;
+                } else {
+                    crate::error::try_grow(&mut rows, processed.pixel_values.len(), "image rows")?;
+                    rows.extend_from_slice(&processed.pixel_values);
+                }
                 let [t, h, w] = processed.grid_thw;
                 grids.push([t as i32, h as i32, w as i32]);
                 counts.push(processed.num_tokens);
@@ -200,7 +210,9 @@ pub fn place_images(
                     .preprocess(image, soft_tokens)
                     .map_err(|error| bad_image(index, &error))?;
                 row_len = 3 * config.patch_size * config.patch_size;
-                rows.extend(processed.patch_rows(config.patch_size));
+                processed
+                    .patch_rows(config.patch_size, &mut rows)
+                    .map_err(|error| bad_image(index, &error))?;
                 let [h, w] = processed.patch_grid_hw;
                 grids.push([1, h as i32, w as i32]);
                 counts.push(processed.num_soft_tokens);
@@ -246,13 +258,16 @@ pub fn place_images(
             start..end
         })
         .collect();
-    let input = pixels.then(|| {
-        let patches = (rows.len() / row_len.max(1)) as i32;
-        ImageInput {
-            pixel_values: Array::from_slice(&rows, &[patches, row_len as i32]),
-            grid_thw: grids,
+    let input = match pixels {
+        true => {
+            let patches = (rows.len() / row_len.max(1)) as i32;
+            Some(ImageInput {
+                pixel_values: crate::nn::upload(&rows, &[patches, row_len as i32])?,
+                grid_thw: grids,
+            })
         }
-    });
+        false => None,
+    };
     Ok(PlacedImages {
         ids: placed.ids,
         spans: placed.image_spans,

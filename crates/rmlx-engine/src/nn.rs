@@ -297,6 +297,21 @@ impl LayerNorm {
     }
 }
 
+/// Copies host values into a new MLX array; an allocation MLX refuses is `OutOfMemory`, not a
+/// crash. mlx-rs's `from_slice` cannot report it: mlx-c then hands back an empty array (and
+/// stashes the message) that would fail at its first use, far from the cause. Used for the big
+/// per-request uploads (image pixels), where a refusal is likely.
+pub fn upload(data: &[f32], shape: &[i32]) -> Result<Array> {
+    let array = Array::from_slice(data, shape);
+    if array.as_ptr().ctx.is_null() {
+        return Err(crate::EngineError::OutOfMemory(format!(
+            "MLX cannot allocate {:.1} MB for an array of shape {shape:?}",
+            std::mem::size_of_val(data) as f64 / 1e6
+        )));
+    }
+    Ok(array)
+}
+
 /// A Python float in an mlx expression is a weak scalar: it takes the array's dtype. (mlx-rs's
 /// `nn::gelu*` use f32 constants, which lift a bf16 tower to f32 and moved the 4-bit
 /// checkpoint's logits by ~0.5 against mlx-vlm.)

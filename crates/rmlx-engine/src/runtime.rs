@@ -114,6 +114,27 @@ pub fn weights_go_to_device() -> bool {
     })
 }
 
+/// `mlx.eval` that is safe to fail. When an evaluation throws partway (an allocation refused),
+/// work MLX already queued on the stream still reads its inputs through raw pointers; if the
+/// caller then dropped the graph (as `?` does), that work would read freed memory (seen as a
+/// segfault in the CPU backend's `copy_general_general`). So on failure this waits for the
+/// stream to drain while the caller's arrays still hold the graph.
+pub fn eval<'a>(arrays: impl IntoIterator<Item = &'a mlx_rs::Array>) -> crate::Result<()> {
+    mlx_rs::transforms::eval(arrays).map_err(drain_after_failure)
+}
+
+/// `mlx.async_eval`, safe to fail in the same way as [`eval`].
+pub fn async_eval<'a>(arrays: impl IntoIterator<Item = &'a mlx_rs::Array>) -> crate::Result<()> {
+    mlx_rs::transforms::async_eval(arrays).map_err(drain_after_failure)
+}
+
+fn drain_after_failure(error: mlx_rs::error::Exception) -> crate::EngineError {
+    // SAFETY: MLX is loaded (an evaluation just ran); waiting on this thread's default stream
+    // is always allowed.
+    unsafe { mlx_sys::mlx_synchronize_default() };
+    error.into()
+}
+
 /// Returns MLX's cached (freed but kept) buffers to the system: called when the engine goes
 /// idle, so a desktop app does not sit on gigabytes between requests.
 pub fn release_cached_memory() {

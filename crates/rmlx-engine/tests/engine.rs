@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use rmlx_engine::{
     chat::ChatTokenizer,
     constrain::ResponseFormat,
-    engine::{Engine, EngineOptions, Event, Prompt, Request},
+    engine::{Engine, EngineOptions, Event, Prompt, Request, Step},
     generate::{Completion, FinishReason, GenerateParams},
     sample::SamplingParams,
     EngineError,
@@ -104,6 +104,49 @@ fn dropped_handle_frees_the_engine_for_the_next_request() {
     assert_eq!(next.completion_tokens, 4);
     // 1900 tokens would take far longer than this on any machine running the tests.
     assert!(started.elapsed().as_secs() < 20);
+}
+
+/// A bug (a panic) while serving a request, at any step of the loop, fails that request with a
+/// typed error; the thread serves the next one, a stream already running goes on untouched, and
+/// the counters settle.
+#[test]
+fn a_panic_fails_only_its_own_request() {
+    let engine = Engine::start(4).unwrap();
+    for step in [Step::Admit, Step::Prefill, Step::Decode] {
+        // A stream that is running when the bug strikes (decoding alone: a decode-step panic
+        // takes the batch it is in, so that case runs the faulty request alone).
+        let running = (step != Step::Decode).then(|| {
+            let handle = engine.submit(request("Keep talking", 200)).unwrap();
+            loop {
+                match handle.events.recv().unwrap() {
+                    Event::Delta { .. } => break handle,
+                    Event::Error(error) => panic!("{error}"),
+                    _ => {}
+                }
+            }
+        });
+        let mut faulty = request("This one meets a bug", 8);
+        faulty.panic_at = Some(step);
+        let error = engine.submit(faulty).unwrap().wait().unwrap_err();
+        assert!(
+            matches!(error, EngineError::Internal(_)),
+            "{step:?}: {error}"
+        );
+        if let Some(running) = running {
+            let done = running.wait().unwrap();
+            assert_eq!(done.completion_tokens, 200, "{step:?}");
+        }
+        let next = engine.submit(request("This one does not", 8)).unwrap();
+        assert_eq!(next.wait().unwrap().completion_tokens, 8, "{step:?}");
+        assert_eq!(engine.queue_depth(), 0, "{step:?}");
+        let metrics = engine.metrics();
+        assert_eq!(
+            (metrics.in_flight, metrics.kv_cache_bytes),
+            (0, 0),
+            "{step:?}"
+        );
+    }
+    assert_eq!(engine.metrics().error_counts["internal"], 3);
 }
 
 #[test]

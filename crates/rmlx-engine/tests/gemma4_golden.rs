@@ -69,7 +69,7 @@ fn image_input(dir: &str, golden: &Golden, names: &[String]) -> ImageInput {
         assert_eq!(processed.num_soft_tokens, record.num_soft_tokens, "{name}");
         let [h, w] = record.patch_grid_hw;
         assert_eq!(processed.patch_grid_hw, [h as usize, w as usize], "{name}");
-        rows.extend(processed.patch_rows(config.patch_size));
+        processed.patch_rows(config.patch_size, &mut rows).unwrap();
         grid_thw.push([1, h, w]);
     }
     let patches = (rows.len() / 768) as i32;

@@ -45,6 +45,10 @@ pub enum ApiError {
     Conflict(String),
     #[error("{0}")]
     NotImplemented(String),
+    /// Memory for this request could not be had (an image's buffers, MLX's allocator); the
+    /// server goes on, and a smaller request, or this one later, can succeed.
+    #[error("{0}")]
+    OutOfMemory(String),
     #[error("{0}")]
     Internal(String),
     /// An error the engine reported, and so already counted in its metrics; the server's own
@@ -92,6 +96,7 @@ impl ApiError {
             Self::QueueFull(_) => "queue_full",
             Self::Conflict(_) => "conflict",
             Self::NotImplemented(_) => "not_implemented",
+            Self::OutOfMemory(_) => "out_of_memory",
             Self::Internal(_) | Self::FromEngine(_) => "internal",
         }
     }
@@ -106,6 +111,7 @@ impl ApiError {
             Self::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
+            Self::OutOfMemory(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) | Self::FromEngine(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -125,6 +131,7 @@ impl ApiError {
             Self::QueueFull(_) => ("rate_limit_error", Some("queue_full")),
             Self::Conflict(_) => ("invalid_request_error", Some("conflict")),
             Self::NotImplemented(_) => ("invalid_request_error", Some("not_implemented")),
+            Self::OutOfMemory(_) => ("server_error", Some("out_of_memory")),
             Self::Internal(_) | Self::FromEngine(_) => ("server_error", None),
         }
     }
@@ -140,6 +147,7 @@ impl ApiError {
             Self::ModelNotFound(_) | Self::NotFound(_) => "not_found_error",
             Self::PayloadTooLarge(_) => "request_too_large",
             Self::QueueFull(_) => "rate_limit_error",
+            Self::OutOfMemory(_) => "overloaded_error",
             Self::Internal(_) | Self::FromEngine(_) => "api_error",
         }
     }
@@ -206,6 +214,10 @@ impl From<EngineError> for ApiError {
                 "the server is busy ({queued} requests queued); retry later or raise --max-queue"
             )),
             EngineError::InvalidRequest(message) => Self::BadRequest(message),
+            error @ EngineError::OutOfMemory(_) => Self::OutOfMemory(format!(
+                "{error}; this request was dropped and the server goes on (free memory, send a \
+                 smaller image or prompt, or retry)"
+            )),
             EngineError::Sample(error) => Self::BadRequest(error.to_string()),
             // Rendering failures come from the messages (roles, shapes) the client sent.
             EngineError::Chat(error @ rmlx_engine::chat::ChatError::TemplateRender { .. }) => {

@@ -73,7 +73,7 @@ use crate::{anthropic, api, downloads, metrics, models, openai};
 pub struct ApiDoc;
 
 /// The statuses the error layers can answer any route with.
-const ERROR_STATUSES: [(&str, &str); 8] = [
+const ERROR_STATUSES: [(&str, &str); 9] = [
     (
         "400",
         "Malformed JSON, wrong types or values, a prompt over the context, a missing Host",
@@ -94,6 +94,10 @@ const ERROR_STATUSES: [(&str, &str); 8] = [
     ("413", "The body is over --max-body-mb"),
     ("429", "The queue is full (--max-queue); retry later"),
     ("500", "The engine failed"),
+    (
+        "503",
+        "Memory for this request could not be had (code out_of_memory); only this request failed",
+    ),
 ];
 
 struct Security;

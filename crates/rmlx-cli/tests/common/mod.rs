@@ -1,4 +1,8 @@
-//! What the tests driving Python (the SDK and contract suites) share.
+//! What the tests share: the repository root, the SDK venv's Python (SDK and contract
+//! suites), one HTTP exchange with a server started as a subprocess.
+
+// Each test file uses its own part of this module.
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 
@@ -20,4 +24,26 @@ pub fn sdk_python(what: &str) -> Option<PathBuf> {
     );
     eprintln!("skipped: no .venv-sdk (run scripts/sdk-venv to enable the {what})");
     None
+}
+
+/// One HTTP/1.1 exchange with `rmlx serve` on loopback (the tests need no client crate): the
+/// status and the JSON body (null when the body is not JSON).
+pub fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> (u16, serde_json::Value) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let body = body.unwrap_or("");
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    let (head, payload) = reply
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no reply (did the server die?): {reply:?}"));
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_str(payload).unwrap_or_default())
 }

@@ -209,7 +209,7 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
         _ => unreachable!("checked above"),
     };
     let summary = store.finish()?;
-    mlx_rs::transforms::eval(summary.arrays.iter())?;
+    crate::runtime::eval(summary.arrays.iter())?;
     let quantization = config.base.quantization.as_ref().map(|q| {
         format!(
             "{} {}-bit, group {}",

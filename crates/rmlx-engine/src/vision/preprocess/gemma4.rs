@@ -12,7 +12,7 @@ use image::RgbImage;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{read_json, resize_bicubic, PreprocessError};
+use super::{buffer, read_json, reserve, resize_bicubic, PreprocessError};
 
 /// Soft-token budgets Gemma 4 was trained with; anything else is refused (transformers does too).
 pub const SUPPORTED_SOFT_TOKENS: [usize; 5] = [70, 140, 280, 560, 1120];
@@ -166,11 +166,11 @@ impl Gemma4ImageConfig {
         let img = if (h, w) == (img.height() as usize, img.width() as usize) {
             img
         } else {
-            resized = resize_bicubic(img, w as u32, h as u32);
+            resized = resize_bicubic(img, w as u32, h as u32)?;
             &resized
         };
         let scale = self.rescale_factor as f32;
-        let mut chw = vec![0f32; 3 * h * w];
+        let mut chw = buffer(3 * h * w, 0f32, "the normalised image")?;
         // numpy float32 arithmetic, op by op: `x * f32(rescale)`, then `(x - mean) / std`.
         for (i, px) in img.as_raw().chunks_exact(3).enumerate() {
             for c in 0..3 {
@@ -238,11 +238,12 @@ impl GemmaImage {
     }
 
     /// `[patches, patch * patch * 3]` rows in the tower's patchify order: patches row by row,
-    /// each row `[y][x][channel]` (mlx-vlm's `transpose(0, 2, 4, 3, 5, 1)`).
-    pub fn patch_rows(&self, patch: usize) -> Vec<f32> {
+    /// each row `[y][x][channel]` (mlx-vlm's `transpose(0, 2, 4, 3, 5, 1)`), appended to
+    /// `rows`; fails only when the host cannot give the room.
+    pub fn patch_rows(&self, patch: usize, rows: &mut Vec<f32>) -> Result<(), PreprocessError> {
         let [gh, gw] = self.patch_grid_hw;
         let plane = self.height * self.width;
-        let mut rows = Vec::with_capacity(3 * plane);
+        reserve(rows, 3 * plane, "the image's patches")?;
         for py in 0..gh {
             for px in 0..gw {
                 for y in 0..patch {
@@ -255,7 +256,7 @@ impl GemmaImage {
                 }
             }
         }
-        rows
+        Ok(())
     }
 }
 

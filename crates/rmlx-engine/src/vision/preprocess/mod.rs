@@ -23,6 +23,35 @@ pub enum PreprocessError {
     SoftTokenBudget(usize),
     #[error("preprocessor config: {0}")]
     Config(String),
+    /// The host could not give a buffer this image needs (see [`buffer`]).
+    #[error("cannot allocate {:.1} MB for {what}", *.bytes as f64 / 1e6)]
+    OutOfMemory { what: &'static str, bytes: usize },
+}
+
+/// `len` copies of `fill`, or `OutOfMemory` when the host cannot give them: an image's buffers
+/// run to hundreds of MB, and a failed `vec!` would abort the whole server, not fail a request.
+pub(crate) fn buffer<T: Clone>(
+    len: usize,
+    fill: T,
+    what: &'static str,
+) -> Result<Vec<T>, PreprocessError> {
+    let mut out = Vec::new();
+    reserve(&mut out, len, what)?;
+    out.resize(len, fill);
+    Ok(out)
+}
+
+/// Room for exactly `additional` more values in `out`, or `OutOfMemory` (see [`buffer`]).
+pub(crate) fn reserve<T>(
+    out: &mut Vec<T>,
+    additional: usize,
+    what: &'static str,
+) -> Result<(), PreprocessError> {
+    out.try_reserve_exact(additional)
+        .map_err(|_| PreprocessError::OutOfMemory {
+            what,
+            bytes: additional.saturating_mul(std::mem::size_of::<T>()),
+        })
 }
 
 /// A JSON file if it exists; `None` when absent (configs fall back to the reference defaults).

@@ -11,7 +11,7 @@ use image::RgbImage;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{read_json, resize_bicubic, PreprocessError};
+use super::{buffer, read_json, reserve, resize_bicubic, PreprocessError};
 
 /// The image half of `preprocessor_config.json` (merged with `processor_config.json`'s
 /// `image_processor`, as mlx-vlm does). Defaults are mlx-vlm's when a key is absent.
@@ -150,14 +150,15 @@ impl PreprocessorConfig {
         let img = if (h, w) == (img.height() as usize, img.width() as usize) {
             img
         } else {
-            resized = resize_bicubic(img, w as u32, h as u32);
+            resized = resize_bicubic(img, w as u32, h as u32)?;
             &resized
         };
-        let chw = self.normalise(img);
+        let chw = self.normalise(img)?;
         let (ps, ms, tps) = (self.patch_size, self.merge_size, self.temporal_patch_size);
         let (gh, gw) = (h / ps, w / ps);
         let row_len = 3 * tps * ps * ps;
-        let mut out = Vec::with_capacity(gh * gw * row_len);
+        let mut out = Vec::new();
+        reserve(&mut out, gh * gw * row_len, "the image's patches")?;
         // Patch order (bh, bw, mh, mw): the 2×2 patches a merged token pools are adjacent rows.
         for bh in 0..gh / ms {
             for bw in 0..gw / ms {
@@ -188,10 +189,10 @@ impl PreprocessorConfig {
 
     /// uint8 HWC to f32 CHW with numpy's float32 arithmetic: `x * f32(rescale)`, then
     /// `(x - mean) / std`, each op rounded to f32 (the goldens hash these bytes).
-    fn normalise(&self, img: &RgbImage) -> Vec<f32> {
+    fn normalise(&self, img: &RgbImage) -> Result<Vec<f32>, PreprocessError> {
         let (h, w) = (img.height() as usize, img.width() as usize);
         let scale = self.rescale_factor as f32;
-        let mut chw = vec![0f32; 3 * h * w];
+        let mut chw = buffer(3 * h * w, 0f32, "the normalised image")?;
         for (i, px) in img.as_raw().chunks_exact(3).enumerate() {
             for c in 0..3 {
                 let mut x = f32::from(px[c]);
@@ -204,7 +205,7 @@ impl PreprocessorConfig {
                 chw[c * h * w + i] = x;
             }
         }
-        chw
+        Ok(chw)
     }
 }
 

@@ -6,6 +6,8 @@
 
 use image::RgbImage;
 
+use super::{buffer, PreprocessError};
+
 /// Fixed-point bits of the uint8 path: 8 bits of result plus 2 of headroom (negative lobes can
 /// push a sum below 0 or above 255) in an `i32`.
 const PRECISION_BITS: u32 = 32 - 8 - 2;
@@ -81,9 +83,14 @@ fn clip8(acc: i32) -> u8 {
 }
 
 /// Resamples `rows` rows of `src` (`in_w` RGB pixels each) to `out_w` pixels along the row.
-fn horizontal(src: &[u8], in_w: usize, rows: usize, out_w: usize) -> Vec<u8> {
+fn horizontal(
+    src: &[u8],
+    in_w: usize,
+    rows: usize,
+    out_w: usize,
+) -> Result<Vec<u8>, PreprocessError> {
     let t = taps(in_w, out_w);
-    let mut out = vec![0u8; rows * out_w * 3];
+    let mut out = buffer(rows * out_w * 3, 0u8, "the resized image")?;
     for y in 0..rows {
         let line = &src[y * in_w * 3..][..in_w * 3];
         for xx in 0..out_w {
@@ -101,14 +108,14 @@ fn horizontal(src: &[u8], in_w: usize, rows: usize, out_w: usize) -> Vec<u8> {
             }
         }
     }
-    out
+    Ok(out)
 }
 
 /// Resamples the columns of `src` (`w` RGB pixels wide, `in_h` rows) to `out_h` rows.
-fn vertical(src: &[u8], w: usize, in_h: usize, out_h: usize) -> Vec<u8> {
+fn vertical(src: &[u8], w: usize, in_h: usize, out_h: usize) -> Result<Vec<u8>, PreprocessError> {
     let t = taps(in_h, out_h);
     let stride = w * 3;
-    let mut out = vec![0u8; out_h * stride];
+    let mut out = buffer(out_h * stride, 0u8, "the resized image")?;
     for yy in 0..out_h {
         let k = &t.weights[yy * t.ksize..][..t.count[yy]];
         let mut acc = vec![1i32 << (PRECISION_BITS - 1); stride];
@@ -122,7 +129,7 @@ fn vertical(src: &[u8], w: usize, in_h: usize, out_h: usize) -> Vec<u8> {
             *o = clip8(a);
         }
     }
-    out
+    Ok(out)
 }
 
 /// `Image.resize((width, height), Image.BICUBIC)` of an RGB8 image, level for level: two
@@ -132,31 +139,38 @@ fn vertical(src: &[u8], w: usize, in_h: usize, out_h: usize) -> Vec<u8> {
 /// runs first when the height shrinks by more than twice as many pixels as the width does
 /// (`ImagingResampleInner`, Pillow PR #9549); otherwise horizontal first, as before.
 ///
+/// Fails only when the host cannot give the intermediate buffers.
+///
 /// # Panics
 /// If `width` or `height` is zero (Pillow refuses those too); callers size from `smart_resize`
 /// or the Gemma budget, which never give zero.
-pub fn resize_bicubic(img: &RgbImage, width: u32, height: u32) -> RgbImage {
+pub fn resize_bicubic(
+    img: &RgbImage,
+    width: u32,
+    height: u32,
+) -> Result<RgbImage, PreprocessError> {
     assert!(width > 0 && height > 0, "resize to an empty image");
     let (in_w, in_h) = (img.width() as usize, img.height() as usize);
     let (out_w, out_h) = (width as usize, height as usize);
     let shrink_h = in_h as i64 - out_h as i64;
     let shrink_w = in_w as i64 - out_w as i64;
     let vertical_first = shrink_h > 0 && shrink_h > shrink_w * 2;
-    let mut buf = img.as_raw().clone();
+    let mut buf = std::borrow::Cow::Borrowed(img.as_raw().as_slice());
     if vertical_first {
-        buf = vertical(&buf, in_w, in_h, out_h);
+        buf = vertical(&buf, in_w, in_h, out_h)?.into();
         if out_w != in_w {
-            buf = horizontal(&buf, in_w, out_h, out_w);
+            buf = horizontal(&buf, in_w, out_h, out_w)?.into();
         }
     } else {
         if out_w != in_w {
-            buf = horizontal(&buf, in_w, in_h, out_w);
+            buf = horizontal(&buf, in_w, in_h, out_w)?.into();
         }
         if out_h != in_h {
-            buf = vertical(&buf, out_w, in_h, out_h);
+            buf = vertical(&buf, out_w, in_h, out_h)?.into();
         }
     }
-    RgbImage::from_raw(width, height, buf).expect("buffer sized width * height * 3")
+    Ok(RgbImage::from_raw(width, height, buf.into_owned())
+        .expect("buffer sized width * height * 3"))
 }
 
 #[cfg(test)]
@@ -187,7 +201,7 @@ mod tests {
 
     fn check(src: &str, want: &str) {
         let (s, w) = (fixture(src), fixture(want));
-        let got = resize_bicubic(&s, w.width(), w.height());
+        let got = resize_bicubic(&s, w.width(), w.height()).unwrap();
         let (max, n) = diff(&got, &w);
         assert!(max <= 1, "{want}: max diff {max} ({n} channels differ)");
         // We follow Pillow's integer arithmetic step for step, so expect no difference at all.
@@ -254,6 +268,6 @@ mod tests {
     #[test]
     fn same_size_is_identity() {
         let s = fixture("noise_80x100.png");
-        assert_eq!(resize_bicubic(&s, 80, 100), s);
+        assert_eq!(resize_bicubic(&s, 80, 100).unwrap(), s);
     }
 }

@@ -5,7 +5,6 @@
 mod common;
 
 use std::{
-    io::BufRead,
     path::PathBuf,
     process::{Child, Command, Stdio},
 };
@@ -94,16 +93,7 @@ fn memory_refused_fails_only_that_request() {
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let port: u16 = line
-        .trim()
-        .rsplit(':')
-        .next()
-        .and_then(|port| port.parse().ok())
-        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let port = common::listening_port(&mut child);
     let pid = child.id();
     let mut server = Server(child);
 

@@ -187,7 +187,6 @@ fn serve_limited(
     models_dir: &Path,
     fsize: Option<u64>,
 ) -> (std::process::Child, u16) {
-    use std::io::BufRead;
     let mut command = match fsize {
         Some(bytes) => {
             let mut command = Command::new("prlimit");
@@ -215,16 +214,7 @@ fn serve_limited(
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let port = line
-        .trim()
-        .rsplit(':')
-        .next()
-        .and_then(|port| port.parse().ok())
-        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let port = common::listening_port(&mut child);
     (child, port)
 }
 

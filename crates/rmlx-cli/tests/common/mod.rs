@@ -47,3 +47,18 @@ pub fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> (u16, se
     let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
     (status, serde_json::from_str(payload).unwrap_or_default())
 }
+
+/// The port a just-started `rmlx serve --port 0` listens on, read from its first stdout line
+/// ("rmlx serve: listening on http://127.0.0.1:PORT").
+pub fn listening_port(server: &mut std::process::Child) -> u16 {
+    use std::io::BufRead;
+    let mut line = String::new();
+    std::io::BufReader::new(server.stdout.take().expect("stdout piped"))
+        .read_line(&mut line)
+        .unwrap();
+    line.trim()
+        .rsplit(':')
+        .next()
+        .and_then(|port| port.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+}

@@ -72,9 +72,10 @@ fn virtual_size_kib(pid: u32) -> u64 {
 }
 
 /// A server whose address space is capped (RLIMIT_AS, set on the running process once it is
-/// warm) gets a 2560² image whose buffers cannot fit under the cap: that request fails with a
-/// typed 503 `out_of_memory`, the server stays up, and the next image and text requests succeed
-/// under the same cap. Before, the failed allocation aborted the whole server.
+/// warm) gets a 2560² image whose buffers cannot fit under the cap, twice: with room to read the
+/// request but not for the engine's image buffers, then with no room to read it at all. Each
+/// request fails with a typed 503 `out_of_memory`, the server stays up, and the next image and
+/// text requests succeed under the same cap. Before, the failed allocation aborted the server.
 ///
 /// MLX 0.32's CPU allocator does not check `malloc` (mlx `backend/no_gpu/allocator.cpp`), so on
 /// this backend a refusal inside MLX cannot be reported; the cap is sized so the refusal comes
@@ -102,30 +103,58 @@ fn memory_refused_fails_only_that_request() {
     let (status, reply) = http(port, "POST", "/v1/chat/completions", Some(&small));
     assert_eq!(status, 200, "{reply}");
 
-    // The 2560² image's patch rows alone are 157 MB; the decoded request (~70 MB) fits.
-    let headroom_kib = 96 * 1024;
-    let cap = (virtual_size_kib(pid) + headroom_kib) * 1024;
-    let limited = Command::new("prlimit")
-        .arg(format!("--pid={pid}"))
-        .arg(format!("--as={cap}"))
-        .status()
-        .unwrap();
-    assert!(limited.success(), "prlimit failed");
+    let cap = |headroom_mib: u64| {
+        let bytes = (virtual_size_kib(pid) + headroom_mib * 1024) * 1024;
+        let capped = Command::new("prlimit")
+            .arg(format!("--pid={pid}"))
+            .arg(format!("--as={bytes}"))
+            .status()
+            .unwrap();
+        assert!(capped.success(), "prlimit failed");
+    };
+    let big_png = noise_png(2560);
 
-    let big = image_chat(&noise_png(2560));
+    // 200 MB of room: the 26 MB request is read and decoded (the body check asks for ~131 MB),
+    // then the engine's buffers for the image (normalised 79 MB + patch rows 157 MB) do not fit.
+    cap(200);
+    let big = image_chat(&big_png);
     let (status, reply) = http(port, "POST", "/v1/chat/completions", Some(&big));
-    eprintln!("refused: {status} {reply}");
+    eprintln!("refused in the engine: {status} {reply}");
     assert_eq!(status, 503, "{reply}");
     assert_eq!(reply["error"]["code"], "out_of_memory", "{reply}");
     assert_eq!(reply["error"]["type"], "server_error", "{reply}");
     let message = reply["error"]["message"].as_str().unwrap();
-    assert!(
-        message.contains("out of memory") && message.contains("image 1"),
-        "{message}"
+    assert!(message.contains("out of memory: image 1"), "{message}");
+    assert!(server.0.try_wait().unwrap().is_none(), "the server died");
+    let (status, reply) = http(port, "POST", "/v1/chat/completions", Some(&small));
+    assert_eq!(status, 200, "{reply}");
+
+    // 32 MB: the body itself cannot be afforded, so it is refused before it is read. Through the
+    // Anthropic route, streaming: refused before the stream starts, a 503 in Anthropic's shape.
+    cap(32);
+    let uri = format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(&big_png)
     );
+    let (media, data) = uri["data:".len()..].split_once(";base64,").unwrap();
+    let message = serde_json::json!({
+        "model": "qwen3-vl-tiny", "max_tokens": 3, "stream": true,
+        "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": media, "data": data}},
+            {"type": "text", "text": "What is in this picture?"},
+        ]}],
+    })
+    .to_string();
+    let (status, reply) = http(port, "POST", "/v1/messages", Some(&message));
+    eprintln!("refused before reading: {status} {reply}");
+    assert_eq!(status, 503, "{reply}");
+    assert_eq!(reply["type"], "error", "{reply}");
+    assert_eq!(reply["error"]["type"], "overloaded_error", "{reply}");
+    let message = reply["error"]["message"].as_str().unwrap();
+    assert!(message.contains("needs about"), "{message}");
     assert!(server.0.try_wait().unwrap().is_none(), "the server died");
 
-    // The same cap, the next requests: an image and plain text both succeed.
+    // Under the same cap, the next requests: an image and plain text both succeed.
     let (status, reply) = http(port, "POST", "/v1/chat/completions", Some(&small));
     assert_eq!(status, 200, "{reply}");
     let text = serde_json::json!({
@@ -138,7 +167,7 @@ fn memory_refused_fails_only_that_request() {
 
     // Counted once, by kind; nothing left in flight.
     let (_, metrics) = http(port, "GET", "/metrics/cache", None);
-    assert_eq!(metrics["error_counts"]["out_of_memory"], 1, "{metrics}");
+    assert_eq!(metrics["error_counts"]["out_of_memory"], 2, "{metrics}");
     assert_eq!(metrics["in_flight"], 0, "{metrics}");
     assert_eq!(metrics["queue_depth"], 0, "{metrics}");
     drop(server);

@@ -28,7 +28,13 @@ pub fn inline_image(reference: &str) -> Result<rmlx_engine::vision::RgbImage, Ap
         rmlx_engine::vision::SourcePolicy::InlineOnly,
         &rmlx_engine::vision::ImageLimits::default(),
     )
-    .map_err(|error| bad(format!("bad image: {error}")))
+    .map_err(|error| match error {
+        rmlx_engine::vision::ImageError::OutOfMemory { .. } => ApiError::OutOfMemory(format!(
+            "{error}; this request was dropped and the server goes on (free memory, send a \
+             smaller image, or retry)"
+        )),
+        other => bad(format!("bad image: {other}")),
+    })
 }
 
 /// Refuses an image: remote and file references clearly, undecodable data as a bad image, and
@@ -54,13 +60,29 @@ pub fn refuse_image(reference: &str, model: &str) -> ApiError {
     } else {
         reference
     };
-    if base64::engine::general_purpose::STANDARD
-        .decode(payload.trim())
-        .is_err()
-    {
+    if !is_base64(payload.trim()) {
         return bad("bad image: the image data is not valid base64");
     }
     no_vision(model)
+}
+
+/// Whether `payload` is standard, padded base64, checked piece by piece into a stack buffer: a
+/// whole decode would allocate the image's size only to throw it away.
+fn is_base64(payload: &str) -> bool {
+    let mut out = [0u8; 3 * 1024];
+    let mut pieces = payload.as_bytes().chunks(4 * 1024).peekable();
+    while let Some(piece) = pieces.next() {
+        // Padding may only end the whole payload, never a piece of it.
+        let last = pieces.peek().is_none();
+        if (!last && piece.contains(&b'='))
+            || base64::engine::general_purpose::STANDARD
+                .decode_slice(piece, &mut out)
+                .is_err()
+        {
+            return false;
+        }
+    }
+    true
 }
 
 /// Refuses images for a model without a vision tower before any template sees image parts
@@ -531,6 +553,37 @@ pub fn anthropic_tools(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The piecewise check answers as a whole decode does, across piece boundaries.
+    #[test]
+    fn base64_check_in_pieces_equals_a_whole_decode() {
+        let engine = base64::engine::general_purpose::STANDARD;
+        let mut cases: Vec<String> = ["", "QQ==", "QUI=", "QUJD", "QQ", "Q===", "QQ==QQ==", "@@@@"]
+            .into_iter()
+            .map(String::from)
+            .collect();
+        for len in [3070usize, 3071, 3072, 3073, 6144, 6145] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+            let text = engine.encode(&data);
+            cases.push(text.clone());
+            // Padding that ends a piece but not the payload, a bad byte past the first piece,
+            // a payload cut short.
+            cases.push(format!("{}QQ=={}", &text[..4092], &text[4092..]));
+            let mut bad = text.clone().into_bytes();
+            let at = 4100.min(bad.len() - 1);
+            bad[at] = b'*';
+            cases.push(String::from_utf8(bad).unwrap());
+            cases.push(text[..text.len() - 1].to_string());
+        }
+        for case in &cases {
+            assert_eq!(
+                is_base64(case),
+                engine.decode(case).is_ok(),
+                "{} chars",
+                case.len()
+            );
+        }
+    }
 
     #[test]
     fn openai_parts_and_tool_history() {

@@ -252,6 +252,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
             .extensions()
             .get::<BodyLimitMb>()
             .map_or(0, |limit| limit.0);
+        room_for_body(&request)?;
         let bytes = Bytes::from_request(request, state)
             .await
             .map_err(|rejection| {
@@ -265,6 +266,33 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
             .map(ApiJson)
             .map_err(|error| ApiError::BadRequest(format!("invalid JSON body: {error}")))
     }
+}
+
+/// Refuses a large body the host has no memory to parse: the body, the JSON's copy of its
+/// strings (a data URI's base64 is most of such a body), the base64 without line breaks, its
+/// decoded bytes and the decoded image take about five times its length, and a refused allocation in any of them would abort the server rather than fail the
+/// request. Asked for and given back before the body is read (another thread may still take the
+/// memory in between: this narrows the window, it does not close it).
+fn room_for_body(request: &Request) -> Result<(), ApiError> {
+    let Some(length) = request
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok()?.parse::<usize>().ok())
+    else {
+        return Ok(());
+    };
+    if length < 1 << 20 {
+        return Ok(());
+    }
+    let needed = length.saturating_mul(5);
+    Vec::<u8>::new().try_reserve_exact(needed).map_err(|_| {
+        ApiError::OutOfMemory(format!(
+            "out of memory: a {:.1} MB request needs about {:.1} MB to read; this request was \
+             dropped and the server goes on (free memory, send a smaller image, or retry)",
+            length as f64 / 1e6,
+            needed as f64 / 1e6
+        ))
+    })
 }
 
 /// The configured body limit, for the 413 message.

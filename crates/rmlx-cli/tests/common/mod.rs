@@ -27,20 +27,27 @@ pub fn sdk_python(what: &str) -> Option<PathBuf> {
 }
 
 /// One HTTP/1.1 exchange with `rmlx serve` on loopback (the tests need no client crate): the
-/// status and the JSON body (null when the body is not JSON).
+/// status and the JSON body (null when the body is not JSON). The request is written from
+/// another thread while this one reads, so a server that answers before reading the whole body
+/// (413, a 503 for memory) is heard rather than failing the write.
 pub fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> (u16, serde_json::Value) {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     let body = body.unwrap_or("");
-    write!(
-        stream,
+    let request = format!(
         "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
-    )
-    .unwrap();
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply).unwrap();
+    );
+    let mut writer = stream.try_clone().unwrap();
+    let writing = std::thread::spawn(move || {
+        // A server that answered early may close before the body is through.
+        let _ = writer.write_all(request.as_bytes());
+    });
+    let mut reply = Vec::new();
+    let _ = stream.read_to_end(&mut reply);
+    writing.join().unwrap();
+    let reply = String::from_utf8_lossy(&reply);
     let (head, payload) = reply
         .split_once("\r\n\r\n")
         .unwrap_or_else(|| panic!("no reply (did the server die?): {reply:?}"));

@@ -57,6 +57,9 @@ pub enum ImageError {
     Corrupt { format: String, message: String },
     #[error("bad data URI or base64: {0}")]
     BadEncoding(String),
+    /// The host refused the memory to decode it (the process goes on; see [`reserve`]).
+    #[error("out of memory: cannot allocate {:.1} MB to decode the image", *.bytes as f64 / 1e6)]
+    OutOfMemory { bytes: usize },
     #[error("remote image URLs are not fetched; send the image inline as a data URI")]
     RemoteUrl,
     #[error("file paths are not accepted here; send the image inline as a data URI")]
@@ -120,11 +123,42 @@ pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<RgbImage, Imag
         });
     }
     let orientation = decoder.orientation().ok();
+    // The decoder's buffer, its RGB copy (none when it is RGB already) and a rotated copy: asked
+    // for up front, as the decoder's own allocations cannot fail without aborting the process.
+    let rgb = u64::from(width) * u64::from(height) * 3;
+    let converted = if decoder.color_type() == image::ColorType::Rgb8 {
+        0
+    } else {
+        rgb
+    };
+    let rotated = if orientation.is_some_and(|o| o != image::metadata::Orientation::NoTransforms) {
+        rgb
+    } else {
+        0
+    };
+    probe_memory(decoder.total_bytes() + converted + rotated)?;
     let mut image = DynamicImage::from_decoder(decoder).map_err(corrupt)?;
     if let Some(orientation) = orientation {
         image.apply_orientation(orientation);
     }
-    Ok(image.to_rgb8())
+    Ok(image.into_rgb8())
+}
+
+/// Room for `additional` more bytes in `buffer`, or `OutOfMemory`: an image's buffers are tens
+/// of MB, and a refused `Vec` growth would abort the whole server.
+fn reserve(buffer: &mut Vec<u8>, additional: usize) -> Result<(), ImageError> {
+    buffer
+        .try_reserve_exact(additional)
+        .map_err(|_| ImageError::OutOfMemory { bytes: additional })
+}
+
+/// Whether `bytes` can be had now, asked for and given back: for allocations inside the `image`
+/// crate, which cannot fail softly. (One thread decodes one image; another thread may still
+/// take the memory in between, so this narrows the window rather than closing it.)
+fn probe_memory(bytes: u64) -> Result<(), ImageError> {
+    let bytes =
+        usize::try_from(bytes).map_err(|_| ImageError::OutOfMemory { bytes: usize::MAX })?;
+    reserve(&mut Vec::new(), bytes)
 }
 
 /// When the decoder refuses on its own limits, report the header's size if we can read it.
@@ -202,13 +236,15 @@ fn decode_base64(payload: &str, limits: &ImageLimits) -> Result<Vec<u8>, ImageEr
         base64::engine::GeneralPurposeConfig::new()
             .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
     );
-    let compact: String = payload
-        .chars()
-        .filter(|c| !c.is_ascii_whitespace())
-        .collect();
+    let mut compact = Vec::new();
+    reserve(&mut compact, payload.len())?;
+    compact.extend(payload.bytes().filter(|c| !c.is_ascii_whitespace()));
+    let mut decoded = Vec::new();
+    reserve(&mut decoded, base64::decoded_len_estimate(compact.len()))?;
     LENIENT
-        .decode(compact)
-        .map_err(|error| ImageError::BadEncoding(error.to_string()))
+        .decode_vec(&compact, &mut decoded)
+        .map_err(|error| ImageError::BadEncoding(error.to_string()))?;
+    Ok(decoded)
 }
 
 #[cfg(test)]

@@ -460,17 +460,20 @@ struct Ticket {
     /// The engine's count of unfinished requests, settled when this one ends.
     queued: Arc<AtomicUsize>,
     metrics: Arc<Metrics>,
-    /// Set by [`Ticket::close`]; a ticket dropped open was lost to a panic (see `Drop`).
+    /// Set by [`Ticket::settle`]; a ticket dropped open was lost to a panic (see `Drop`).
     closed: bool,
     panic_at: Option<Step>,
 }
 
 impl Ticket {
-    /// The request's end: counters settle before the client hears the last event, so it sees
-    /// them idle.
-    fn close(mut self, last: Event) {
+    /// The request's end, first half: its counters settle (the caller then publishes the
+    /// gauges), so the client, told by [`Ticket::send_last`], sees them idle.
+    fn settle(&mut self) {
         self.closed = true;
         settle(&self.queued);
+    }
+
+    fn send_last(self, last: Event) {
         let _ = self.events.send(last);
     }
 }
@@ -697,10 +700,11 @@ impl EngineThread {
         }
     }
 
-    fn fail(&self, ticket: Ticket, error: EngineError) {
+    fn fail(&self, mut ticket: Ticket, error: EngineError) {
         self.metrics.record_error(error.kind());
-        ticket.close(Event::Error(error));
+        ticket.settle();
         self.publish_in_flight();
+        ticket.send_last(Event::Error(error));
     }
 
     fn publish_in_flight(&self) {
@@ -891,7 +895,7 @@ impl EngineThread {
     fn finish_request(
         &mut self,
         key: &Path,
-        ticket: Ticket,
+        mut ticket: Ticket,
         completion: Completion,
         cached: Option<generate::CachedSequence>,
     ) {
@@ -908,8 +912,9 @@ impl EngineThread {
                 .record_prefix_evictions(&ticket.model_id, evicted);
         }
         self.metrics.set_prefix_cache_usage(self.prefix.usage());
-        ticket.close(Event::Done(completion));
+        ticket.settle();
         self.publish_in_flight();
+        ticket.send_last(Event::Done(completion));
     }
 
     fn unload(&mut self, dir: &Path) -> bool {

@@ -40,21 +40,35 @@ use crate::{
 pub struct PromptFields {
     /// A model id from `GET /v1/models`.
     model: String,
-    /// Anthropic's messages: `role` (`user`, `assistant`) and `content` (a string or blocks of
-    /// `text`, `image` (base64 source), `tool_use`, `tool_result`); a last assistant message
-    /// is the answer's prefill.
+    /// Anthropic's messages: `role` (`user`, `assistant`, `system`) and `content` (a string or
+    /// blocks of `text`, `image` (base64 source), `tool_use`, `tool_result` (text and images),
+    /// `thinking`); a last assistant message is the answer's prefill. Leading `system`
+    /// messages join the system prompt, later ones the user or tool turn beside them. Other
+    /// block types (Anthropic's server-side ones) are ignored.
     #[schema(value_type = Vec<AnthropicMessageIn>)]
     messages: Vec<Value>,
-    /// A string or a list of `text` blocks.
+    /// A string or a list of `text` blocks (`cache_control` ignored); Claude Code's
+    /// `x-anthropic-billing-header:` block is left out.
     system: Option<Value>,
-    /// `{name, description, input_schema}`.
+    /// `{name, description, input_schema}`; Anthropic's server tools (a `type` other than
+    /// `custom`, e.g. `web_search_20250305`) are ignored.
     #[schema(value_type = Option<Vec<Object>>)]
     tools: Option<Vec<Value>>,
     /// `{"type": "auto" | "any" | "none" | "tool", "name": ...}`.
     tool_choice: Option<Value>,
-    /// `{"type": "enabled" | "disabled"}`.
-    #[schema(value_type = Option<Object>)]
+    /// The model's thinking switch: `{"type": "enabled", "budget_tokens": N}` or
+    /// `{"type": "adaptive"}` turn it on (`budget_tokens` is not enforced), `{"type":
+    /// "disabled"}` off; absent, the chat template's default.
     thinking: Option<Value>,
+    /// Accepted and ignored (Claude Code's `clear_thinking` edits: history is the client's).
+    #[allow(dead_code)]
+    context_management: Option<Value>,
+    /// Accepted and ignored.
+    #[allow(dead_code)]
+    output_config: Option<Value>,
+    /// Accepted and ignored (the server reaches no MCP server).
+    #[allow(dead_code)]
+    mcp_servers: Option<Value>,
 }
 
 /// A message as the document describes it (the handler reads the JSON itself, in `convert`).
@@ -73,6 +87,7 @@ struct AnthropicMessageIn {
 enum AnthropicRole {
     User,
     Assistant,
+    System,
 }
 
 #[derive(ToSchema)]
@@ -80,7 +95,16 @@ enum AnthropicRole {
 #[serde(untagged)]
 enum AnthropicContent {
     Text(String),
-    Blocks(Vec<AnthropicBlock>),
+    Blocks(Vec<AnthropicBlockIn>),
+}
+
+/// A block the server reads, or one of another type, which it ignores.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+#[serde(untagged)]
+enum AnthropicBlockIn {
+    Read(AnthropicBlock),
+    Ignored(IgnoredBlock),
 }
 
 /// A content block: `image` and `tool_result` in user messages, `tool_use` in assistant ones.
@@ -109,6 +133,18 @@ enum AnthropicBlock {
     },
 }
 
+/// A block of a type the server does not read (`server_tool_use`, `web_search_tool_result`,
+/// `document`, `search_result`, ...): ignored. Audio is refused.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct IgnoredBlock {
+    #[schema(
+        value_type = String,
+        pattern = "^(?!(text|image|thinking|redacted_thinking|tool_use|tool_result|audio|input_audio)$)"
+    )]
+    r#type: String,
+}
+
 /// Only inline images: `{"type": "base64", "media_type": ..., "data": ...}`.
 #[derive(ToSchema)]
 #[allow(dead_code)]
@@ -133,6 +169,15 @@ pub struct MessagesRequest {
     top_k: Option<i64>,
     stop_sequences: Option<Vec<String>>,
     stream: Option<bool>,
+    /// Accepted and ignored.
+    #[allow(dead_code)]
+    metadata: Option<Value>,
+    /// Accepted and ignored (one tier here).
+    #[allow(dead_code)]
+    service_tier: Option<Value>,
+    /// Accepted and ignored (no code-execution container here).
+    #[allow(dead_code)]
+    container: Option<Value>,
 }
 
 struct Prepared {
@@ -147,11 +192,14 @@ pub(crate) struct Prompted {
     /// The client's assistant prefill (a last assistant message of text).
     prefill: Option<String>,
     forced: Option<ForcedCall>,
+    /// What the request sent that the server cannot use (logged by the routes).
+    dropped: convert::Dropped,
 }
 
 fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError> {
     let entry = state.registry.resolve(&fields.model)?;
     let prompt = convert_prompt(fields, &entry.id)?;
+    prompt.dropped.log();
     convert::check_vision(&entry.path, &entry.id, &prompt.images)?;
     Ok(Prepared { entry, prompt })
 }
@@ -160,10 +208,15 @@ fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError
 /// it in errors): what `prepare` does after resolving the model, and what the request fuzzer
 /// drives.
 pub(crate) fn convert_prompt(fields: &PromptFields, model_id: &str) -> Result<Prompted, ApiError> {
-    let system = convert::anthropic_system(fields.system.as_ref())?;
+    let mut dropped = convert::Dropped::default();
+    let system = convert::anthropic_system(fields.system.as_ref(), &mut dropped)?;
     let (turns, prefill) = convert::anthropic_prefill(&fields.messages);
-    let (messages, images) = convert::anthropic_messages(system, turns, model_id)?;
-    let tools = convert::anthropic_tools(fields.tools.as_deref(), fields.tool_choice.as_ref())?;
+    let (messages, images) = convert::anthropic_messages(system, turns, model_id, &mut dropped)?;
+    let tools = convert::anthropic_tools(
+        fields.tools.as_deref(),
+        fields.tool_choice.as_ref(),
+        &mut dropped,
+    )?;
     let forced = ForcedCall::new(
         forced::anthropic_requires_call(fields.tool_choice.as_ref()),
         tools.as_ref(),
@@ -174,7 +227,8 @@ pub(crate) fn convert_prompt(fields: &PromptFields, model_id: &str) -> Result<Pr
         .and_then(|t| t.get("type"))
         .and_then(Value::as_str)
     {
-        Some("enabled") => Some(true),
+        // Budgets are not enforced: either asks for the family's thinking.
+        Some("enabled" | "adaptive") => Some(true),
         Some("disabled") => Some(false),
         _ => None,
     };
@@ -183,6 +237,7 @@ pub(crate) fn convert_prompt(fields: &PromptFields, model_id: &str) -> Result<Pr
         images,
         prefill,
         forced,
+        dropped,
         options: TemplateOptions {
             add_generation_prompt: true,
             enable_thinking,
@@ -546,6 +601,179 @@ mod tests {
             next_index: 0,
             tool_calls: 0,
         }
+    }
+
+    fn fixture(name: &str) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures")
+            .join(name)
+    }
+
+    /// The fixtures of two template families: Qwen3's, and Qwen3.6's, which raises on a system
+    /// message that is not first.
+    const TEMPLATES: [&str; 2] = ["qwen3-tiny", "releases/qwen3.6-35b-a3b"];
+
+    /// The prompt a request body renders to on a fixture's template (with the client's prefill).
+    fn rendered(model: &str, body: &Value, generation_prompt: bool) -> String {
+        rendered_with(model, body, generation_prompt, serde_json::Map::new())
+    }
+
+    fn rendered_with(
+        model: &str,
+        body: &Value,
+        generation_prompt: bool,
+        extra: serde_json::Map<String, Value>,
+    ) -> String {
+        let fields: PromptFields = serde_json::from_value(body.clone()).unwrap();
+        let prompt = convert_prompt(&fields, "m").unwrap();
+        let tokenizer = rmlx_engine::chat::ChatTokenizer::from_dir(&fixture(model)).unwrap();
+        let options = TemplateOptions {
+            add_generation_prompt: generation_prompt,
+            extra,
+            ..prompt.options
+        };
+        let text = tokenizer
+            .render(&prompt.messages, &options)
+            .unwrap_or_else(|error| panic!("{model}: {error}"));
+        text + prompt.prefill.as_deref().unwrap_or("")
+    }
+
+    /// Claude Code's request at turn `turn` of one growing conversation: its billing header
+    /// (with a `cch` that differs every request), system messages before the first user turn,
+    /// after a user turn, after a tool result and before a user turn.
+    fn claude_code_turn(turn: usize, cch: &str) -> Value {
+        let mut messages = vec![
+            json!({"role": "system", "content": [{"type": "text", "text": "MCP server instructions.",
+                "cache_control": {"type": "ephemeral"}}]}),
+            json!({"role": "user", "content": [
+                {"type": "text", "text": "<system-reminder>\nContext.\n</system-reminder>"},
+                {"type": "text", "text": "Read notes.txt", "cache_control": {"type": "ephemeral"}}]}),
+            json!({"role": "system", "content": "The todo list is empty."}),
+        ];
+        let more = [
+            vec![
+                json!({"role": "assistant", "content": [{"type": "text", "text": "Reading."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "notes.txt"}}]}),
+                json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                    "content": [{"type": "text", "text": "nonce 42"}]}]}),
+                json!({"role": "system", "content": [{"type": "text", "text": "Tokens left: 1000."}]}),
+            ],
+            vec![
+                json!({"role": "assistant", "content": [{"type": "text", "text": "It says nonce 42."}]}),
+                json!({"role": "system", "content": "Plan mode is on."}),
+                json!({"role": "user", "content": "Thanks. Now read todo.txt"}),
+            ],
+            vec![
+                json!({"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "toolu_2", "name": "Read", "input": {"file_path": "todo.txt"}}]}),
+                json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "empty"},
+                    {"type": "text", "text": "Also say hi."}]}),
+                json!({"role": "system", "content": "Tokens left: 900."}),
+            ],
+        ];
+        messages.extend(more.into_iter().take(turn).flatten());
+        json!({
+            "model": "m", "max_tokens": 32000, "stream": true, "messages": messages,
+            "system": [
+                {"type": "text", "text": format!("x-anthropic-billing-header: cc_version=2.1.328.e1f; cc_entrypoint=cli; cch={cch};")},
+                {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+            "tools": [
+                {"name": "Read", "description": "Reads a file", "input_schema": {"type": "object",
+                    "properties": {"file_path": {"type": "string"}}, "required": ["file_path"]}},
+                {"type": "web_search_20250305", "name": "web_search", "max_uses": 8}],
+            "thinking": {"type": "adaptive", "display": "omitted"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "high"},
+            "metadata": {"user_id": "user_abc"},
+        })
+    }
+
+    /// Each turn's prompt, up to its generation prompt, starts the next turn's prompt: nothing
+    /// Claude Code sends moves the rendered prefix, so the prefix cache reuses all of it.
+    /// (Qwen3.6's template itself rewrites the current tool loop's assistant turns once a new
+    /// user query comes, unless `preserve_thinking`: that is set here, to test the conversion.)
+    #[test]
+    fn a_growing_claude_code_conversation_keeps_its_prefix() {
+        let mut preserve = serde_json::Map::new();
+        preserve.insert("preserve_thinking".into(), json!(true));
+        for model in TEMPLATES {
+            let turns: Vec<Value> = (0..4)
+                .map(|turn| claude_code_turn(turn, &format!("{turn}a{turn}")))
+                .collect();
+            for pair in turns.windows(2) {
+                let before = rendered_with(model, &pair[0], false, preserve.clone());
+                let after = rendered_with(model, &pair[1], true, preserve.clone());
+                assert!(
+                    after.starts_with(&before),
+                    "{model}:\n{before}\n---- is not a prefix of ----\n{after}"
+                );
+            }
+            let last = rendered(model, &turns[3], true);
+            // Every system message is in the prompt once, in place; the header is not.
+            for text in [
+                "MCP server instructions.",
+                "The todo list is empty.",
+                "Tokens left: 1000.",
+                "Plan mode is on.",
+                "Tokens left: 900.",
+            ] {
+                assert_eq!(last.matches(text).count(), 1, "{model}: {text}\n{last}");
+            }
+            assert!(!last.contains("billing"), "{model}");
+            assert!(
+                last.find("The todo list is empty.").unwrap() < last.find("Reading.").unwrap(),
+                "{model}"
+            );
+        }
+        // Qwen3's template takes the generation prompt back as the next assistant turn's start.
+        let before = rendered("qwen3-tiny", &claude_code_turn(1, "x"), true);
+        assert!(rendered("qwen3-tiny", &claude_code_turn(2, "y"), true).starts_with(&before));
+    }
+
+    #[test]
+    fn requests_that_differ_only_in_the_billing_header_render_the_same() {
+        for model in TEMPLATES {
+            assert_eq!(
+                rendered(model, &claude_code_turn(1, "5e2a1"), true),
+                rendered(model, &claude_code_turn(1, "9c0d7"), true),
+                "{model}"
+            );
+        }
+    }
+
+    #[test]
+    fn thinking_types_map_to_the_thinking_switch() {
+        let with = |thinking: Value| {
+            let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+            if !thinking.is_null() {
+                body["thinking"] = thinking;
+            }
+            let fields: PromptFields = serde_json::from_value(body).unwrap();
+            convert_prompt(&fields, "m")
+                .unwrap()
+                .options
+                .enable_thinking
+        };
+        assert_eq!(
+            with(json!({"type": "enabled", "budget_tokens": 1024})),
+            Some(true)
+        );
+        assert_eq!(with(json!({"type": "adaptive"})), Some(true));
+        assert_eq!(
+            with(json!({"type": "adaptive", "display": "omitted"})),
+            Some(true)
+        );
+        assert_eq!(with(json!({"type": "disabled"})), Some(false));
+        assert_eq!(with(Value::Null), None);
+        assert_eq!(with(json!({"type": "something-new"})), None);
+        // On Qwen3.6, the switch decides whether the answer opens in reasoning.
+        let qwen36 = |thinking: Value| {
+            let body = json!({"model": "m", "thinking": thinking,
+                "messages": [{"role": "user", "content": "hi"}]});
+            rendered("releases/qwen3.6-35b-a3b", &body, true)
+        };
+        assert!(qwen36(json!({"type": "adaptive"})).ends_with("<think>\n"));
+        assert!(qwen36(json!({"type": "disabled"})).ends_with("<think>\n\n</think>\n\n"));
     }
 
     fn names(events: &[(Option<String>, Value)]) -> Vec<String> {

@@ -2,11 +2,16 @@
 //! (`{"role","content": str, "tool_calls": [{"type":"function","function":{"name","arguments":
 //! {...}}}]}`, `{"role":"tool","content","tool_call_id"}`, tools as OpenAI function schemas).
 //! Reference: HF transformers chat-templating docs ("tool use"), mlx-lm `server.py`
-//! (`process_message_content`).
+//! (`process_message_content`). Anthropic's messages are in `convert/anthropic.rs`.
+
+mod anthropic;
 
 use base64::Engine as _;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
+pub use self::anthropic::{
+    anthropic_messages, anthropic_prefill, anthropic_system, anthropic_tools, Dropped,
+};
 use crate::error::ApiError;
 
 fn bad(message: impl Into<String>) -> ApiError {
@@ -301,253 +306,96 @@ pub fn openai_tools(
     Ok(Some(Value::Array(kept)))
 }
 
-/// Anthropic `system`: a string or text blocks.
-pub fn anthropic_system(system: Option<&Value>) -> Result<Option<String>, ApiError> {
-    match system {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(text)) => Ok(Some(text.clone())),
-        Some(Value::Array(blocks)) => {
-            let texts: Result<Vec<&str>, ApiError> = blocks
-                .iter()
-                .map(|block| {
-                    block
-                        .get("text")
-                        .and_then(Value::as_str)
-                        .ok_or_else(|| bad("`system` blocks must be text blocks"))
-                })
-                .collect();
-            Ok(Some(texts?.join("\n")))
-        }
-        Some(_) => Err(bad("`system` must be a string or an array of text blocks")),
-    }
-}
-
-/// A `tool_result`'s content: a string or text blocks.
-fn tool_result_text(content: Option<&Value>, model: &str) -> Result<String, ApiError> {
-    match content {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(text)) => Ok(text.clone()),
-        Some(Value::Array(blocks)) => {
-            let mut text = String::new();
-            for block in blocks {
-                match block.get("type").and_then(Value::as_str) {
-                    Some("text") => {
-                        text.push_str(block.get("text").and_then(Value::as_str).unwrap_or(""))
-                    }
-                    Some("image") => return Err(anthropic_image(block, model)),
-                    _ => return Err(bad("`tool_result` content must be text blocks")),
-                }
-            }
-            Ok(text)
-        }
-        Some(_) => Err(bad("`tool_result` content must be a string or blocks")),
-    }
-}
-
-fn anthropic_image(block: &Value, model: &str) -> ApiError {
-    let source = block.get("source");
-    match source.and_then(|s| s.get("type")).and_then(Value::as_str) {
-        Some("base64") => refuse_image(
-            source
-                .and_then(|s| s.get("data"))
-                .and_then(Value::as_str)
-                .unwrap_or(""),
-            model,
-        ),
-        Some("url") => refuse_image(
-            source
-                .and_then(|s| s.get("url"))
-                .and_then(Value::as_str)
-                .unwrap_or("http://"),
-            model,
-        ),
-        _ => bad("an `image` block needs `source` of type `base64`"),
-    }
-}
-
-/// Anthropic messages (+ system) into template messages: `tool_result` blocks become `tool`
-/// messages, `tool_use` blocks the assistant's `tool_calls`, `thinking` its reasoning.
-pub fn anthropic_messages(
-    system: Option<String>,
-    messages: &[Value],
-    model: &str,
-) -> Result<(Vec<Value>, Images), ApiError> {
-    if messages.is_empty() {
-        return Err(bad("`messages` must not be empty"));
+/// Puts system messages where every family's template takes them without moving them: the
+/// leading ones become the one system prompt; each later run, as `<system-reminder>` text
+/// (Claude Code's convention), ends the user or tool turn before it, else starts the one after
+/// it, else is a user turn of its own. Qwen3.5 / 3.6 templates raise on a system message
+/// after the first, and hoisting one to the front or making it a new user turn would change
+/// the rendered prefix every turn and defeat the prefix cache.
+pub fn fold_system_messages(messages: Vec<Value>) -> Vec<Value> {
+    let is_system = |message: &Value| message["role"] == "system";
+    let mut messages = messages.into_iter().peekable();
+    let mut leading = Vec::new();
+    while let Some(message) = messages.next_if(is_system) {
+        leading.push(content_text(&message["content"]));
     }
     let mut out = Vec::new();
-    let mut images = Images::new();
-    if let Some(system) = system {
-        out.push(json!({"role": "system", "content": system}));
+    if !leading.is_empty() {
+        out.push(json!({"role": "system", "content": leading.join("\n\n")}));
     }
-    for message in messages {
-        let role = message
-            .get("role")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad("each message needs a string `role`"))?;
-        if role != "user" && role != "assistant" {
-            return Err(bad(format!(
-                "unknown message role `{role}` (user or assistant)"
-            )));
-        }
-        let blocks = match message.get("content") {
-            Some(Value::String(text)) => vec![json!({"type": "text", "text": text})],
-            Some(Value::Array(blocks)) => blocks.clone(),
-            _ => return Err(bad("`content` must be a string or an array of blocks")),
-        };
-        let (mut text, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
-        let mut parts = Vec::new();
-        for block in &blocks {
-            match block.get("type").and_then(Value::as_str) {
-                Some("text") => {
-                    let piece = block
-                        .get("text")
-                        .and_then(Value::as_str)
-                        .ok_or_else(|| bad("a text block needs `text`"))?;
-                    text.push_str(piece);
-                    parts.push(json!({"type": "text", "text": piece}));
-                }
-                Some("image") if role == "user" => {
-                    images.push(anthropic_image_decode(block)?);
-                    parts.push(json!({"type": "image"}));
-                }
-                Some("image") => return Err(anthropic_image(block, model)),
-                Some("thinking") => {
-                    reasoning.push_str(block.get("thinking").and_then(Value::as_str).unwrap_or(""))
-                }
-                Some("redacted_thinking") => {}
-                Some("tool_use") if role == "assistant" => {
-                    let name = block
-                        .get("name")
-                        .and_then(Value::as_str)
-                        .ok_or_else(|| bad("a tool_use block needs `name`"))?;
-                    let mut call = json!({"type": "function", "function": {"name": name, "arguments": block.get("input").cloned().unwrap_or(json!({}))}});
-                    if let Some(id) = block.get("id") {
-                        call["id"] = id.clone();
-                    }
-                    calls.push(call);
-                }
-                Some("audio" | "input_audio") => return Err(bad(AUDIO_UNSUPPORTED)),
-                Some("tool_result") if role == "user" => {
-                    let mut tool = json!({"role": "tool", "content": tool_result_text(block.get("content"), model)?});
-                    if let Some(id) = block.get("tool_use_id") {
-                        tool["tool_call_id"] = id.clone();
-                    }
-                    out.push(tool);
-                }
-                Some(other) => {
-                    return Err(bad(format!(
-                        "unsupported `{other}` block in a {role} message"
-                    )))
-                }
-                None => return Err(bad("each content block needs a `type`")),
-            }
-        }
-        if role == "assistant" {
-            let mut turn = json!({"role": "assistant", "content": text});
-            if !reasoning.is_empty() {
-                turn["reasoning_content"] = json!(reasoning);
-            }
-            if !calls.is_empty() {
-                turn["tool_calls"] = Value::Array(calls);
-            }
-            out.push(turn);
-        } else if !text.is_empty()
-            || !blocks
-                .iter()
-                .any(|b| b.get("type").and_then(Value::as_str) == Some("tool_result"))
-        {
-            out.push(json!({"role": "user", "content": template_content(text, parts)}));
-        }
-    }
-    Ok((out, images))
-}
-
-/// An Anthropic `image` block's pixels (`source.type` base64 only).
-fn anthropic_image_decode(block: &Value) -> Result<rmlx_engine::vision::RgbImage, ApiError> {
-    let source = block.get("source");
-    match source.and_then(|s| s.get("type")).and_then(Value::as_str) {
-        Some("base64") => inline_image(
-            source
-                .and_then(|s| s.get("data"))
-                .and_then(Value::as_str)
-                .unwrap_or(""),
-        ),
-        Some("url") => Err(refuse_image("http://", "")),
-        _ => Err(bad("an `image` block needs `source` of type `base64`")),
-    }
-}
-
-/// Anthropic's assistant prefill: a last message from the assistant holding only text is the
-/// start of the answer, not a turn. Returns the messages before it and its text; other
-/// conversations come back whole.
-pub fn anthropic_prefill(messages: &[Value]) -> (&[Value], Option<String>) {
-    let Some((last, before)) = messages.split_last() else {
-        return (messages, None);
-    };
-    if last.get("role").and_then(Value::as_str) != Some("assistant") {
-        return (messages, None);
-    }
-    let text = match last.get("content") {
-        Some(Value::String(text)) => Some(text.clone()),
-        Some(Value::Array(blocks)) => blocks
-            .iter()
-            .map(|block| match block.get("type").and_then(Value::as_str) {
-                Some("text") => block.get("text").and_then(Value::as_str),
-                _ => None,
-            })
-            .collect::<Option<String>>(),
-        _ => None,
-    };
-    match text {
-        Some(text) => (before, Some(text)),
-        None => (messages, None),
-    }
-}
-
-/// Anthropic tools (`name`, `description`, `input_schema`) as the template's function tools,
-/// after `tool_choice` (`none` hides them, `tool` keeps the named one).
-pub fn anthropic_tools(
-    tools: Option<&[Value]>,
-    choice: Option<&Value>,
-) -> Result<Option<Value>, ApiError> {
-    let Some(tools) = tools.filter(|tools| !tools.is_empty()) else {
-        return Ok(None);
-    };
-    let choice_type = choice.and_then(|c| c.get("type")).and_then(Value::as_str);
-    if choice_type == Some("none") {
-        return Ok(None);
-    }
-    let chosen = match choice_type {
-        Some("tool") => choice.and_then(|c| c.get("name")).and_then(Value::as_str),
-        _ => None,
-    };
-    let mut converted = Vec::new();
-    for tool in tools {
-        let name = tool
-            .get("name")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad("each tool needs a `name`"))?;
-        if chosen.is_some_and(|chosen| chosen != name) {
+    let mut run = Vec::new();
+    for mut message in messages {
+        if is_system(&message) {
+            run.push(content_text(&message["content"]));
             continue;
         }
-        let mut function = Map::new();
-        function.insert("name".into(), json!(name));
-        if let Some(description) = tool.get("description") {
-            function.insert("description".into(), description.clone());
+        if !run.is_empty() {
+            let text = reminder(&std::mem::take(&mut run));
+            match out.last_mut().filter(|last| takes_reminders(last)) {
+                Some(before) => add_text(before, &text, true),
+                None if takes_reminders(&message) => add_text(&mut message, &text, false),
+                None => out.push(json!({"role": "user", "content": text})),
+            }
         }
-        function.insert(
-            "parameters".into(),
-            tool.get("input_schema")
-                .cloned()
-                .unwrap_or(json!({"type": "object", "properties": {}})),
-        );
-        converted.push(json!({"type": "function", "function": function}));
+        out.push(message);
     }
-    if converted.is_empty() {
-        return Err(bad("`tool_choice` names a tool that is not in `tools`"));
+    if !run.is_empty() {
+        let text = reminder(&run);
+        match out.last_mut().filter(|last| takes_reminders(last)) {
+            Some(before) => add_text(before, &text, true),
+            None => out.push(json!({"role": "user", "content": text})),
+        }
     }
-    Ok(Some(Value::Array(converted)))
+    out
+}
+
+/// User and tool turns are the client's side of the conversation, where system text may go.
+fn takes_reminders(message: &Value) -> bool {
+    message["role"] == "user" || message["role"] == "tool"
+}
+
+/// Template content as text (a string, or its text parts).
+fn content_text(content: &Value) -> String {
+    match content {
+        Value::String(text) => text.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|part| part["text"].as_str())
+            .collect(),
+        _ => String::new(),
+    }
+}
+
+/// System messages as one `<system-reminder>` each (kept as sent when already so wrapped).
+fn reminder(texts: &[String]) -> String {
+    let wrapped: Vec<String> = texts
+        .iter()
+        .map(
+            |text| match text.trim_start().starts_with("<system-reminder>") {
+                true => text.clone(),
+                false => format!("<system-reminder>\n{text}\n</system-reminder>"),
+            },
+        )
+        .collect();
+    wrapped.join("\n\n")
+}
+
+/// Adds `text` at the end (or start) of a message's content, a blank line apart.
+fn add_text(message: &mut Value, text: &str, at_end: bool) {
+    let content = &mut message["content"];
+    match content {
+        Value::Array(parts) if !parts.is_empty() => match at_end {
+            true => parts.push(json!({"type": "text", "text": format!("\n\n{text}")})),
+            false => parts.insert(0, json!({"type": "text", "text": format!("{text}\n\n")})),
+        },
+        Value::String(old) if !old.is_empty() => {
+            *old = match at_end {
+                true => format!("{old}\n\n{text}"),
+                false => format!("{text}\n\n{old}"),
+            }
+        }
+        _ => *content = Value::String(text.to_string()),
+    }
 }
 
 #[cfg(test)]
@@ -616,59 +464,31 @@ mod tests {
     }
 
     #[test]
-    fn a_last_assistant_text_is_a_prefill() {
-        let user = json!({"role": "user", "content": "Hi"});
-        for content in [
-            json!("The answer is"),
-            json!([{"type": "text", "text": "The answer"},
-                                                       {"type": "text", "text": " is"}]),
-        ] {
-            let messages = [
-                user.clone(),
-                json!({"role": "assistant", "content": content}),
-            ];
-            let (turns, prefill) = anthropic_prefill(&messages);
-            assert_eq!(
-                (turns, prefill.as_deref()),
-                (&messages[..1], Some("The answer is"))
-            );
-        }
-        let tool_use = [
-            user.clone(),
-            json!({"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "w", "input": {}}]}),
-        ];
-        assert_eq!(anthropic_prefill(&tool_use), (&tool_use[..], None));
-        let only_user = [user];
-        assert_eq!(anthropic_prefill(&only_user), (&only_user[..], None));
-        assert_eq!(anthropic_prefill(&[]), (&[][..], None));
-    }
-
-    #[test]
-    fn anthropic_tool_round_trip_shapes() {
+    fn system_text_folds_into_parts_beside_images() {
+        let image = json!({"type": "image"});
         let messages = vec![
-            json!({"role": "user", "content": "weather?"}),
-            json!({"role": "assistant", "content": [{"type": "text", "text": "checking"}, {"type": "tool_use", "id": "t1", "name": "w", "input": {"city": "Paris"}}]}),
-            json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "sunny"}]}]}),
+            json!({"role": "user", "content": [image.clone(), {"type": "text", "text": "what?"}]}),
+            json!({"role": "system", "content": "a"}),
+            json!({"role": "system", "content": [{"type": "text", "text": "b"}]}),
+            json!({"role": "assistant", "content": "x"}),
+            json!({"role": "system", "content": "c"}),
+            json!({"role": "tool", "content": [image.clone()], "tool_call_id": "t"}),
+            json!({"role": "assistant", "content": "y"}),
+            json!({"role": "system", "content": "d"}),
+            json!({"role": "user", "content": ""}),
         ];
-        let (out, _) = anthropic_messages(Some("sys".into()), &messages, "m").unwrap();
-        assert_eq!(out.len(), 4);
+        let out = fold_system_messages(messages);
+        let wrap = |text: &str| format!("<system-reminder>\n{text}\n</system-reminder>");
         assert_eq!(
-            out[2]["tool_calls"][0]["function"],
-            json!({"name": "w", "arguments": {"city": "Paris"}})
+            out[0]["content"],
+            json!([image, {"type": "text", "text": "what?"},
+                   {"type": "text", "text": format!("\n\n{}\n\n{}", wrap("a"), wrap("b"))}])
         );
         assert_eq!(
-            out[3],
-            json!({"role": "tool", "content": "sunny", "tool_call_id": "t1"})
+            out[2]["content"],
+            json!([{"type": "text", "text": format!("{}\n\n", wrap("c"))}, image])
         );
-        let tools = anthropic_tools(
-            Some(&[json!({"name": "w", "description": "d", "input_schema": {"type": "object"}})]),
-            None,
-        )
-        .unwrap()
-        .unwrap();
-        assert_eq!(
-            tools[0],
-            json!({"type": "function", "function": {"name": "w", "description": "d", "parameters": {"type": "object"}}})
-        );
+        assert_eq!(out[4], json!({"role": "user", "content": wrap("d")}));
+        assert_eq!(out.len(), 5);
     }
 }

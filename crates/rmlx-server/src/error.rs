@@ -179,7 +179,16 @@ impl ApiError {
                 kind: api::ErrorType::Error,
                 error: api::AnthropicErrorDetail {
                     kind: self.anthropic_kind().into(),
-                    message: self.to_string(),
+                    message: match self.plain() {
+                        // Anthropic's own words: Claude Code compacts its history on them.
+                        Self::ContextLength {
+                            prompt_tokens,
+                            max_ctx,
+                        } => format!(
+                            "prompt is too long: {prompt_tokens} tokens > {max_ctx} maximum"
+                        ),
+                        _ => self.to_string(),
+                    },
                 },
             }),
         };

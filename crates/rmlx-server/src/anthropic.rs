@@ -725,9 +725,13 @@ mod tests {
                 "{model}"
             );
         }
-        // Qwen3's template takes the generation prompt back as the next assistant turn's start.
-        let before = rendered("qwen3-tiny", &claude_code_turn(1, "x"), true);
-        assert!(rendered("qwen3-tiny", &claude_code_turn(2, "y"), true).starts_with(&before));
+        // Qwen3's template takes the generation prompt back as the next assistant turn's start,
+        // so there the whole prompt is the next one's prefix.
+        for turn in 0..3 {
+            let before = rendered("qwen3-tiny", &claude_code_turn(turn, "x"), true);
+            let after = rendered("qwen3-tiny", &claude_code_turn(turn + 1, "y"), true);
+            assert!(after.starts_with(&before), "turn {turn}");
+        }
     }
 
     #[test]

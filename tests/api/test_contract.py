@@ -87,6 +87,7 @@ BODIES = {
     ("post", "/v1/chat/completions"):
         {"model": SERVED, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
     ("post", "/v1/completions"): {"model": SERVED, "prompt": "Hi", "max_tokens": 2},
+    ("post", "/v1/responses"): {"model": SERVED, "input": "Hi", "max_output_tokens": 2},
     ("post", "/v1/messages"):
         {"model": SERVED, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
     ("post", "/v1/messages/count_tokens"):

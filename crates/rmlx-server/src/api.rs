@@ -637,6 +637,53 @@ pub struct ModelList {
     pub object: ListObject,
     pub data: Vec<ModelObject>,
     pub memory: MemoryInfo,
+    /// The same models as Codex CLI reads its model metadata (`codex-rs/protocol`
+    /// `openai_models::ModelInfo`), so it knows each one's context window.
+    pub models: Vec<CodexModel>,
+}
+
+/// A reasoning effort Codex may send, and what it does here.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct CodexReasoningLevel {
+    pub effort: String,
+    pub description: String,
+}
+
+/// How Codex truncates tool output before sending it back.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct CodexTruncationPolicy {
+    /// `bytes` or `tokens`.
+    pub mode: String,
+    pub limit: u64,
+}
+
+/// One model as Codex CLI's `/models` reader takes it. `base_instructions` is left out on
+/// purpose: Codex would use it in place of its own system prompt.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct CodexModel {
+    pub slug: String,
+    pub display_name: String,
+    pub description: String,
+    pub supported_reasoning_levels: Vec<CodexReasoningLevel>,
+    /// `default`: Codex's own shell tool.
+    pub shell_type: String,
+    /// `list`.
+    pub visibility: String,
+    pub supported_in_api: bool,
+    pub priority: i32,
+    pub supports_reasoning_summaries: bool,
+    pub support_verbosity: bool,
+    /// `function`: apply_patch as a JSON function (a freeform tool's grammar is not enforced).
+    pub apply_patch_tool_type: String,
+    pub truncation_policy: CodexTruncationPolicy,
+    pub supports_parallel_tool_calls: bool,
+    /// Tokens of context (prompt + answer), as `context_length` says.
+    pub context_window: Option<usize>,
+    pub max_context_window: Option<usize>,
+    pub effective_context_window_percent: u8,
+    pub experimental_supported_tools: Vec<String>,
+    /// `text`, and `image` for a vision model.
+    pub input_modalities: Vec<String>,
 }
 
 /// `POST /v1/models/{id}/unload`: `unloaded` is false when it was not loaded.

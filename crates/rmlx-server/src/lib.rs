@@ -21,6 +21,7 @@ pub mod openai;
 pub mod openapi;
 pub mod parse;
 pub mod registry;
+pub mod responses;
 mod sse;
 pub mod ui;
 pub mod xml_calls;
@@ -106,6 +107,8 @@ pub struct AppState {
     pub server_errors: Arc<metrics::ServerErrors>,
     /// The download jobs, or why there are none (no models folder, a bad hub URL).
     pub downloads: Result<rmlx_hub::DownloadManager, String>,
+    /// Responses kept for `previous_response_id` (`POST /v1/responses`).
+    pub responses: Arc<responses::store::Store>,
 }
 
 impl AppState {
@@ -133,6 +136,7 @@ impl AppState {
         };
         let mut state = Self::with_engine(config, self.engine.clone(), downloads)?;
         state.server_errors = self.server_errors.clone();
+        state.responses = self.responses.clone();
         Ok(state)
     }
 
@@ -161,6 +165,7 @@ impl AppState {
             config: Arc::new(config),
             server_errors: Arc::default(),
             downloads,
+            responses: Arc::default(),
         })
     }
 }
@@ -210,6 +215,7 @@ pub fn app(state: AppState) -> Router {
         .route("/admin/downloads/{id}/{action}", post(downloads::act))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/responses", post(responses::create))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/metrics/cache", get(metrics::cache))

@@ -17,8 +17,9 @@ use rmlx_engine::engine::Engine;
 
 use crate::{
     api::{
-        Deleted, Fits, Health, HealthStatus, ListObject, MemoryInfo, ModelList, ModelObject,
-        ModelObjectType, ModelSource, Quantization, Unloaded,
+        CodexModel, CodexReasoningLevel, CodexTruncationPolicy, Deleted, Fits, Health,
+        HealthStatus, ListObject, MemoryInfo, ModelList, ModelObject, ModelObjectType, ModelSource,
+        Quantization, Unloaded,
     },
     error::ApiError,
     registry::{canonical, read_config, ModelEntry, Source},
@@ -168,17 +169,62 @@ async fn resident(state: &AppState) -> Result<Vec<PathBuf>, ApiError> {
 pub async fn list(State(state): State<AppState>) -> Result<Json<ModelList>, ApiError> {
     let resident = resident(&state).await?;
     let available = rmlx_engine::runtime::available_memory();
-    let data = state
+    let data: Vec<ModelObject> = state
         .registry
         .list()
         .iter()
         .map(|entry| model_object(&state, entry, &resident, available))
         .collect();
+    let models = data.iter().enumerate().map(codex_model).collect();
     Ok(Json(ModelList {
         object: ListObject::List,
         data,
         memory: memory(available),
+        models,
     }))
+}
+
+/// A model as Codex reads its metadata, listed in `GET /v1/models` order (its `priority`).
+fn codex_model((priority, model): (usize, &ModelObject)) -> CodexModel {
+    let level = |effort: &str, description: &str| CodexReasoningLevel {
+        effort: effort.into(),
+        description: description.into(),
+    };
+    let mut input_modalities = vec!["text".to_string()];
+    if model.vision {
+        input_modalities.push("image".into());
+    }
+    CodexModel {
+        slug: model.id.clone(),
+        display_name: model.id.clone(),
+        description: format!(
+            "{} on rMLX",
+            model.model_type.as_deref().unwrap_or("a local model")
+        ),
+        supported_reasoning_levels: vec![
+            level("none", "Thinking off"),
+            level("low", "Thinking on"),
+            level("medium", "Thinking on"),
+            level("high", "Thinking on"),
+        ],
+        shell_type: "default".into(),
+        visibility: "list".into(),
+        supported_in_api: true,
+        priority: priority as i32,
+        supports_reasoning_summaries: true,
+        support_verbosity: false,
+        apply_patch_tool_type: "function".into(),
+        truncation_policy: CodexTruncationPolicy {
+            mode: "bytes".into(),
+            limit: 10_000,
+        },
+        supports_parallel_tool_calls: true,
+        context_window: model.context_length,
+        max_context_window: model.context_length,
+        effective_context_window_percent: 95,
+        experimental_supported_tools: Vec::new(),
+        input_modalities,
+    }
 }
 
 /// One model.

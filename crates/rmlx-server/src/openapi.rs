@@ -19,7 +19,10 @@ use utoipa::{
     Modify, OpenApi,
 };
 
-use crate::{anthropic, api, downloads, metrics, models, openai};
+use crate::{
+    anthropic, api, downloads, metrics, models, openai,
+    responses::{self, AnyOfLists},
+};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -30,7 +33,8 @@ use crate::{anthropic, api, downloads, metrics, models, openai};
             ignored. With `--api-key`, every route but `/health` needs `Authorization: Bearer KEY` \
             (or `x-api-key: KEY` on `/v1/messages*`). Streams are Server-Sent Events: each `data:` \
             line of an OpenAI stream is the schema named in the route, then `data: [DONE]`; each \
-            Anthropic event is a `MessageStreamEvent` whose `event:` name is its `type`.",
+            Anthropic event is a `MessageStreamEvent` and each Responses event a \
+            `ResponseStreamEvent`, whose `event:` name is its `type`.",
         license(name = "MIT OR Apache-2.0"),
     ),
     paths(
@@ -42,6 +46,7 @@ use crate::{anthropic, api, downloads, metrics, models, openai};
         models::unload,
         openai::chat_completions,
         openai::completions,
+        responses::create,
         anthropic::messages,
         anthropic::count_tokens,
         downloads::list,
@@ -58,10 +63,11 @@ use crate::{anthropic, api, downloads, metrics, models, openai};
         api::ChatCompletionChunk,
         api::TextCompletion,
         api::MessageStreamEvent,
+        responses::types::ResponseStreamEvent,
         api::OpenAiError,
         api::AnthropicError,
     )),
-    modifiers(&Security),
+    modifiers(&Security, &AnyOfLists),
     tags(
         (name = "openai", description = "OpenAI-compatible generation"),
         (name = "anthropic", description = "Anthropic-compatible generation"),

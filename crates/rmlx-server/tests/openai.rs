@@ -481,3 +481,41 @@ async fn legacy_completions() {
         StatusCode::BAD_REQUEST
     );
 }
+
+/// Agents send system messages mid-conversation (Claude Code's reminders, Codex's developer
+/// turns): they fold into the turn beside them, so Qwen3.6's template (which raises on a system
+/// message after the first) answers, and each turn's prompt still starts the next one's.
+#[tokio::test]
+async fn system_messages_mid_conversation_stay_in_place() {
+    let qwen36 = "qwen3.6-35b-a3b";
+    let config = rmlx_server::ServerConfig {
+        models: vec![fixture().join("../releases").join(qwen36)],
+        ..config()
+    };
+    let (app, _) = router(config);
+    let turn = |messages: Value| {
+        json!({"model": qwen36, "messages": messages, "max_tokens": 2, "temperature": 0})
+    };
+    let first = json!([
+        {"role": "system", "content": "You are an agent."},
+        {"role": "developer", "content": "Tools are listed below."},
+        {"role": "user", "content": "Read notes.txt"},
+        {"role": "system", "content": "Tokens left: 9000."}
+    ]);
+    let answer = post(&app, "/v1/chat/completions", &turn(first.clone())).await;
+    assert_eq!(answer.status, StatusCode::OK, "{}", answer.text);
+    let prompt = answer.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    let mut second = first.as_array().unwrap().clone();
+    second.push(json!({"role": "assistant", "content": "ok"}));
+    second.push(json!({"role": "user", "content": "Thanks"}));
+    second.push(json!({"role": "system", "content": "Tokens left: 8000."}));
+    let again = post(&app, "/v1/chat/completions", &turn(Value::Array(second))).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text);
+    let usage = &again.json()["usage"];
+    // Qwen3.6 resumes from its snapshot at the last message boundary: all of the first turn but
+    // its generation prompt (`<|im_start|>assistant\n<think>\n`, re-rendered as a past turn).
+    assert!(
+        usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() + 10 >= prompt,
+        "the second turn re-rendered the first one ({prompt} tokens): {usage}"
+    );
+}

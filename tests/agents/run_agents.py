@@ -293,6 +293,11 @@ def check_agent(name, tee, work):
     lock = open(folder / ".lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
+        # The nonce file is there from the start: agents list the folder in their prompts, and
+        # the round trip then reuses the plain turn's prefix.
+        words = random.SystemRandom().sample(ALPHABET, 8)
+        nonce = "".join(words)
+        (folder / "nonce.txt").write_text(f"nonce: qxbegin{nonce} qxend\n")
         home = Path(tempfile.mkdtemp(prefix=f"home-{name}-", dir=work))
         before, done = len(tee.requests()), len(served(tee.upstream_port))
         started = time.monotonic()
@@ -301,12 +306,9 @@ def check_agent(name, tee, work):
         dump(tee, name)
         assert ok, f"{name}: the plain turn failed\n{show(run)}"
         assert PLAIN_ANSWER in answer, f"{name}: the plain turn answered {answer!r}\n{show(run)}"
-        plain_requests = len(tee.requests()) - before
+        plain_requests = sum(r[0] == "POST" for r in tee.requests()[before:])
         plain_served = served(tee.upstream_port)[done:]
 
-        words = random.SystemRandom().sample(ALPHABET, 8)
-        nonce = "".join(words)
-        (folder / "nonce.txt").write_text(f"nonce: qxbegin{nonce} qxend\n")
         # The same HOME as the plain turn (as a user's): the agents name it in their prompts.
         before, done = len(tee.requests()), len(served(tee.upstream_port))
         started = time.monotonic()
@@ -318,6 +320,9 @@ def check_agent(name, tee, work):
         assert ok, f"{name}: the tool round trip failed\n{show(run)}"
         assert nonce.strip() in answer, f"{name}: the answer {answer!r} lacks the nonce {nonce!r}\n{show(run)}"
         sent = [r for r in tee.requests()[before:] if r[0] == "POST"]
+        # Retries are off and every answer is scripted: one request for the call, one after it.
+        assert plain_requests == 1 and len(sent) == 2, \
+            f"{name}: {plain_requests} request(s) for the plain turn, {len(sent)} for the round trip"
         carrying = [i for i, r in enumerate(sent) if nonce.strip().encode() in r[3]]
         assert carrying, f"{name}: no request carried the nonce to the server ({len(sent)} requests)"
         first = carrying[0]

@@ -493,9 +493,7 @@ async fn system_messages_mid_conversation_stay_in_place() {
         ..config()
     };
     let (app, _) = router(config);
-    let turn = |messages: Value| {
-        json!({"model": qwen36, "messages": messages, "max_tokens": 2, "temperature": 0})
-    };
+    let turn = |messages: Value| json!({"model": qwen36, "messages": messages, "max_tokens": 2, "temperature": 0});
     let first = json!([
         {"role": "system", "content": "You are an agent."},
         {"role": "developer", "content": "Tools are listed below."},
@@ -515,7 +513,11 @@ async fn system_messages_mid_conversation_stay_in_place() {
     // Qwen3.6 resumes from its snapshot at the last message boundary: all of the first turn but
     // its generation prompt (`<|im_start|>assistant\n<think>\n`, re-rendered as a past turn).
     assert!(
-        usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() + 10 >= prompt,
+        usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            + 10
+            >= prompt,
         "the second turn re-rendered the first one ({prompt} tokens): {usage}"
     );
 }

@@ -199,7 +199,7 @@ pub(crate) struct Prompted {
 fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError> {
     let entry = state.registry.resolve(&fields.model)?;
     let prompt = convert_prompt(fields, &entry.id)?;
-    prompt.dropped.log();
+    prompt.dropped.log("/v1/messages");
     convert::check_vision(&entry.path, &entry.id, &prompt.images)?;
     Ok(Prepared { entry, prompt })
 }

@@ -7,10 +7,12 @@
 mod anthropic;
 
 use base64::Engine as _;
+use std::collections::BTreeMap;
+
 use serde_json::{json, Value};
 
 pub use self::anthropic::{
-    anthropic_messages, anthropic_prefill, anthropic_system, anthropic_tools, Dropped,
+    anthropic_messages, anthropic_prefill, anthropic_system, anthropic_tools,
 };
 use crate::error::ApiError;
 
@@ -221,6 +223,42 @@ fn template_tool_calls(calls: &Value) -> Result<Value, ApiError> {
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
     Ok(Value::Array(converted))
+}
+
+/// What a request sent that the server cannot use (Anthropic's server-side blocks and tools,
+/// Responses' built-in tools and item types), counted by kind: logged once per request rather
+/// than refused, as agents send them freely.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Dropped(BTreeMap<String, usize>);
+
+impl Dropped {
+    pub fn add(&mut self, what: impl Into<String>) {
+        *self.0.entry(what.into()).or_default() += 1;
+    }
+
+    /// The kinds dropped, in order.
+    pub fn kinds(&self) -> Vec<&str> {
+        self.0.keys().map(String::as_str).collect()
+    }
+
+    /// One warning line naming the route and what it dropped (nothing when nothing was).
+    pub fn log(&self, route: &str) {
+        if self.0.is_empty() {
+            return;
+        }
+        let list: Vec<String> = self
+            .0
+            .iter()
+            .map(|(what, &count)| match count {
+                1 => what.clone(),
+                _ => format!("{what} x{count}"),
+            })
+            .collect();
+        crate::parse::log_warnings(vec![format!(
+            "{route} ignored what this server cannot use: {}",
+            list.join(", ")
+        )]);
+    }
 }
 
 /// OpenAI chat messages into template messages, with their images decoded in order; system

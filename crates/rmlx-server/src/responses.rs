@@ -34,7 +34,7 @@ use utoipa::ToSchema;
 
 use crate::{
     api::Timings,
-    convert,
+    convert::{self, Dropped},
     error::{whole, Api, ApiError, ApiJson},
     forced::{self, ForcedCall},
     generation::{inspect_prompt, new_id, unix_now, Generation, Step},
@@ -42,7 +42,7 @@ use crate::{
     sse::{self, EventSource},
     AppState,
 };
-use input::{Ignored, ToolNames};
+use input::ToolNames;
 use output::{Options, Output};
 pub use schema::AnyOfLists;
 use schema::{ResponseToolIn, ResponsesInput, TextFormatIn, ToolChoiceIn};
@@ -268,7 +268,7 @@ pub(crate) struct Prepared {
     /// The whole conversation as input items (a previous response's, then this input): what
     /// is stored for the next `previous_response_id`.
     items: Vec<Value>,
-    ignored: Ignored,
+    ignored: Dropped,
 }
 
 /// Converts a request's fields, `previous` being the stored conversation it continues.
@@ -293,7 +293,7 @@ pub(crate) fn prepare(
         Some(Value::Array(items)) => previous.extend(items.iter().cloned()),
         Some(_) => return Err(bad("`input` must be a string or an array of items")),
     }
-    let mut ignored = Ignored::default();
+    let mut ignored = Dropped::default();
     let instructions = request.instructions.clone().map(Value::String);
     let (messages, images) = input::messages(instructions.as_ref(), &previous, &mut ignored)?;
     let mut tools = input::tools(request.tools.as_deref(), &mut ignored)?;
@@ -360,7 +360,7 @@ pub async fn create(
         None => Vec::new(),
     };
     let prepared = prepare(&request, previous)?;
-    prepared.ignored.log();
+    prepared.ignored.log("/v1/responses");
     convert::check_vision(&entry.path, &entry.id, &prepared.images)?;
     let max_tokens = request.max_output_tokens.unwrap_or_else(|| {
         // As chat completions: the rest of the context.

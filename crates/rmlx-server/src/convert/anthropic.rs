@@ -3,12 +3,10 @@
 //! `tool_result` content, and blocks and server tools the server cannot use (dropped, and
 //! logged once per request). Reference: Anthropic Messages API docs.
 
-use std::collections::BTreeMap;
-
 use serde_json::{json, Map, Value};
 
 use super::{
-    bad, fold_system_messages, inline_image, refuse_image, template_content, Images,
+    bad, fold_system_messages, inline_image, refuse_image, template_content, Dropped, Images,
     AUDIO_UNSUPPORTED,
 };
 use crate::error::ApiError;
@@ -17,40 +15,6 @@ use crate::error::ApiError;
 /// no meaning for the model, and `cch` changes every request, so kept it would end every
 /// prefix-cache hit at the system prompt.
 const BILLING_HEADER: &str = "x-anthropic-billing-header:";
-
-/// What a request sent that the server cannot use (Anthropic's server-side blocks and tools),
-/// counted by kind: logged once per request rather than refused, as agents send them freely.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct Dropped(BTreeMap<String, usize>);
-
-impl Dropped {
-    fn add(&mut self, what: String) {
-        *self.0.entry(what).or_default() += 1;
-    }
-
-    /// The kinds dropped, in order.
-    pub fn kinds(&self) -> Vec<&str> {
-        self.0.keys().map(String::as_str).collect()
-    }
-
-    pub fn log(&self) {
-        if self.0.is_empty() {
-            return;
-        }
-        let list: Vec<String> = self
-            .0
-            .iter()
-            .map(|(what, &count)| match count {
-                1 => what.clone(),
-                _ => format!("{what} x{count}"),
-            })
-            .collect();
-        crate::parse::log_warnings(vec![format!(
-            "ignored what this server cannot use: {}",
-            list.join(", ")
-        )]);
-    }
-}
 
 fn block_type(block: &Value) -> Option<&str> {
     block.get("type").and_then(Value::as_str)
@@ -121,7 +85,7 @@ fn tool_result_content(
                         parts.push(json!({"type": "image"}));
                     }
                     Some(other) => dropped.add(format!("`{other}` block in a tool result")),
-                    None => dropped.add("untyped block in a tool result".into()),
+                    None => dropped.add("untyped block in a tool result"),
                 }
             }
             Ok(template_content(text, parts))

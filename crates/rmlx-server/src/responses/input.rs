@@ -4,47 +4,17 @@
 //! reference (Responses: input items, tools, tool_choice) and Codex's `codex-rs/protocol`
 //! (`ResponseItem`) and `codex-rs/tools` (`ToolSpec`, `join_tool_name`) for what Codex sends.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use serde_json::{json, Value};
 
-use crate::{convert, error::ApiError};
+use crate::{
+    convert::{self, Dropped},
+    error::ApiError,
+};
 
 fn bad(message: impl Into<String>) -> ApiError {
     ApiError::BadRequest(message.into())
-}
-
-/// What a request sent that the server cannot use, counted by kind and logged once per
-/// request: agents send built-in tools and item types freely, so they are dropped, not refused.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct Ignored(BTreeMap<String, usize>);
-
-impl Ignored {
-    pub fn add(&mut self, what: impl Into<String>) {
-        *self.0.entry(what.into()).or_default() += 1;
-    }
-
-    pub fn kinds(&self) -> Vec<&str> {
-        self.0.keys().map(String::as_str).collect()
-    }
-
-    pub fn log(&self) {
-        if self.0.is_empty() {
-            return;
-        }
-        let list: Vec<String> = self
-            .0
-            .iter()
-            .map(|(what, &count)| match count {
-                1 => what.clone(),
-                _ => format!("{what} x{count}"),
-            })
-            .collect();
-        crate::parse::log_warnings(vec![format!(
-            "/v1/responses ignored what this server cannot use: {}",
-            list.join(", ")
-        )]);
-    }
 }
 
 /// Codex's rule for a namespaced tool's flat name (`join_tool_name`): the namespace without
@@ -148,12 +118,12 @@ fn tool_name(tool: &Value, what: &str) -> Result<String, ApiError> {
 
 /// `function` and `custom` tools, and those inside `namespace` tools (flattened with
 /// [`join_name`]); built-in tools the server cannot run are dropped into `ignored`.
-pub fn tools(tools: Option<&[Value]>, ignored: &mut Ignored) -> Result<Tools, ApiError> {
+pub fn tools(tools: Option<&[Value]>, ignored: &mut Dropped) -> Result<Tools, ApiError> {
     let mut out = Tools {
         functions: Vec::new(),
         names: ToolNames::default(),
     };
-    let mut add = |tool: &Value, namespace: Option<&str>, ignored: &mut Ignored| {
+    let mut add = |tool: &Value, namespace: Option<&str>, ignored: &mut Dropped| {
         let kind = tool.get("type").and_then(Value::as_str).unwrap_or_default();
         let custom = match kind {
             "function" => false,
@@ -211,7 +181,7 @@ pub fn tools(tools: Option<&[Value]>, ignored: &mut Ignored) -> Result<Tools, Ap
 pub fn tool_choice(
     choice: Option<&Value>,
     tools: &mut Tools,
-    ignored: &mut Ignored,
+    ignored: &mut Dropped,
 ) -> Result<Option<Value>, ApiError> {
     let Some(choice) = choice.filter(|c| !c.is_null()) else {
         return Ok(None);
@@ -290,7 +260,7 @@ pub fn tool_choice(
 pub fn messages(
     instructions: Option<&Value>,
     input: &[Value],
-    ignored: &mut Ignored,
+    ignored: &mut Dropped,
 ) -> Result<(Vec<Value>, convert::Images), ApiError> {
     let mut out: Vec<Value> = Vec::new();
     let mut images = convert::Images::new();
@@ -365,7 +335,7 @@ fn message(
     item: &Value,
     out: &mut Vec<Value>,
     images: &mut convert::Images,
-    ignored: &mut Ignored,
+    ignored: &mut Dropped,
 ) -> Result<(), ApiError> {
     let role = item
         .get("role")
@@ -404,7 +374,7 @@ fn message(
 fn content(
     parts: &[Value],
     images: &mut convert::Images,
-    ignored: &mut Ignored,
+    ignored: &mut Dropped,
 ) -> Result<Value, ApiError> {
     let mut text = String::new();
     let mut out = Vec::new();
@@ -530,7 +500,7 @@ mod tests {
 
     #[test]
     fn namespaces_flatten_with_codex_join_rule_and_map_back() {
-        let mut ignored = Ignored::default();
+        let mut ignored = Dropped::default();
         let tools = tools(
             Some(&[
                 json!({"type": "function", "name": "exec_command", "parameters": {"type": "object"}}),
@@ -592,7 +562,7 @@ mod tests {
 
     #[test]
     fn items_become_turns_and_system_text_stays_in_place() {
-        let mut ignored = Ignored::default();
+        let mut ignored = Dropped::default();
         let input = [
             json!({"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox"}]}),
             json!({"role": "user", "content": "list files"}),
@@ -643,7 +613,7 @@ mod tests {
     fn bad_items_are_refused_clearly() {
         let refuse = |input: Value| {
             let items = input.as_array().unwrap().clone();
-            messages(None, &items, &mut Ignored::default())
+            messages(None, &items, &mut Dropped::default())
                 .unwrap_err()
                 .to_string()
         };
@@ -657,7 +627,7 @@ mod tests {
             None,
             &[json!({"type": "function_call_output", "call_id": "c",
                      "output": {"content": "failed", "success": false}})],
-            &mut Ignored::default(),
+            &mut Dropped::default(),
         )
         .unwrap();
         assert_eq!(out[0]["content"], "failed");

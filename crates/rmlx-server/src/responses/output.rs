@@ -431,7 +431,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::responses::input::{tools, Ignored};
+    use crate::{convert::Dropped, responses::input::tools};
 
     fn names(events: &[Event]) -> Vec<&'static str> {
         events.iter().map(Event::name).collect()
@@ -444,7 +444,7 @@ mod tests {
                 json!({"type": "namespace", "name": "fs", "tools": [{"type": "function", "name": "stat"}]}),
                 json!({"type": "custom", "name": "apply_patch"}),
             ]),
-            &mut Ignored::default(),
+            &mut Dropped::default(),
         )
         .unwrap();
         Output::new(

@@ -1023,6 +1023,22 @@ impl EngineThread {
                 "token id {bad} is outside the vocabulary ({vocab})"
             )));
         }
+        // The sampler would find it only at the first decode step, failing the whole batch.
+        if let Some(&bad) = request
+            .params
+            .sampling
+            .logit_bias
+            .keys()
+            .find(|&&id| id >= vocab)
+        {
+            return Err(EngineError::Sample(
+                crate::sample::SampleError::TokenOutOfRange {
+                    token: bad,
+                    vocab: vocab as usize,
+                    what: "logit_bias",
+                },
+            ));
+        }
         let (prompt_ids, images) = if request.images.is_empty() {
             (prompt_ids, None)
         } else {

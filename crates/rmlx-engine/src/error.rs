@@ -143,6 +143,11 @@ impl EngineError {
             },
             Self::QueueFull(bound) => Self::QueueFull(*bound),
             Self::EngineStopped => Self::EngineStopped,
+            // A request's own sampling parameters: still its fault, not the engine's.
+            Self::Sample(crate::sample::SampleError::InvalidParam { .. })
+            | Self::Sample(crate::sample::SampleError::TokenOutOfRange { .. }) => {
+                Self::InvalidRequest(self.to_string())
+            }
             other => Self::Mlx(other.to_string()),
         }
     }

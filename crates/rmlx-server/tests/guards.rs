@@ -331,3 +331,48 @@ async fn concurrent_clients_get_their_own_tokens() {
     // They ran as one batch (continuous batching), each still getting its own tokens.
     assert!(widest >= 2, "the concurrent streams never decoded together");
 }
+
+/// A `logit_bias` id past the vocabulary is the request's own 400, decided before it joins the
+/// batch: it used to reach the sampler at the first decode step, fail as a 500 and take the
+/// requests decoding beside it down with it.
+#[tokio::test]
+async fn a_logit_bias_past_the_vocabulary_fails_only_its_request() {
+    let (app, _) = router(config());
+    let running = start_stream(&app, &long_chat(64, true)).await;
+    assert_eq!(running.status(), StatusCode::OK);
+    for route in ["/v1/chat/completions", "/v1/completions", "/v1/responses"] {
+        let mut body = match route {
+            "/v1/chat/completions" => chat("hi", 4, false),
+            "/v1/completions" => json!({"model": MODEL, "prompt": "hi", "max_tokens": 4}),
+            _ => json!({"model": MODEL, "input": "hi", "max_output_tokens": 4}),
+        };
+        body["logit_bias"] = json!({"28107570": -1.0, "8": 1.0});
+        let refused = post(&app, route, &body).await;
+        assert_eq!(
+            refused.status,
+            StatusCode::BAD_REQUEST,
+            "{route}: {}",
+            refused.text
+        );
+        assert!(
+            refused
+                .text
+                .contains("logit_bias token id 28107570 is outside the vocabulary"),
+            "{route}: {}",
+            refused.text
+        );
+    }
+    let text = String::from_utf8(
+        running
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .to_vec(),
+    )
+    .unwrap();
+    let events = sse(&text);
+    assert_eq!(events.last().unwrap().1, "[DONE]", "{text}");
+    assert!(!text.contains("\"error\""), "{text}");
+}

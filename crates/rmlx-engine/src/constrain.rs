@@ -99,7 +99,7 @@ impl ResponseFormat {
 #[derive(Debug, thiserror::Error)]
 pub enum ConstrainError {
     /// The request's schema does not compile (HTTP 400).
-    #[error("invalid response_format: {0}")]
+    #[error("the response format's JSON schema does not compile: {0}")]
     Schema(String),
     #[error("constrained decoding is unavailable for this tokenizer: {0}")]
     Tokenizer(String),

@@ -22,4 +22,4 @@ pub use download::{
 };
 pub use error::{HubError, Result};
 pub use manager::DownloadManager;
-pub use paths::{check_file_name, default_models_dir, RepoId, PARTIAL_SUFFIX};
+pub use paths::{check_file_name, check_revision, default_models_dir, RepoId, PARTIAL_SUFFIX};

@@ -92,9 +92,9 @@ impl FromStr for RepoId {
 /// A branch, tag or commit as git allows it (`git check-ref-format`): no `..`, control
 /// characters, spaces or `~^:?*[\\`, no empty path parts. Revisions only travel inside URLs (as
 /// one encoded path segment), so this refuses mistakes and tricks rather than guarding a path.
-pub(crate) fn check_revision(revision: &str) -> Result<()> {
+pub fn check_revision(revision: &str) -> Result<()> {
     let bad = revision.is_empty()
-        || revision.len() > 256
+        || revision.chars().count() > 256
         || revision.contains("..")
         || revision.contains("@{")
         || revision.starts_with('/')

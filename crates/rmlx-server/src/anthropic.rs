@@ -24,8 +24,8 @@ use crate::{
         AnthropicUsage, AssistantRole, BlockDelta, ContentBlock, Message, MessageDeltaBody,
         MessageStreamEvent, MessageType, StopReason, Timings, TokenCount,
     },
-    convert,
-    error::{whole, Api, ApiError, ApiJson},
+    constraints, convert,
+    error::{real, whole, Api, ApiError, ApiJson},
     forced::{self, ForcedCall},
     generation::{inspect_prompt, new_id, Generation, PromptInfo, Step},
     parse::{log_warnings, OutputParser, Piece, ToolCall},
@@ -39,26 +39,29 @@ use crate::{
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct PromptFields {
     /// A model id from `GET /v1/models`.
+    #[schema(value_type = constraints::ModelId)]
     model: String,
     /// Anthropic's messages: `role` (`user`, `assistant`, `system`) and `content` (a string or
     /// blocks of `text`, `image` (base64 source), `tool_use`, `tool_result` (text and images),
     /// `thinking`); a last assistant message is the answer's prefill. Leading `system`
     /// messages join the system prompt, later ones the user or tool turn beside them. Other
     /// block types (Anthropic's server-side ones) are ignored.
-    #[schema(value_type = Vec<AnthropicMessageIn>)]
+    #[schema(value_type = Vec<AnthropicMessageIn>, min_items = 1)]
     messages: Vec<Value>,
     /// A string or a list of `text` blocks (`cache_control` ignored); Claude Code's
     /// `x-anthropic-billing-header:` block is left out.
+    #[schema(value_type = Option<AnthropicSystem>)]
     system: Option<Value>,
     /// `{name, description, input_schema}`; Anthropic's server tools (a `type` other than
     /// `custom`, e.g. `web_search_20250305`) are ignored.
-    #[schema(value_type = Option<Vec<Object>>)]
+    #[schema(value_type = Option<Vec<AnthropicToolIn>>)]
     tools: Option<Vec<Value>>,
-    /// `{"type": "auto" | "any" | "none" | "tool", "name": ...}`.
+    /// `{"type": "auto" | "any" | "none" | "tool", "name": ...}` (`any` and `tool` force a call:
+    /// they need a tool to call, and `tool` names one of `tools`); anything else is `auto`.
     tool_choice: Option<Value>,
     /// The model's thinking switch: `{"type": "enabled", "budget_tokens": N}` or
     /// `{"type": "adaptive"}` turn it on (`budget_tokens` is not enforced), `{"type":
-    /// "disabled"}` off; absent, the chat template's default.
+    /// "disabled"}` off; absent (or anything else), the chat template's default.
     thinking: Option<Value>,
     /// Accepted and ignored (Claude Code's `clear_thinking` edits: history is the client's).
     #[allow(dead_code)]
@@ -71,88 +74,124 @@ pub struct PromptFields {
     mcp_servers: Option<Value>,
 }
 
-/// A message as the document describes it (the handler reads the JSON itself, in `convert`).
-/// Fields the server reads leniently (a thinking block's text, a tool call's id and input, a
-/// tool result's content) are left free here, so the document refuses nothing the server takes.
-#[derive(ToSchema)]
-#[allow(dead_code)]
-struct AnthropicMessageIn {
-    role: AnthropicRole,
-    content: AnthropicContent,
-}
+/// The block types each role's content may not hold (`convert::anthropic`): audio nowhere,
+/// images and tool results only in a user's turn, a call only in an assistant's.
+const ASSISTANT_REFUSES: [&str; 4] = ["image", "audio", "input_audio", "tool_result"];
+const USER_REFUSES: [&str; 3] = ["audio", "input_audio", "tool_use"];
 
-#[derive(ToSchema)]
-#[allow(dead_code)]
-#[serde(rename_all = "lowercase")]
-enum AnthropicRole {
-    User,
-    Assistant,
-    System,
-}
+crate::json_component!(
+    /// A message as the document describes it (the handler reads the JSON itself, in
+    /// `convert::anthropic`), by role: what each turn's blocks may be. Fields the server reads
+    /// leniently (a thinking block's text, a call's id and input, a result's id) are free.
+    AnthropicMessageIn [AnthropicUserBlock, AnthropicAssistantBlock, AnthropicSystem] => json!({
+        "oneOf": [
+            {"type": "object", "required": ["role", "content"], "properties": {
+                "role": {"const": "user"},
+                "content": {"oneOf": [{"type": "string"}, {"type": "array",
+                    "items": {"$ref": "#/components/schemas/AnthropicUserBlock"}}]}}},
+            {"type": "object", "required": ["role", "content"], "properties": {
+                "role": {"const": "assistant"},
+                "content": {"oneOf": [{"type": "string"}, {"type": "array",
+                    "items": {"$ref": "#/components/schemas/AnthropicAssistantBlock"}}]}}},
+            {"type": "object", "required": ["role"], "properties": {
+                "role": {"const": "system"},
+                "content": {"oneOf": [{"type": "null"},
+                    {"$ref": "#/components/schemas/AnthropicSystem"}]}}}
+        ]
+    })
+);
 
-#[derive(ToSchema)]
-#[allow(dead_code)]
-#[serde(untagged)]
-enum AnthropicContent {
-    Text(String),
-    Blocks(Vec<AnthropicBlockIn>),
-}
+crate::json_component!(
+    /// A block of a user message: `text`, `image` (an inline base64 source), `tool_result`
+    /// (its content a string or blocks, whose images are read too), or a block of another type,
+    /// which is ignored; audio and `tool_use` are refused.
+    AnthropicUserBlock [AnthropicImageBlock] => json!({
+        "type": "object",
+        "required": ["type"],
+        "properties": {"type": {"type": "string", "not": {"enum": USER_REFUSES}}},
+        "allOf": [
+            {"if": {"properties": {"type": {"const": "text"}}},
+             "then": {"required": ["text"], "properties": {"text": {"type": "string"}}}},
+            {"if": {"properties": {"type": {"const": "image"}}},
+             "then": {"$ref": "#/components/schemas/AnthropicImageBlock"}},
+            {"if": {"properties": {"type": {"const": "tool_result"}}},
+             "then": {"properties": {"content": {"oneOf": [
+                {"type": "null"},
+                {"type": "string"},
+                {"type": "array", "items": {
+                    "if": {"type": "object", "required": ["type"],
+                           "properties": {"type": {"const": "image"}}},
+                    "then": {"$ref": "#/components/schemas/AnthropicImageBlock"}}}
+             ]}}}}
+        ]
+    })
+);
 
-/// A block the server reads, or one of another type, which it ignores.
-#[derive(ToSchema)]
-#[allow(dead_code)]
-#[serde(untagged)]
-enum AnthropicBlockIn {
-    Read(AnthropicBlock),
-    Ignored(IgnoredBlock),
-}
+crate::json_component!(
+    /// A block of an assistant message: `text`, `thinking` (its text is the turn's reasoning),
+    /// `tool_use` (a past call, by `name`), or a block of another type, which is ignored;
+    /// images, audio and tool results are refused.
+    AnthropicAssistantBlock [] => json!({
+        "type": "object",
+        "required": ["type"],
+        "properties": {"type": {"type": "string", "not": {"enum": ASSISTANT_REFUSES}}},
+        "allOf": [
+            {"if": {"properties": {"type": {"const": "text"}}},
+             "then": {"required": ["text"], "properties": {"text": {"type": "string"}}}},
+            {"if": {"properties": {"type": {"const": "tool_use"}}},
+             "then": {"required": ["name"], "properties": {"name": {"type": "string"}}}}
+        ]
+    })
+);
 
-/// A content block: `image` and `tool_result` in user messages, `tool_use` in assistant ones.
-#[derive(ToSchema)]
-#[allow(dead_code)]
-#[serde(tag = "type", rename_all = "snake_case")]
-enum AnthropicBlock {
-    Text {
-        text: String,
-    },
-    Image {
-        source: ImageSource,
-    },
-    Thinking {
-        thinking: Option<Value>,
-    },
-    RedactedThinking {},
-    ToolUse {
-        name: String,
-        id: Option<Value>,
-        input: Option<Value>,
-    },
-    ToolResult {
-        tool_use_id: Option<Value>,
-        content: Option<Value>,
-    },
-}
+crate::json_component!(
+    /// An inline image: `{"type": "image", "source": {"type": "base64", "media_type", "data"}}`
+    /// (a `url` source is never fetched).
+    AnthropicImageBlock [constraints::ImageRef] => json!({
+        "type": "object",
+        "required": ["source"],
+        "properties": {"source": {
+            "type": "object",
+            "required": ["type", "data"],
+            "properties": {
+                "type": {"const": "base64"},
+                "data": {"$ref": "#/components/schemas/ImageRef"}
+            }
+        }}
+    })
+);
 
-/// A block of a type the server does not read (`server_tool_use`, `web_search_tool_result`,
-/// `document`, `search_result`, ...): ignored. Audio is refused.
-#[derive(ToSchema)]
-#[allow(dead_code)]
-struct IgnoredBlock {
-    #[schema(
-        value_type = String,
-        pattern = "^(?!(text|image|thinking|redacted_thinking|tool_use|tool_result|audio|input_audio)$)"
-    )]
-    r#type: String,
-}
+crate::json_component!(
+    /// A system prompt: a string or text blocks (a block of another type is ignored; one of
+    /// type `text`, or of no string type, needs its `text`).
+    AnthropicSystem [] => json!({
+        "oneOf": [
+            {"type": "string"},
+            {"type": "array", "items": {
+                "type": "object",
+                "anyOf": [
+                    {"required": ["text"], "properties": {"text": {"type": "string"}}},
+                    {"required": ["type"],
+                     "properties": {"type": {"type": "string", "not": {"const": "text"}}}}
+                ]
+            }}
+        ]
+    })
+);
 
-/// Only inline images: `{"type": "base64", "media_type": ..., "data": ...}`.
-#[derive(ToSchema)]
-#[allow(dead_code)]
-struct ImageSource {
-    #[schema(value_type = String, pattern = "^base64$")]
-    r#type: String,
-    data: String,
-}
+crate::json_component!(
+    /// A tool: a custom one (no `type`, or `custom`) needs a `name`; any other `type` is one of
+    /// Anthropic's server tools, which are ignored.
+    AnthropicToolIn [] => json!({
+        "type": "object",
+        "anyOf": [
+            {"required": ["name"], "properties": {
+                "type": {"enum": ["custom", null]},
+                "name": {"type": "string"}}},
+            {"required": ["type"], "properties": {"type": {"not": {"enum": ["custom", null]}}}}
+        ]
+    })
+);
 
 /// `POST /v1/messages`.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -161,11 +200,17 @@ pub struct MessagesRequest {
     pub(crate) prompt: PromptFields,
     /// Tokens to generate at most (at least 1).
     #[serde(deserialize_with = "whole::required")]
-    #[schema(minimum = 1)]
+    #[schema(value_type = constraints::MaxTokens)]
     max_tokens: usize,
+    /// 0 is greedy (default 1).
+    #[serde(default, deserialize_with = "real::optional")]
+    #[schema(value_type = Option<constraints::Temperature>)]
     temperature: Option<f32>,
+    #[serde(default, deserialize_with = "real::optional")]
+    #[schema(value_type = Option<constraints::TopP>)]
     top_p: Option<f32>,
     #[serde(default, deserialize_with = "whole::optional")]
+    #[schema(value_type = Option<constraints::TopK>)]
     top_k: Option<i64>,
     stop_sequences: Option<Vec<String>>,
     stream: Option<bool>,
@@ -211,7 +256,20 @@ pub(crate) fn convert_prompt(fields: &PromptFields, model_id: &str) -> Result<Pr
     let mut dropped = convert::Dropped::default();
     let system = convert::anthropic_system(fields.system.as_ref(), &mut dropped)?;
     let (turns, prefill) = convert::anthropic_prefill(&fields.messages);
+    if turns.is_empty() && prefill.is_some() {
+        return Err(ApiError::BadRequest(
+            "the conversation has no turn before the assistant's prefill (its last message, \
+             text only)"
+                .into(),
+        ));
+    }
     let (messages, images) = convert::anthropic_messages(system, turns, model_id, &mut dropped)?;
+    if messages.is_empty() {
+        // Only system messages with no text: nothing for a template to render.
+        return Err(ApiError::BadRequest(
+            "the conversation is empty: its messages hold no turn and no system text".into(),
+        ));
+    }
     let tools = convert::anthropic_tools(
         fields.tools.as_deref(),
         fields.tool_choice.as_ref(),
@@ -320,7 +378,7 @@ fn tool_use_block(call: &ToolCall) -> ContentBlock {
 /// An Anthropic Messages answer, whole or streamed (`stream: true`: `MessageStreamEvent`s).
 #[utoipa::path(post, path = "/v1/messages", tag = "anthropic", request_body = MessagesRequest,
     responses((status = 200, description = "The message, or its stream of `MessageStreamEvent`s",
-        content((Message = "application/json"), (String = "text/event-stream")))))]
+        content((Message = "application/json"), (sse::MessagesStreamEvent = "text/event-stream")))))]
 pub async fn messages(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<MessagesRequest>,

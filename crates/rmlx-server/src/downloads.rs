@@ -21,12 +21,18 @@ use crate::{
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StartDownload {
-    /// `org/name` on the hub.
-    /// `org/name` on the hub.
+    /// `org/name` on the hub: letters, digits, `.`, `_` and `-` (neither part `.` or `..`).
+    #[schema(
+        pattern = r"^(?:[A-Za-z0-9_-][A-Za-z0-9._-]*|\.[A-Za-z0-9_-][A-Za-z0-9._-]*|\.\.[A-Za-z0-9._-]+)/(?:[A-Za-z0-9_-][A-Za-z0-9._-]*|\.[A-Za-z0-9_-][A-Za-z0-9._-]*|\.\.[A-Za-z0-9._-]+)$"
+    )]
     repo: String,
-    /// Branch, tag or commit; `main` when absent.
-    /// A branch, tag or commit (`main` when left out).
+    /// A branch, tag or commit (`main` when left out), as git allows it: at most 256
+    /// characters, no `..`, `@{`, `//`, control characters, spaces or `~^:?*[\`, not starting
+    /// or ending with `/`.
     #[serde(default)]
+    #[schema(
+        pattern = r"^(?!/)(?!.*/$)(?!.*//)(?!.*\.\.)(?!.*@\{)[^\x00-\x20\x7F-\xA0\u1680\u2000-\u200A\u2028\u2029\u202F\u205F\u3000~^:?*\[\\]{1,256}$"
+    )]
     revision: Option<String>,
 }
 

@@ -271,6 +271,12 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
                     ApiError::BadRequest(format!("cannot read the request body: {rejection}"))
                 }
             })?;
+        // An object, as the document states: serde would also read a struct from an array.
+        if bytes.iter().find(|byte| !byte.is_ascii_whitespace()) != Some(&b'{') {
+            return Err(ApiError::BadRequest(
+                "invalid JSON body: expected a JSON object".into(),
+            ));
+        }
         serde_json::from_slice(&bytes)
             .map(ApiJson)
             .map_err(|error| ApiError::BadRequest(format!("invalid JSON body: {error}")))
@@ -314,11 +320,18 @@ pub mod whole {
     use serde::{de::Error, Deserialize, Deserializer};
     use serde_json::Number;
 
+    const TWO_POW_63: f64 = 9_223_372_036_854_775_808.0;
+
     fn integer<E: Error, T: TryFrom<i128>>(number: &Number) -> Result<T, E> {
         let value = match (number.as_i64(), number.as_u64(), number.as_f64()) {
             (Some(i), _, _) => i128::from(i),
             (None, Some(u), _) => i128::from(u),
-            (None, None, Some(f)) if f.fract() == 0.0 && f.abs() < 1e19 => f as i128,
+            // Below 2^63 only: an integer literal past i64 / u64 arrives here already rounded
+            // (-2^63 - 1 reads as -2^63), and must not pass for a value in range.
+            (None, None, Some(f)) if f.fract() == 0.0 && f.abs() < TWO_POW_63 => f as i128,
+            (None, None, Some(f)) if f.fract() == 0.0 => {
+                return Err(E::custom(format!("{number} is out of range")))
+            }
             _ => return Err(E::custom(format!("expected an integer, got {number}"))),
         };
         T::try_from(value).map_err(|_| E::custom(format!("{value} is out of range")))
@@ -336,5 +349,125 @@ pub mod whole {
         Option::<Number>::deserialize(deserializer)?
             .map(|number| integer(&number))
             .transpose()
+    }
+}
+
+/// Object request fields (`stream_options`, `reasoning`, `text`): serde's derive would also
+/// read a struct from an array of its fields, which the document does not allow.
+pub mod object {
+    use serde::{de::DeserializeOwned, de::Error, Deserialize, Deserializer};
+    use serde_json::{Map, Value};
+
+    pub fn optional<'de, D: Deserializer<'de>, T: DeserializeOwned>(
+        deserializer: D,
+    ) -> Result<Option<T>, D::Error> {
+        Option::<Map<String, Value>>::deserialize(deserializer)?
+            .map(|map| serde_json::from_value(Value::Object(map)).map_err(D::Error::custom))
+            .transpose()
+    }
+}
+
+/// 32-bit float request fields (sampling parameters, logit biases), read as JSON numbers and
+/// narrowed to `f32`: a number past `f32::MAX` is refused rather than turned into infinity, and
+/// an inexact one rounds away from zero, so every range the engine checks in `f32` (`top_p` in
+/// (0, 1], `temperature` >= 0, ...) holds of the number the client sent, as the document's
+/// bounds state it (a rounding to the nearest `f32` would take `1e-50` for 0 and `1 + 1e-10`
+/// for 1).
+pub mod real {
+    use std::collections::BTreeMap;
+
+    use serde::{de::Error, Deserialize, Deserializer};
+
+    /// `value` as an `f32` no nearer zero than it is; None past `f32::MAX`.
+    pub fn narrow(value: f64) -> Option<f32> {
+        // JSON has no NaN; a value past f32::MAX would become infinity.
+        if value.is_nan() || value.abs() > f64::from(f32::MAX) {
+            return None;
+        }
+        let near = value as f32;
+        Some(match f64::from(near).abs() < value.abs() {
+            // One step further from zero (the sign bit stays as it is).
+            true => f32::from_bits(near.to_bits() + 1),
+            false => near,
+        })
+    }
+
+    fn checked<E: Error>(value: f64) -> Result<f32, E> {
+        narrow(value).ok_or_else(|| E::custom(format!("{value} is out of range (a 32-bit float)")))
+    }
+
+    pub fn optional<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<f32>, D::Error> {
+        Option::<f64>::deserialize(deserializer)?
+            .map(checked)
+            .transpose()
+    }
+
+    /// A map of floats (`logit_bias`).
+    pub fn map<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<BTreeMap<String, f32>>, D::Error> {
+        Option::<BTreeMap<String, f64>>::deserialize(deserializer)?
+            .map(|map| {
+                map.into_iter()
+                    .map(|(key, value)| Ok((key, checked(value)?)))
+                    .collect()
+            })
+            .transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde::Deserialize;
+
+    #[derive(Deserialize)]
+    struct Fields {
+        #[serde(default, deserialize_with = "super::whole::optional")]
+        signed: Option<i64>,
+        #[serde(default, deserialize_with = "super::whole::optional")]
+        count: Option<usize>,
+        #[serde(default, deserialize_with = "super::real::optional")]
+        real: Option<f32>,
+    }
+
+    fn read(json: &str) -> Result<Fields, serde_json::Error> {
+        serde_json::from_str(json)
+    }
+
+    #[test]
+    fn integers_take_integral_floats_inside_their_range_only() {
+        assert_eq!(read(r#"{"count": 2.0}"#).unwrap().count, Some(2));
+        assert!(read(r#"{"count": 2.5}"#).is_err());
+        assert_eq!(
+            read(r#"{"signed": -9223372036854775808}"#).unwrap().signed,
+            Some(i64::MIN)
+        );
+        // Past i64 the literal reads as a float rounded onto -2^63: refused, not taken as MIN.
+        assert!(read(r#"{"signed": -9223372036854775809}"#).is_err());
+        assert!(read(r#"{"signed": 9223372036854775808}"#).is_err());
+        assert_eq!(
+            read(r#"{"count": 18446744073709551615}"#).unwrap().count,
+            Some(usize::MAX)
+        );
+        assert!(read(r#"{"count": 18446744073709551616}"#).is_err());
+        assert!(read(r#"{"count": -1}"#).is_err());
+    }
+
+    #[test]
+    fn floats_narrow_away_from_zero_and_refuse_past_f32() {
+        let real = |json: &str| read(json).map(|fields| fields.real);
+        assert_eq!(real(r#"{"real": 0.5}"#).unwrap(), Some(0.5));
+        assert_eq!(real(r#"{"real": 3}"#).unwrap(), Some(3.0));
+        assert!(real(r#"{"real": 1e-50}"#).unwrap().unwrap() > 0.0);
+        assert!(real(r#"{"real": -1e-50}"#).unwrap().unwrap() < 0.0);
+        assert!(real(r#"{"real": 1.0000000001}"#).unwrap().unwrap() > 1.0);
+        assert_eq!(real(r#"{"real": 0.99999999999}"#).unwrap(), Some(1.0));
+        assert_eq!(
+            real(r#"{"real": 3.4028234663852886e38}"#).unwrap(),
+            Some(f32::MAX)
+        );
+        assert!(real(r#"{"real": 3.5e38}"#).is_err());
+        assert!(real(r#"{"real": -1e300}"#).is_err());
+        assert_eq!(real(r#"{"real": null}"#).unwrap(), None);
     }
 }

@@ -7,6 +7,7 @@
 
 pub mod anthropic;
 pub mod api;
+pub mod constraints;
 pub mod convert;
 pub mod downloads;
 pub mod error;
@@ -158,6 +159,12 @@ impl AppState {
             config.hf_cache.clone(),
             config.max_ctx,
         );
+        if let Some(id) = registry.unaddressable() {
+            anyhow::bail!(
+                "the --model folder name `{id}` cannot be a model id (ids are `name` or \
+                 `org/name`, without backslashes); rename the folder"
+            );
+        }
         let downloads = downloads.map_or_else(|| downloads_for(&config), Ok);
         Ok(Self {
             engine,

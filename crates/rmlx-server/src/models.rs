@@ -139,6 +139,7 @@ fn memory(available: Option<u64>) -> MemoryInfo {
 #[allow(dead_code)]
 struct ModelId {
     /// The model's id, as `GET /v1/models` lists it (`org/name` ids send `/` as `%2F`).
+    #[param(value_type = crate::constraints::ModelId)]
     id: String,
 }
 
@@ -295,9 +296,15 @@ pub async fn unload(
 }
 
 /// Unloads the model, then removes its folder (its whole repository folder in the hub cache).
-/// `--model` folders are refused; so is a model whose download is still running.
+/// A `--model` folder is never deleted, and a model whose download is still running is not:
+/// both are conflicts with the server's state (409), not malformed requests.
 #[utoipa::path(delete, path = "/v1/models/{id}", tag = "models", params(ModelId),
-    responses((status = 200, description = "The model's folder is gone", body = Deleted)))]
+    responses(
+        (status = 200, description = "The model's folder is gone", body = Deleted),
+        (status = 409, description = "The model was given with --model (rmlx serve does not \
+            delete folders it was pointed at), or a download into it is still running",
+            body = crate::api::OpenAiError),
+    ))]
 pub async fn delete(
     State(state): State<AppState>,
     ModelPath(id): ModelPath,

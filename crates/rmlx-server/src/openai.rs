@@ -27,8 +27,8 @@ use crate::{
         FunctionCall, FunctionType, LegacyLogprobs, OpenAiFinish, TextChoice, TextCompletion,
         TextCompletionObject, Timings, ToolCallOut, Usage,
     },
-    convert,
-    error::{whole, Api, ApiError, ApiJson},
+    constraints, convert,
+    error::{object, real, whole, Api, ApiError, ApiJson},
     forced::{self, ForcedCall},
     generation::{inspect_prompt, new_id, unix_now, Generation, Step},
     logprobs,
@@ -38,43 +38,50 @@ use crate::{
     AppState,
 };
 
-/// Sampling fields shared by both routes (OpenAI names; the extras are vLLM/mlx-lm's).
+/// Sampling fields shared by both routes (OpenAI names; the extras are vLLM/mlx-lm's), with
+/// the ranges the engine enforces.
 #[derive(Debug, Default, Deserialize, ToSchema)]
 pub struct SamplingFields {
     /// 0 is greedy (default 1).
+    #[serde(default, deserialize_with = "real::optional")]
+    #[schema(value_type = Option<constraints::Temperature>)]
     temperature: Option<f32>,
+    /// Default 1 (off).
+    #[serde(default, deserialize_with = "real::optional")]
+    #[schema(value_type = Option<constraints::TopP>)]
     top_p: Option<f32>,
     /// 0 keeps every token.
     #[serde(default, deserialize_with = "whole::optional")]
+    #[schema(value_type = Option<constraints::TopK>)]
     top_k: Option<i64>,
+    #[serde(default, deserialize_with = "real::optional")]
+    #[schema(value_type = Option<constraints::MinP>)]
     min_p: Option<f32>,
+    #[serde(default, deserialize_with = "real::optional")]
+    #[schema(value_type = Option<constraints::Penalty>)]
     presence_penalty: Option<f32>,
+    #[serde(default, deserialize_with = "real::optional")]
+    #[schema(value_type = Option<constraints::Penalty>)]
     frequency_penalty: Option<f32>,
+    #[serde(default, deserialize_with = "real::optional")]
+    #[schema(value_type = Option<constraints::RepetitionPenalty>)]
     repetition_penalty: Option<f32>,
     #[serde(default, deserialize_with = "whole::optional")]
+    #[schema(value_type = Option<constraints::Seed>)]
     seed: Option<i64>,
     /// Token id (as a string) to a bias added to its logit.
+    #[serde(default, deserialize_with = "real::map")]
+    #[schema(value_type = Option<constraints::LogitBias>)]
     logit_bias: Option<BTreeMap<String, f32>>,
     /// Strings that end the answer (not included in it).
     stop: Option<Stop>,
     /// Must be 1.
     #[serde(default, deserialize_with = "whole::optional")]
+    #[schema(value_type = Option<constraints::ChoiceCount>)]
     n: Option<usize>,
-    /// Chat: `true` for the chosen tokens' log-probs (`top_logprobs` for alternatives).
-    /// Completions: how many alternatives per token, 0 to 20.
-    #[schema(value_type = Option<LogprobsField>)]
-    logprobs: Option<Value>,
     stream: Option<bool>,
+    #[serde(default, deserialize_with = "object::optional")]
     stream_options: Option<StreamOptions>,
-}
-
-/// `logprobs`: a boolean on chat, a count on completions.
-#[derive(ToSchema)]
-#[allow(dead_code)]
-#[serde(untagged)]
-enum LogprobsField {
-    Chat(bool),
-    Completions(u8),
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -94,16 +101,7 @@ pub struct StreamOptions {
 impl SamplingFields {
     /// OpenAI's defaults (temperature 1, top_p 1) unless the request says otherwise.
     fn sampling(&self) -> Result<SamplingParams, ApiError> {
-        let logit_bias = self
-            .logit_bias
-            .iter()
-            .flatten()
-            .map(|(id, bias)| {
-                id.parse::<u32>().map(|id| (id, *bias)).map_err(|_| {
-                    ApiError::BadRequest(format!("logit_bias key `{id}` is not a token id"))
-                })
-            })
-            .collect::<Result<_, _>>()?;
+        let logit_bias = constraints::logit_bias(self.logit_bias.as_ref())?;
         Ok(SamplingParams {
             temperature: self.temperature.unwrap_or(1.0),
             top_p: self.top_p.unwrap_or(1.0),
@@ -166,22 +164,27 @@ impl SamplingFields {
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct ChatRequest {
     /// A model id from `GET /v1/models`.
+    #[schema(value_type = constraints::ModelId)]
     model: String,
     /// OpenAI's messages: `role` (`system`, `developer`, `user`, `assistant`, `tool`) and
     /// `content` (a string or a list of `text` and `image_url` parts; images inline as data
     /// URIs, never fetched), plus `tool_calls` / `tool_call_id` / `reasoning_content`.
-    #[schema(value_type = Vec<ChatMessageIn>)]
+    #[schema(value_type = Vec<ChatMessageIn>, min_items = 1)]
     messages: Vec<Value>,
     /// Tokens to generate at most (default: the rest of the context).
     #[serde(default, deserialize_with = "whole::optional")]
+    #[schema(value_type = Option<constraints::MaxTokens>)]
     pub(crate) max_tokens: Option<usize>,
     /// Preferred over `max_tokens` when both are sent.
     #[serde(default, deserialize_with = "whole::optional")]
+    #[schema(value_type = Option<constraints::MaxTokens>)]
     pub(crate) max_completion_tokens: Option<usize>,
     /// OpenAI function tools: `{"type": "function", "function": {name, description, parameters}}`.
-    #[schema(value_type = Option<Vec<Object>>)]
+    #[schema(value_type = Option<Vec<ChatToolIn>>)]
     tools: Option<Vec<Value>>,
-    /// `none`, `auto`, `required`, or `{"type": "function", "function": {"name": ...}}`.
+    /// `none`, `auto`, `required`, or `{"type": "function", "function": {"name": ...}}` (a
+    /// forced call: it needs `tools`, and the named function must be one of them); any other
+    /// value is `auto`.
     tool_choice: Option<Value>,
     /// Turns the model's thinking on or off where its template has the switch.
     enable_thinking: Option<bool>,
@@ -192,11 +195,24 @@ pub struct ChatRequest {
     /// {"schema": ...}}`: enforced by constrained decoding.
     #[schema(value_type = Option<ResponseFormatIn>)]
     response_format: Option<Value>,
+    /// `true` for the chosen tokens' log-probs (`top_logprobs` for alternatives).
+    #[schema(value_type = Option<bool>)]
+    logprobs: Option<Value>,
     /// Alternatives per token, 0 to 20 (needs `logprobs: true`).
     #[schema(value_type = Option<u8>, minimum = 0, maximum = 20)]
     top_logprobs: Option<Value>,
     #[serde(flatten)]
     pub(crate) sampling: SamplingFields,
+}
+
+/// What `ChatRequest`'s schema adds across fields (utoipa's derive has no `if` / `then`):
+/// `top_logprobs` needs `logprobs: true` (`logprobs::chat_request`).
+pub(crate) fn chat_request_rules() -> Value {
+    serde_json::json!({
+        "if": {"required": ["top_logprobs"],
+               "properties": {"top_logprobs": {"not": {"type": "null"}}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": true}}}
+    })
 }
 
 fn tool_call(call: &ToolCall, index: Option<usize>) -> ToolCallOut {
@@ -230,6 +246,15 @@ pub(crate) struct ChatParts {
 /// Converts a chat request's fields (`model_id` names the model in errors): everything the
 /// handler does before it needs the model, and what the request fuzzer drives.
 pub(crate) fn chat_parts(request: &ChatRequest, model_id: &str) -> Result<ChatParts, ApiError> {
+    // Either field at 0 is refused, even beside the other one (the document bounds both).
+    for (field, value) in [
+        ("max_tokens", request.max_tokens),
+        ("max_completion_tokens", request.max_completion_tokens),
+    ] {
+        if value == Some(0) {
+            return Err(ApiError::BadRequest(format!("{field} must be at least 1")));
+        }
+    }
     // Enforced by constrained decoding in the engine; a schema it cannot compile is a 400.
     let response_format: ResponseFormat = match &request.response_format {
         None | Some(Value::Null) => ResponseFormat::Text,
@@ -251,10 +276,8 @@ pub(crate) fn chat_parts(request: &ChatRequest, model_id: &str) -> Result<ChatPa
         extra,
         ..TemplateOptions::default()
     };
-    let logprobs = logprobs::chat_request(
-        request.sampling.logprobs.as_ref(),
-        request.top_logprobs.as_ref(),
-    )?;
+    let logprobs =
+        logprobs::chat_request(request.logprobs.as_ref(), request.top_logprobs.as_ref())?;
     Ok(ChatParts {
         response_format,
         messages,
@@ -270,7 +293,7 @@ pub(crate) fn chat_parts(request: &ChatRequest, model_id: &str) -> Result<ChatPa
 /// `data: [DONE]`; a failure after the start is an `OpenAiError` event).
 #[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatRequest,
     responses((status = 200, description = "The answer, or its stream of `ChatCompletionChunk`s",
-        content((ChatCompletion = "application/json"), (String = "text/event-stream")))))]
+        content((ChatCompletion = "application/json"), (sse::ChatStreamEvent = "text/event-stream")))))]
 pub async fn chat_completions(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<ChatRequest>,
@@ -494,28 +517,55 @@ impl EventSource for ChatStream {
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct CompletionRequest {
     /// A model id from `GET /v1/models`.
+    #[schema(value_type = constraints::ModelId)]
     model: String,
     /// A string, a list of one string, or a list of token ids.
     #[schema(value_type = PromptField)]
     prompt: Value,
     /// Tokens to generate at most (default 16).
     #[serde(default, deserialize_with = "whole::optional")]
+    #[schema(value_type = Option<constraints::MaxTokens>)]
     max_tokens: Option<usize>,
+    /// How many alternatives per token to list with the chosen one, 0 to 20.
+    #[schema(value_type = Option<u8>, minimum = 0, maximum = 20)]
+    logprobs: Option<Value>,
     #[serde(flatten)]
     sampling: SamplingFields,
 }
 
 /// A chat message as the document describes it (the handler reads the JSON itself, in
-/// `convert`): `tool_calls`, `tool_call_id` and `reasoning_content` are taken too, as OpenAI
-/// sends them.
+/// `convert`): an assistant message may carry `tool_calls` (and `reasoning_content`), a tool
+/// message its `tool_call_id`; other fields are ignored.
 #[derive(ToSchema)]
 #[allow(dead_code)]
-struct ChatMessageIn {
+#[serde(untagged)]
+enum ChatMessageIn {
+    Assistant(AssistantMessageIn),
+    Other(OtherMessageIn),
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct AssistantMessageIn {
+    #[schema(value_type = String, pattern = "^assistant$")]
+    role: String,
+    /// Null or absent is empty.
+    content: Option<ChatContent>,
+    /// Past calls (`function.arguments` a JSON string, or the object itself).
+    tool_calls: Option<Vec<ToolCallIn>>,
+    /// Past reasoning (also read as `reasoning`); a value that is not a string is ignored.
+    reasoning_content: Option<Value>,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct OtherMessageIn {
     role: ChatRole,
     /// Null or absent is empty.
     content: Option<ChatContent>,
 }
 
+/// The roles besides `assistant` (`developer` is `system`, `function` is `tool`).
 #[derive(ToSchema)]
 #[allow(dead_code)]
 #[serde(rename_all = "lowercase")]
@@ -523,9 +573,22 @@ enum ChatRole {
     System,
     Developer,
     User,
-    Assistant,
     Tool,
     Function,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct ToolCallIn {
+    function: FunctionCallIn,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct FunctionCallIn {
+    name: String,
+    /// A JSON object as a string (OpenAI's form), or the object.
+    arguments: Option<Value>,
 }
 
 #[derive(ToSchema)]
@@ -533,17 +596,17 @@ enum ChatRole {
 #[serde(untagged)]
 enum ChatContent {
     Text(String),
-    Parts(Vec<ContentPart>),
+    Parts(Vec<ChatContentPart>),
 }
 
 #[derive(ToSchema)]
 #[allow(dead_code)]
 #[serde(tag = "type", rename_all = "snake_case")]
-enum ContentPart {
+enum ChatContentPart {
     Text {
         text: String,
     },
-    /// A data URI (`data:image/png;base64,...`).
+    /// An image inline (`data:image/png;base64,...` or bare base64; never fetched).
     ImageUrl {
         image_url: ImageUrl,
     },
@@ -553,8 +616,28 @@ enum ContentPart {
 #[allow(dead_code)]
 #[serde(untagged)]
 enum ImageUrl {
+    #[schema(value_type = constraints::ImageRef)]
     Url(String),
-    Object { url: String },
+    Object {
+        #[schema(value_type = constraints::ImageRef)]
+        url: String,
+    },
+}
+
+/// An OpenAI function tool (its `type` is not read).
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct ChatToolIn {
+    function: ChatFunctionIn,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+struct ChatFunctionIn {
+    name: String,
+    description: Option<Value>,
+    /// A JSON Schema of the arguments (absent: no arguments).
+    parameters: Option<Value>,
 }
 
 /// `response_format` as the document describes it (the engine's `ResponseFormat` reads it).
@@ -570,22 +653,59 @@ enum ResponseFormatIn {
 #[derive(ToSchema)]
 #[allow(dead_code)]
 struct JsonSchemaIn {
-    name: Option<String>,
+    #[serde(default)]
+    name: String,
     description: Option<String>,
-    /// A JSON Schema the answer must follow (absent: any JSON value).
-    schema: Option<Value>,
+    /// A JSON Schema the answer must follow (absent: any JSON value); one the constrained
+    /// decoder cannot compile is refused (400).
+    #[serde(default)]
+    #[schema(value_type = constraints::SchemaDocument)]
+    schema: Value,
     /// Refuse keywords that cannot be enforced instead of ignoring them.
     strict: Option<bool>,
 }
 
-/// The legacy `prompt`'s shapes.
-#[derive(ToSchema)]
-#[allow(dead_code)]
-#[serde(untagged)]
-enum PromptField {
-    Text(String),
-    OneText(Vec<String>),
-    Ids(Vec<u32>),
+/// The legacy `prompt`'s shapes: a string, a list of one string (neither empty), or token ids.
+struct PromptField;
+
+impl utoipa::PartialSchema for PromptField {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, OneOfBuilder, Type};
+        let text = || {
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .min_length(Some(1))
+        };
+        OneOfBuilder::new()
+            .item(text())
+            .item(
+                ArrayBuilder::new()
+                    .items(text())
+                    .min_items(Some(1))
+                    .max_items(Some(1)),
+            )
+            .item(
+                ArrayBuilder::new()
+                    .items(utoipa::openapi::Ref::from_schema_name("TokenId"))
+                    .min_items(Some(1)),
+            )
+            .description(Some(
+                "A string, a list of one string, or a list of token ids (never empty).",
+            ))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for PromptField {
+    fn schemas(
+        schemas: &mut Vec<(
+            String,
+            utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>,
+        )>,
+    ) {
+        use utoipa::PartialSchema;
+        schemas.push(("TokenId".into(), constraints::TokenId::schema()));
+    }
 }
 
 /// A string, a one-string list, or token ids.
@@ -600,20 +720,30 @@ fn legacy_prompt(prompt: &Value) -> Result<Prompt, ApiError> {
         Value::Array(items) if items.len() == 1 && items[0].is_string() => Ok(Prompt::Text(
             items[0].as_str().unwrap_or_default().to_string(),
         )),
-        Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_u64) => {
-            Ok(Prompt::Ids(
-                items
-                    .iter()
-                    .filter_map(Value::as_u64)
-                    .map(|id| id as u32)
-                    .collect(),
-            ))
-        }
+        // Token ids: whole numbers (2.0 too, as JSON Schema's integers); one too large for a
+        // token id lies past the vocabulary, as the engine says of one past the model's.
+        Value::Array(items) if !items.is_empty() && items.iter().all(is_whole) => items
+            .iter()
+            .map(|id| {
+                let wide = id
+                    .as_u64()
+                    .unwrap_or_else(|| id.as_f64().unwrap_or(0.0) as u64);
+                u32::try_from(wide).map_err(|_| {
+                    ApiError::BadRequest(format!("token id {id} is outside the vocabulary"))
+                })
+            })
+            .collect::<Result<_, _>>()
+            .map(Prompt::Ids),
         Value::Array(items) if items.len() > 1 && items.iter().all(Value::is_string) => Err(
             ApiError::BadRequest("only one prompt per request is supported".into()),
         ),
         _ => Err(bad()),
     }
+}
+
+/// A whole number of at least 0 (a token id, maybe past any vocabulary).
+fn is_whole(value: &Value) -> bool {
+    value.is_u64() || value.as_f64().is_some_and(|f| f >= 0.0 && f.fract() == 0.0)
 }
 
 /// A legacy completion request as the engine takes it, before any model is involved (what the
@@ -623,7 +753,7 @@ pub(crate) fn completion_parts(
     max_ctx: Option<usize>,
 ) -> Result<(Prompt, GenerateParams), ApiError> {
     let prompt = legacy_prompt(&request.prompt)?;
-    let logprobs = logprobs::legacy_request(request.sampling.logprobs.as_ref())?;
+    let logprobs = logprobs::legacy_request(request.logprobs.as_ref())?;
     // OpenAI's legacy default.
     let params = request
         .sampling
@@ -635,7 +765,7 @@ pub(crate) fn completion_parts(
 /// `data: [DONE]`).
 #[utoipa::path(post, path = "/v1/completions", tag = "openai", request_body = CompletionRequest,
     responses((status = 200, description = "The completion, or its stream of `TextCompletion` chunks",
-        content((TextCompletion = "application/json"), (String = "text/event-stream")))))]
+        content((TextCompletion = "application/json"), (sse::TextStreamEvent = "text/event-stream")))))]
 pub async fn completions(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<CompletionRequest>,

@@ -19,10 +19,7 @@ use utoipa::{
     Modify, OpenApi,
 };
 
-use crate::{
-    anthropic, api, downloads, metrics, models, openai,
-    responses::{self, AnyOfLists},
-};
+use crate::{anthropic, api, constraints, downloads, metrics, models, openai, responses};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -67,7 +64,7 @@ use crate::{
         api::OpenAiError,
         api::AnthropicError,
     )),
-    modifiers(&Security, &AnyOfLists),
+    modifiers(&Security),
     tags(
         (name = "openai", description = "OpenAI-compatible generation"),
         (name = "anthropic", description = "Anthropic-compatible generation"),
@@ -95,7 +92,8 @@ const ERROR_STATUSES: [(&str, &str); 9] = [
     ("404", "Unknown model, download job or route"),
     (
         "409",
-        "The resource is busy (a download running, a job in the wrong state)",
+        "A conflict with the server's state (a download running, a job in the wrong state, \
+         a --model folder to delete)",
     ),
     ("413", "The body is over --max-body-mb"),
     ("429", "The queue is full (--max-queue); retry later"),
@@ -194,6 +192,20 @@ fn fix_links(value: &mut Value) {
     }
 }
 
+/// Merges each `json_component!`'s JSON Schema into its schema object.
+fn expand_json_schemas(value: &mut Value) {
+    match value {
+        Value::Object(map) => {
+            if let Some(Value::Object(schema)) = map.remove(constraints::JSON_SCHEMA_KEY) {
+                map.extend(schema);
+            }
+            map.values_mut().for_each(expand_json_schemas);
+        }
+        Value::Array(items) => items.iter_mut().for_each(expand_json_schemas),
+        _ => {}
+    }
+}
+
 /// The document, built once.
 pub fn document() -> &'static Value {
     static DOCUMENT: OnceLock<Value> = OnceLock::new();
@@ -201,6 +213,12 @@ pub fn document() -> &'static Value {
         let mut document = serde_json::to_value(ApiDoc::openapi()).unwrap_or_default();
         add_errors(&mut document);
         fix_links(&mut document);
+        expand_json_schemas(&mut document);
+        if let Some(Value::Array(all)) =
+            document.pointer_mut("/components/schemas/ChatRequest/allOf")
+        {
+            all.push(openai::chat_request_rules());
+        }
         document
     })
 }

@@ -89,6 +89,15 @@ impl Registry {
         }
     }
 
+    /// A `--model` folder whose name cannot be an id (`check_id`: a backslash in it), which no
+    /// request could address; the server refuses to start with one.
+    pub fn unaddressable(&self) -> Option<&str> {
+        self.explicit
+            .iter()
+            .map(|entry| entry.id.as_str())
+            .find(|id| check_id(id).is_err())
+    }
+
     /// Every model we can serve, `--model` folders first; the first id wins on duplicates.
     pub fn list(&self) -> Vec<ModelEntry> {
         let mut all = self.explicit.clone();
@@ -103,12 +112,13 @@ impl Registry {
         all
     }
 
-    /// The model an id names, refusing ids that could reach outside the model folders.
+    /// The model an id names, refusing ids that could reach outside the model folders (and any
+    /// id not of that shape, `--model` ones included, as the OpenAPI document states it).
     pub fn resolve(&self, id: &str) -> Result<ModelEntry, ApiError> {
+        check_id(id)?;
         if let Some(found) = self.explicit.iter().find(|entry| entry.id == id) {
             return Ok(found.clone());
         }
-        check_id(id)?;
         if let Some(dir) = &self.models_dir {
             let path = dir.join(id);
             if is_model_dir(&path) && stays_inside(dir, &path) {
@@ -135,20 +145,30 @@ impl Registry {
 
     /// The folder that deleting `entry` removes: the model's own folder in the models folder,
     /// or its whole repository folder (`models--org--name`: snapshots, blobs, refs) in the hub
-    /// cache. `--model` folders are never deleted, and nothing outside the two roots is.
+    /// cache. `--model` folders are never deleted (a conflict with how the server was started,
+    /// 409), and nothing outside the two roots is.
     pub fn deletable_folder(&self, entry: &ModelEntry) -> Result<PathBuf, ApiError> {
         let refuse = |why: &str| ApiError::BadRequest(format!("model `{}` {why}", entry.id));
         let (root, folder) = match entry.source {
             Source::Model => {
-                return Err(refuse(
-                    "was given with --model and is not deleted by the server; remove its folder yourself",
-                ))
+                return Err(ApiError::Conflict(format!(
+                    "model `{}` was given with --model; rmlx serve does not delete folders it \
+                     was pointed at (remove the folder yourself, or serve it from --models-dir)",
+                    entry.id
+                )))
             }
             Source::ModelsDir => (self.models_dir.as_ref(), entry.path.clone()),
             Source::HfCache => {
-                let (org, name) = entry.id.split_once('/').ok_or_else(|| refuse("has no org"))?;
+                let (org, name) = entry
+                    .id
+                    .split_once('/')
+                    .ok_or_else(|| refuse("has no org"))?;
                 let hub = self.hf_hub.as_ref();
-                (hub, hub.map(|hub| hub.join(format!("models--{org}--{name}"))).unwrap_or_default())
+                (
+                    hub,
+                    hub.map(|hub| hub.join(format!("models--{org}--{name}")))
+                        .unwrap_or_default(),
+                )
             }
         };
         let root = root.ok_or_else(|| refuse("has no models folder"))?;
@@ -248,8 +268,9 @@ fn entry(id: String, path: PathBuf, owned_by: &str, source: Source) -> ModelEntr
     }
 }
 
-/// Relative, `/`-separated, no `.`/`..`, no backslashes or drive prefixes.
-fn check_id(id: &str) -> Result<(), ApiError> {
+/// Relative, `/`-separated, no `.`/`..`, no backslashes or drive prefixes
+/// (`constraints::MODEL_ID_PATTERN` states the same in the OpenAPI document).
+pub(crate) fn check_id(id: &str) -> Result<(), ApiError> {
     let bad = id.is_empty()
         || id.contains('\\')
         || id.contains('\0')

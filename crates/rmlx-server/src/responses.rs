@@ -34,8 +34,9 @@ use utoipa::ToSchema;
 
 use crate::{
     api::Timings,
+    constraints,
     convert::{self, Dropped},
-    error::{whole, Api, ApiError, ApiJson},
+    error::{object, real, whole, Api, ApiError, ApiJson},
     forced::{self, ForcedCall},
     generation::{inspect_prompt, new_id, unix_now, Generation, Step},
     parse::OutputParser,
@@ -44,8 +45,7 @@ use crate::{
 };
 use input::ToolNames;
 use output::{Options, Output};
-pub use schema::AnyOfLists;
-use schema::{ResponseToolIn, ResponsesInput, TextFormatIn, ToolChoiceIn};
+use schema::{NullOnly, ResponseToolIn, ResponsesInput, TextFormatIn, ToolChoiceIn};
 use store::Store;
 use types::{
     IncompleteDetails, InputTokensDetails, OutputTokensDetails, ReasoningEcho, ResponseError,
@@ -63,6 +63,7 @@ fn bad(message: impl Into<String>) -> ApiError {
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct ResponsesRequest {
     /// A model id from `GET /v1/models`.
+    #[schema(value_type = constraints::ModelId)]
     model: String,
     /// The conversation: a string (one user message) or input items. Items of a type the
     /// server cannot use are ignored (and logged).
@@ -76,35 +77,55 @@ pub struct ResponsesRequest {
     #[schema(value_type = Option<Vec<ResponseToolIn>>)]
     tools: Option<Vec<Value>>,
     /// `none`, `auto` (default), `required`, `{"type": "function" | "custom", "name"}` (a
-    /// forced call) or `{"type": "allowed_tools", "mode", "tools"}`.
+    /// forced call) or `{"type": "allowed_tools", "mode", "tools"}`. A forced call needs a
+    /// tool to call, and a named tool must be one of `tools`.
     #[schema(value_type = Option<ToolChoiceIn>)]
     tool_choice: Option<Value>,
     /// `false` keeps only the model's first call (default `true`).
     parallel_tool_calls: Option<bool>,
     /// Tokens to generate at most, reasoning included (default: the rest of the context).
     #[serde(default, deserialize_with = "whole::optional")]
-    #[schema(minimum = 1)]
+    #[schema(value_type = Option<constraints::MaxTokens>)]
     max_output_tokens: Option<usize>,
     /// 0 is greedy (default 1).
+    #[serde(default, deserialize_with = "real::optional")]
+    #[schema(value_type = Option<constraints::Temperature>)]
     temperature: Option<f32>,
+    /// Default 1 (off).
+    #[serde(default, deserialize_with = "real::optional")]
+    #[schema(value_type = Option<constraints::TopP>)]
     top_p: Option<f32>,
     /// rMLX's extra sampling fields, as on chat completions.
     #[serde(default, deserialize_with = "whole::optional")]
+    #[schema(value_type = Option<constraints::TopK>)]
     top_k: Option<i64>,
+    #[serde(default, deserialize_with = "real::optional")]
+    #[schema(value_type = Option<constraints::MinP>)]
     min_p: Option<f32>,
+    #[serde(default, deserialize_with = "real::optional")]
+    #[schema(value_type = Option<constraints::Penalty>)]
     presence_penalty: Option<f32>,
+    #[serde(default, deserialize_with = "real::optional")]
+    #[schema(value_type = Option<constraints::Penalty>)]
     frequency_penalty: Option<f32>,
+    #[serde(default, deserialize_with = "real::optional")]
+    #[schema(value_type = Option<constraints::RepetitionPenalty>)]
     repetition_penalty: Option<f32>,
     #[serde(default, deserialize_with = "whole::optional")]
+    #[schema(value_type = Option<constraints::Seed>)]
     seed: Option<i64>,
     /// Token id (as a string) to a bias added to its logit.
+    #[serde(default, deserialize_with = "real::map")]
+    #[schema(value_type = Option<constraints::LogitBias>)]
     logit_bias: Option<BTreeMap<String, f32>>,
     /// `effort`: `none` or `minimal` turn the model's thinking off, `low`, `medium`, `high`
-    /// (or `xhigh`) on; absent, the template's default. `summary` (`auto`, `concise`,
-    /// `detailed`): the reasoning text also comes as the item's summary, with the summary
-    /// events.
+    /// (or `xhigh`) on; absent (or another value), the template's default. `summary` (`auto`,
+    /// `concise`, `detailed`; not `none`): the reasoning text also comes as the item's summary,
+    /// with the summary events.
+    #[serde(default, deserialize_with = "object::optional")]
     reasoning: Option<ReasoningParam>,
     /// `format`: `text`, `json_object` or `json_schema` (enforced by constrained decoding).
+    #[serde(default, deserialize_with = "object::optional")]
     text: Option<TextParam>,
     /// rMLX's extra: variables for the chat template, as on chat completions (e.g. Qwen3.6's
     /// `preserve_thinking: true`); `enable_thinking` here applies when `reasoning.effort` is
@@ -113,13 +134,15 @@ pub struct ResponsesRequest {
     chat_template_kwargs: Option<Map<String, Value>>,
     /// Keep the response for `previous_response_id` (default `true`; in memory, bounded).
     store: Option<bool>,
-    /// A stored response (`resp_…`) whose conversation this one continues.
+    /// A stored response (`resp_…`) whose conversation this one continues; one that is not
+    /// stored is a 400 `previous_response_not_found`.
     previous_response_id: Option<String>,
     /// `reasoning.encrypted_content` puts the reasoning text in reasoning items'
     /// `encrypted_content` (not encrypted), so it comes back with the next turn.
     include: Option<Vec<String>>,
     stream: Option<bool>,
     prompt_cache_key: Option<String>,
+    #[schema(value_type = Option<Object>)]
     metadata: Option<Map<String, Value>>,
     user: Option<String>,
     /// `disabled` (default) or `auto`: echoed; a prompt over the context fails either way.
@@ -127,9 +150,11 @@ pub struct ResponsesRequest {
     service_tier: Option<String>,
     /// Codex's per-request metadata (ignored).
     #[allow(dead_code)]
+    #[schema(value_type = Option<Object>)]
     client_metadata: Option<Map<String, Value>>,
-    /// Conversation objects are not kept: refused when set.
-    #[schema(ignore)]
+    /// Conversation objects are not kept: send the history in `input` or continue a stored
+    /// response with `previous_response_id` (only null is taken).
+    #[schema(value_type = Option<NullOnly>)]
     conversation: Option<Value>,
 }
 
@@ -148,16 +173,7 @@ pub struct TextParam {
 
 impl ResponsesRequest {
     fn sampling(&self) -> Result<SamplingParams, ApiError> {
-        let logit_bias = self
-            .logit_bias
-            .iter()
-            .flatten()
-            .map(|(id, bias)| {
-                id.parse::<u32>()
-                    .map(|id| (id, *bias))
-                    .map_err(|_| bad(format!("logit_bias key `{id}` is not a token id")))
-            })
-            .collect::<Result<_, _>>()?;
+        let logit_bias = constraints::logit_bias(self.logit_bias.as_ref())?;
         Ok(SamplingParams {
             temperature: self.temperature.unwrap_or(1.0),
             top_p: self.top_p.unwrap_or(1.0),
@@ -346,7 +362,7 @@ fn previous_not_found(id: &str) -> Response {
 /// `response.failed`).
 #[utoipa::path(post, path = "/v1/responses", tag = "openai", request_body = ResponsesRequest,
     responses((status = 200, description = "The response, or its stream of `ResponseStreamEvent`s",
-        content((ResponseObject = "application/json"), (String = "text/event-stream")))))]
+        content((ResponseObject = "application/json"), (sse::ResponsesStreamEvent = "text/event-stream")))))]
 pub async fn create(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<ResponsesRequest>,

@@ -23,6 +23,80 @@ pub fn respond<M: EventSource>(machine: M) -> Response {
     Sse::new(events).into_response()
 }
 
+/// An OpenAI stream's event: `data:` is one JSON chunk of `$chunk` (or, after a failure, the
+/// error), then the last one is `[DONE]`.
+macro_rules! openai_events {
+    ($(#[$doc:meta])* $name:ident, $chunk:ty, $chunk_name:literal) => {
+        crate::json_component!(
+            $(#[$doc])*
+            pub $name [$chunk, crate::api::OpenAiError] => serde_json::json!({
+                "type": "object",
+                "required": ["data"],
+                "properties": {"data": {"anyOf": [
+                    {"const": "[DONE]"},
+                    {"type": "string", "contentMediaType": "application/json",
+                     "contentSchema": {"anyOf": [
+                        {"$ref": concat!("#/components/schemas/", $chunk_name)},
+                        {"$ref": "#/components/schemas/OpenAiError"}]}}
+                ]}}
+            })
+        );
+    };
+}
+
+openai_events!(
+    /// One event of a chat completion stream (the document's schema of `text/event-stream`
+    /// describes each event: `data:` and, for named events, `event:`).
+    ChatStreamEvent,
+    crate::api::ChatCompletionChunk,
+    "ChatCompletionChunk"
+);
+
+openai_events!(
+    /// One event of a text completion stream.
+    TextStreamEvent,
+    crate::api::TextCompletion,
+    "TextCompletion"
+);
+
+/// A named stream's event: `event:` names it, `data:` is its JSON (`$payload`, or the error).
+macro_rules! named_events {
+    ($(#[$doc:meta])* $name:ident, $payload:ty, $payload_name:literal, $error:ty, $error_name:literal) => {
+        crate::json_component!(
+            $(#[$doc])*
+            pub $name [$payload, $error] => serde_json::json!({
+                "type": "object",
+                "required": ["event", "data"],
+                "properties": {
+                    "event": {"type": "string", "description": "The payload's `type`."},
+                    "data": {"type": "string", "contentMediaType": "application/json",
+                             "contentSchema": {"anyOf": [
+                                {"$ref": concat!("#/components/schemas/", $payload_name)},
+                                {"$ref": concat!("#/components/schemas/", $error_name)}]}}
+                }
+            })
+        );
+    };
+}
+
+named_events!(
+    /// One event of an Anthropic Messages stream (`event: error` after a failure).
+    MessagesStreamEvent,
+    crate::api::MessageStreamEvent,
+    "MessageStreamEvent",
+    crate::api::AnthropicError,
+    "AnthropicError"
+);
+
+named_events!(
+    /// One event of a Responses stream (a failure is its `response.failed` event).
+    ResponsesStreamEvent,
+    crate::responses::types::ResponseStreamEvent,
+    "ResponseStreamEvent",
+    crate::api::OpenAiError,
+    "OpenAiError"
+);
+
 /// `data: {json}` (OpenAI's chunks carry no event name).
 pub fn data(value: &impl serde::Serialize) -> Event {
     Event::default().data(serde_json::to_string(value).unwrap_or_default())

@@ -358,11 +358,21 @@ async fn deletes_stay_inside_the_model_folders() {
         ("..%2Foutside", 400),
         ("%2Fetc", 400),
         ("org%2F..%2F..%2Foutside", 400),
-        (MODEL, 400),
+        // A --model folder: a conflict with how the server was started, not a bad request.
+        (MODEL, 409),
     ] {
         let reply = delete(&router, &format!("/v1/models/{id}")).await;
         assert_eq!(reply.status, status, "{id}: {}", reply.text);
     }
+    let refused = delete(&router, &format!("/v1/models/{MODEL}")).await.json();
+    assert_eq!(refused["error"]["code"], "conflict", "{refused}");
+    let message = refused["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("was given with --model")
+            && message.contains("does not delete folders it was pointed at"),
+        "{message}"
+    );
+    assert!(fixture("qwen3-tiny/config.json").is_file());
     // Loading goes through the same resolution: nothing outside the roots loads either.
     for (id, status) in [
         ("escape", 404),

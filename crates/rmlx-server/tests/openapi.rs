@@ -83,3 +83,54 @@ fn document_names_every_route_and_both_error_shapes() {
         "#/components/schemas/OpenAiError"
     );
 }
+
+/// Every string of `pieces` up to `depth` pieces long.
+fn strings(pieces: &[&str], depth: usize) -> Vec<String> {
+    let mut all = vec![String::new()];
+    let mut last = all.clone();
+    for _ in 0..depth {
+        last = last
+            .iter()
+            .flat_map(|s| pieces.iter().map(move |piece| format!("{s}{piece}")))
+            .collect();
+        all.extend(last.iter().cloned());
+    }
+    all
+}
+
+/// The download body's patterns take exactly what the hub's checks take (the model id and
+/// image patterns are checked against the server's own in `constraints`).
+#[test]
+fn download_patterns_are_the_hubs_checks() {
+    let document = rmlx_server::openapi::document();
+    let properties = &document["components"]["schemas"]["StartDownload"]["properties"];
+    let pattern = |field: &str| {
+        fancy_regex::Regex::new(properties[field]["pattern"].as_str().unwrap()).unwrap()
+    };
+    let repo = pattern("repo");
+    for id in strings(&["a", "/", ".", "..", "-", "_", "é", " "], 4) {
+        assert_eq!(
+            repo.is_match(&id).unwrap(),
+            rmlx_hub::RepoId::parse(&id).is_ok(),
+            "{id:?}"
+        );
+    }
+    let revision = pattern("revision");
+    let pieces = [
+        "a", "/", ".", "@", "{", "~", " ", "\u{a0}", "\u{1f}", "\u{feff}", "é", "\\",
+    ];
+    let mut revisions = strings(&pieces, 3);
+    revisions.extend([
+        "x".repeat(256),
+        "x".repeat(257),
+        "é".repeat(256),
+        "é".repeat(257),
+    ]);
+    for name in revisions {
+        assert_eq!(
+            revision.is_match(&name).unwrap(),
+            rmlx_hub::check_revision(&name).is_ok(),
+            "{name:?}"
+        );
+    }
+}

@@ -6,7 +6,10 @@
 use std::{fmt::Write, path::Path};
 
 fn main() {
-    let dist = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ui/dist");
+    // Read at run time: `env!` would bake in the folder this script was first compiled in, and
+    // cargo reuses the script's binary for another checkout sharing the target folder.
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").unwrap();
+    let dist = Path::new(&manifest).join("../../ui/dist");
     // A folder: cargo watches everything under it.
     println!("cargo:rerun-if-changed={}", dist.display());
     let mut files = Vec::new();

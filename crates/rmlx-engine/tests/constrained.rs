@@ -216,7 +216,10 @@ fn the_engine_constrains_and_refuses_bad_schemas_before_starting() {
     let handle = engine.submit(engine_request(bad)).unwrap();
     match handle.events.recv().unwrap() {
         Event::Error(EngineError::InvalidRequest(message)) => {
-            assert!(message.contains("JSON schema does not compile"), "{message}")
+            assert!(
+                message.contains("JSON schema does not compile"),
+                "{message}"
+            )
         }
         other => panic!("expected an invalid-request error first, got {other:?}"),
     }

@@ -658,7 +658,9 @@ pub struct CodexTruncationPolicy {
 }
 
 /// One model as Codex CLI's `/models` reader takes it. `base_instructions` is left out on
-/// purpose: Codex would use it in place of its own system prompt.
+/// purpose: Codex would use it in place of its own system prompt. `apply_patch_tool_type` is
+/// left out too: Codex 0.169 knows only `freeform` (a grammar this server does not enforce) and
+/// refuses any other value; absent, it sends apply_patch as a JSON function.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct CodexModel {
     pub slug: String,
@@ -673,8 +675,6 @@ pub struct CodexModel {
     pub priority: i32,
     pub supports_reasoning_summaries: bool,
     pub support_verbosity: bool,
-    /// `function`: apply_patch as a JSON function (a freeform tool's grammar is not enforced).
-    pub apply_patch_tool_type: String,
     pub truncation_policy: CodexTruncationPolicy,
     pub supports_parallel_tool_calls: bool,
     /// Tokens of context (prompt + answer), as `context_length` says.

@@ -214,7 +214,6 @@ fn codex_model((priority, model): (usize, &ModelObject)) -> CodexModel {
         priority: priority as i32,
         supports_reasoning_summaries: true,
         support_verbosity: false,
-        apply_patch_tool_type: "function".into(),
         truncation_policy: CodexTruncationPolicy {
             mode: "bytes".into(),
             limit: 10_000,

@@ -38,18 +38,18 @@ use crate::{
     AppState,
 };
 
-/// Sampling fields shared by both routes (OpenAI names; the extras are vLLM/mlx-lm's), with
-/// the ranges the engine enforces.
+/// The sampler's fields, shared by chat, completions and Responses (OpenAI names; the extras
+/// are vLLM/mlx-lm's), with the ranges the engine enforces.
 #[derive(Debug, Default, Deserialize, ToSchema)]
-pub struct SamplingFields {
+pub struct Sampler {
     /// 0 is greedy (default 1).
     #[serde(default, deserialize_with = "real::optional")]
     #[schema(value_type = Option<constraints::Temperature>)]
-    temperature: Option<f32>,
+    pub(crate) temperature: Option<f32>,
     /// Default 1 (off).
     #[serde(default, deserialize_with = "real::optional")]
     #[schema(value_type = Option<constraints::TopP>)]
-    top_p: Option<f32>,
+    pub(crate) top_p: Option<f32>,
     /// 0 keeps every token.
     #[serde(default, deserialize_with = "whole::optional")]
     #[schema(value_type = Option<constraints::TopK>)]
@@ -73,6 +73,33 @@ pub struct SamplingFields {
     #[serde(default, deserialize_with = "real::map")]
     #[schema(value_type = Option<constraints::LogitBias>)]
     logit_bias: Option<BTreeMap<String, f32>>,
+}
+
+impl Sampler {
+    /// OpenAI's defaults (temperature 1, top_p 1) unless the request says otherwise.
+    pub(crate) fn params(&self) -> Result<SamplingParams, ApiError> {
+        let logit_bias = constraints::logit_bias(self.logit_bias.as_ref())?;
+        Ok(SamplingParams {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_p: self.top_p.unwrap_or(1.0),
+            top_k: self.top_k.unwrap_or(0).max(0) as usize,
+            min_p: self.min_p.unwrap_or(0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed.map(|seed| seed as u64),
+            logit_bias,
+            ..SamplingParams::default()
+        })
+    }
+}
+
+/// Sampling fields shared by chat and completions: the sampler's, and how the answer ends and
+/// streams.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+pub struct SamplingFields {
+    #[serde(flatten)]
+    sampler: Sampler,
     /// Strings that end the answer (not included in it).
     stop: Option<Stop>,
     /// Must be 1.
@@ -99,21 +126,8 @@ pub struct StreamOptions {
 }
 
 impl SamplingFields {
-    /// OpenAI's defaults (temperature 1, top_p 1) unless the request says otherwise.
     fn sampling(&self) -> Result<SamplingParams, ApiError> {
-        let logit_bias = constraints::logit_bias(self.logit_bias.as_ref())?;
-        Ok(SamplingParams {
-            temperature: self.temperature.unwrap_or(1.0),
-            top_p: self.top_p.unwrap_or(1.0),
-            top_k: self.top_k.unwrap_or(0).max(0) as usize,
-            min_p: self.min_p.unwrap_or(0.0),
-            presence_penalty: self.presence_penalty.unwrap_or(0.0),
-            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
-            repetition_penalty: self.repetition_penalty,
-            seed: self.seed.map(|seed| seed as u64),
-            logit_bias,
-            ..SamplingParams::default()
-        })
+        self.sampler.params()
     }
 
     fn check_unsupported(&self) -> Result<(), ApiError> {

@@ -12,7 +12,7 @@ mod schema;
 pub mod store;
 pub mod types;
 
-use std::{collections::BTreeMap, sync::Arc};
+use std::sync::Arc;
 
 use axum::{
     extract::State,
@@ -25,7 +25,6 @@ use rmlx_engine::{
     constrain::ResponseFormat,
     engine::{Prompt, Request},
     generate::{Completion, FinishReason, GenerateParams},
-    sample::SamplingParams,
     EngineError,
 };
 use serde::Deserialize;
@@ -36,9 +35,10 @@ use crate::{
     api::Timings,
     constraints,
     convert::{self, Dropped},
-    error::{object, real, whole, Api, ApiError, ApiJson},
+    error::{object, whole, Api, ApiError, ApiJson},
     forced::{self, ForcedCall},
     generation::{inspect_prompt, new_id, unix_now, Generation, Step},
+    openai::Sampler,
     parse::OutputParser,
     sse::{self, EventSource},
     AppState,
@@ -87,37 +87,10 @@ pub struct ResponsesRequest {
     #[serde(default, deserialize_with = "whole::optional")]
     #[schema(value_type = Option<constraints::MaxTokens>)]
     max_output_tokens: Option<usize>,
-    /// 0 is greedy (default 1).
-    #[serde(default, deserialize_with = "real::optional")]
-    #[schema(value_type = Option<constraints::Temperature>)]
-    temperature: Option<f32>,
-    /// Default 1 (off).
-    #[serde(default, deserialize_with = "real::optional")]
-    #[schema(value_type = Option<constraints::TopP>)]
-    top_p: Option<f32>,
-    /// rMLX's extra sampling fields, as on chat completions.
-    #[serde(default, deserialize_with = "whole::optional")]
-    #[schema(value_type = Option<constraints::TopK>)]
-    top_k: Option<i64>,
-    #[serde(default, deserialize_with = "real::optional")]
-    #[schema(value_type = Option<constraints::MinP>)]
-    min_p: Option<f32>,
-    #[serde(default, deserialize_with = "real::optional")]
-    #[schema(value_type = Option<constraints::Penalty>)]
-    presence_penalty: Option<f32>,
-    #[serde(default, deserialize_with = "real::optional")]
-    #[schema(value_type = Option<constraints::Penalty>)]
-    frequency_penalty: Option<f32>,
-    #[serde(default, deserialize_with = "real::optional")]
-    #[schema(value_type = Option<constraints::RepetitionPenalty>)]
-    repetition_penalty: Option<f32>,
-    #[serde(default, deserialize_with = "whole::optional")]
-    #[schema(value_type = Option<constraints::Seed>)]
-    seed: Option<i64>,
-    /// Token id (as a string) to a bias added to its logit.
-    #[serde(default, deserialize_with = "real::map")]
-    #[schema(value_type = Option<constraints::LogitBias>)]
-    logit_bias: Option<BTreeMap<String, f32>>,
+    /// temperature, top_p (OpenAI's), and rMLX's extras as on chat completions (top_k,
+    /// min_p, the penalties, seed, logit_bias).
+    #[serde(flatten)]
+    sampler: Sampler,
     /// `effort`: `none` or `minimal` turn the model's thinking off, `low`, `medium`, `high`
     /// (or `xhigh`) on; absent (or another value), the template's default. `summary` (`auto`,
     /// `concise`, `detailed`; not `none`): the reasoning text also comes as the item's summary,
@@ -172,22 +145,6 @@ pub struct TextParam {
 }
 
 impl ResponsesRequest {
-    fn sampling(&self) -> Result<SamplingParams, ApiError> {
-        let logit_bias = constraints::logit_bias(self.logit_bias.as_ref())?;
-        Ok(SamplingParams {
-            temperature: self.temperature.unwrap_or(1.0),
-            top_p: self.top_p.unwrap_or(1.0),
-            top_k: self.top_k.unwrap_or(0).max(0) as usize,
-            min_p: self.min_p.unwrap_or(0.0),
-            presence_penalty: self.presence_penalty.unwrap_or(0.0),
-            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
-            repetition_penalty: self.repetition_penalty,
-            seed: self.seed.map(|seed| seed as u64),
-            logit_bias,
-            ..SamplingParams::default()
-        })
-    }
-
     fn summary(&self) -> bool {
         let summary = self.reasoning.as_ref().and_then(|r| r.summary.as_deref());
         summary.is_some_and(|summary| summary != "none")
@@ -219,7 +176,7 @@ impl ResponsesRequest {
                 summary: reasoning.and_then(|r| r.summary.clone()),
             },
             store: self.store.unwrap_or(true),
-            temperature: self.temperature.unwrap_or(1.0),
+            temperature: self.sampler.temperature.unwrap_or(1.0),
             text: TextEcho {
                 format: text
                     .and_then(|t| t.format.clone())
@@ -228,7 +185,7 @@ impl ResponsesRequest {
             },
             tool_choice: self.tool_choice.clone().unwrap_or_else(|| json!("auto")),
             tools: self.tools.clone().unwrap_or_default(),
-            top_p: self.top_p.unwrap_or(1.0),
+            top_p: self.sampler.top_p.unwrap_or(1.0),
             truncation: self.truncation.clone().unwrap_or_else(|| "disabled".into()),
             usage: None,
             user: self.user.clone(),
@@ -384,7 +341,7 @@ pub async fn create(
     });
     let mut params = GenerateParams {
         max_tokens,
-        sampling: request.sampling()?,
+        sampling: request.sampler.params()?,
         max_ctx: state.config.max_ctx,
         response_format: prepared.response_format.clone(),
         ..GenerateParams::default()

@@ -120,6 +120,8 @@ REFUSALS = [
     # A JSON Schema the constrained decoder cannot compile.
     ({"/v1/chat/completions", "/v1/responses"}, None,
      r"the response format's JSON schema does not compile: "),
+    # A custom tool's grammar the constrained decoder cannot compile.
+    ({"/v1/responses"}, None, r"the grammar of custom tool `[^`]+` does not compile: "),
 ]
 
 

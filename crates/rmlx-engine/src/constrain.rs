@@ -3,11 +3,16 @@
 //! the output a prefix of a valid document; the decode loop adds it to the logits as a 0 / -inf
 //! mask. Reference: llguidance `Matcher` (its server-side API, as vLLM and SGLang use it) and
 //! mlx-lm's `logits_processors` (the mask is one more processor on raw logits).
+//!
+//! A freeform tool's grammar (OpenAI custom tools: Lark or a regex) constrains the tool's raw
+//! input: forced, as a [`ResponseFormat::ToolInput`] after a prefilled call opening; otherwise
+//! as a [`TriggeredGrammar`], dormant until the model opens a call of that tool and done when the
+//! input and the call's closing text are written, so the rest of the answer is free.
 
 use std::sync::Arc;
 
 use llguidance::{
-    api::TopLevelGrammar,
+    api::{GrammarWithLexer, TopLevelGrammar},
     earley::SlicedBiasComputer,
     token_bytes_from_tokenizer_json,
     toktrie::{
@@ -38,6 +43,55 @@ pub enum ResponseFormat {
     JsonSchema {
         json_schema: JsonSchemaFormat,
     },
+    /// A freeform tool's input and the call's closing text (a forced call; never on the wire).
+    #[serde(skip)]
+    ToolInput(ToolInputGrammar),
+}
+
+/// The grammar syntaxes of OpenAI's custom tools (`format: {type: "grammar", syntax}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GrammarSyntax {
+    /// llguidance's Lark dialect (Lark's, plus `%json`, `@grammar` and `<special>` tokens).
+    Lark,
+    /// A regular expression (Rust `regex` syntax) the whole input matches.
+    Regex,
+}
+
+/// A freeform tool's raw input, then the literal text that closes the call in the model's
+/// format (e.g. `\n</parameter>\n</function>`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolInputGrammar {
+    /// The tool's name (errors name it).
+    pub tool: String,
+    pub syntax: GrammarSyntax,
+    pub definition: String,
+    pub closing: String,
+}
+
+impl ToolInputGrammar {
+    /// `start: @tool CLOSING`, the tool's own grammar kept whole as the nested `@tool` (its
+    /// `start` and rule names cannot clash with ours).
+    fn grammar(&self) -> TopLevelGrammar {
+        let closing = serde_json::to_string(&self.closing).expect("a string serializes");
+        let mut tool = match self.syntax {
+            GrammarSyntax::Lark => GrammarWithLexer::from_lark(self.definition.clone()),
+            GrammarSyntax::Regex => GrammarWithLexer::from_regex(&self.definition),
+        };
+        tool.name = Some("tool".into());
+        let call = GrammarWithLexer::from_lark(format!("start: @tool {closing}\n"));
+        TopLevelGrammar {
+            grammars: vec![call, tool],
+            max_tokens: None,
+        }
+    }
+}
+
+/// A grammar that applies once `trigger` appears in the output, until it is complete.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TriggeredGrammar {
+    /// The output text that opens a call of the tool, up to where its input starts.
+    pub trigger: String,
+    pub input: ToolInputGrammar,
 }
 
 /// The `json_schema` member of `response_format`.
@@ -81,6 +135,7 @@ impl ResponseFormat {
     fn grammar(&self) -> Option<TopLevelGrammar> {
         let (mut schema, strict) = match self {
             Self::Text => return None,
+            Self::ToolInput(input) => return Some(input.grammar()),
             Self::JsonObject => (json!({"type": "object"}), true),
             Self::JsonSchema { json_schema } => (
                 json_schema.schema.clone(),
@@ -101,6 +156,9 @@ pub enum ConstrainError {
     /// The request's schema does not compile (HTTP 400).
     #[error("the response format's JSON schema does not compile: {0}")]
     Schema(String),
+    /// A custom tool's grammar does not compile (HTTP 400).
+    #[error("the grammar of custom tool `{tool}` does not compile: {message}")]
+    ToolGrammar { tool: String, message: String },
     #[error("constrained decoding is unavailable for this tokenizer: {0}")]
     Tokenizer(String),
     #[error("the response_format grammar rejected token {token}: {message}")]
@@ -216,19 +274,54 @@ impl ConstraintFactory {
         let Some(grammar) = format.grammar() else {
             return Ok(None);
         };
+        self.compile(grammar)
+            .map(Some)
+            .map_err(|message| match format {
+                ResponseFormat::ToolInput(input) => ConstrainError::ToolGrammar {
+                    tool: input.tool.clone(),
+                    message,
+                },
+                _ => ConstrainError::Schema(message),
+            })
+    }
+
+    /// The dormant grammars of a request's freeform tools, compiled now so a bad one is the
+    /// request's error before any compute.
+    pub fn tool_grammars(
+        &self,
+        grammars: &[TriggeredGrammar],
+    ) -> Result<ToolGrammars, ConstrainError> {
+        let mut dormant = Vec::new();
+        for grammar in grammars {
+            let fresh = self.compile(grammar.input.grammar()).map_err(|message| {
+                ConstrainError::ToolGrammar {
+                    tool: grammar.input.tool.clone(),
+                    message,
+                }
+            })?;
+            dormant.push(Dormant {
+                trigger: grammar.trigger.clone(),
+                closing: grammar.input.closing.clone(),
+                fresh,
+            });
+        }
+        Ok(ToolGrammars::new(dormant))
+    }
+
+    fn compile(&self, grammar: TopLevelGrammar) -> Result<Constraint, String> {
         let parser = self
             .parsers
             .create_parser(grammar)
-            .map_err(|error| ConstrainError::Schema(error.to_string()))?;
+            .map_err(|error| error.to_string())?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(error) = matcher.get_error() {
-            return Err(ConstrainError::Schema(error));
+            return Err(error);
         }
-        Ok(Some(Constraint {
+        Ok(Constraint {
             matcher,
             allowed_below: self.tokenizer_vocab,
             mask: vec![f32::NEG_INFINITY; self.model_vocab],
-        }))
+        })
     }
 }
 
@@ -244,6 +337,166 @@ pub fn one_off_constraint(
     }
     ConstraintFactory::from_tokenizer(tokenizer, model_vocab, tokenizer.eos_token_ids())?
         .constraint(format)
+}
+
+/// What constrains one request's output: its response format (or forced call), and the
+/// grammars of its freeform tools.
+#[derive(Default)]
+pub struct Grammars {
+    pub format: Option<Constraint>,
+    pub tools: ToolGrammars,
+}
+
+/// A one-off factory's tool grammars (see [`one_off_constraint`]).
+pub fn one_off_tool_grammars(
+    tokenizer: &ChatTokenizer,
+    model_vocab: usize,
+    grammars: &[TriggeredGrammar],
+) -> Result<ToolGrammars, ConstrainError> {
+    if grammars.is_empty() {
+        return Ok(ToolGrammars::default());
+    }
+    ConstraintFactory::from_tokenizer(tokenizer, model_vocab, tokenizer.eos_token_ids())?
+        .tool_grammars(grammars)
+}
+
+/// A triggered grammar waiting for its trigger.
+struct Dormant {
+    trigger: String,
+    closing: String,
+    /// The grammar's state at its start, copied on each activation.
+    fresh: Constraint,
+}
+
+/// The grammar switched on by a trigger, and the text it has taken.
+struct Active {
+    constraint: Constraint,
+    closing: String,
+    /// The input so far, cut to the closing text's length.
+    tail: String,
+}
+
+/// A request's freeform-tool grammars: each dormant until its trigger shows in the output,
+/// then the one active constraint until the call's input and closing text are complete.
+#[derive(Default)]
+pub struct ToolGrammars {
+    dormant: Vec<Dormant>,
+    active: Option<Active>,
+    /// The output since the last call closed, cut to what a trigger could still end in.
+    tail: String,
+    longest_trigger: usize,
+}
+
+/// Keeps the last `keep` bytes (or a little more, at a character boundary) of `text`.
+fn keep_end(text: &mut String, keep: usize) {
+    if text.len() > keep {
+        let mut cut = text.len() - keep;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.drain(..cut);
+    }
+}
+
+impl ToolGrammars {
+    fn new(dormant: Vec<Dormant>) -> Self {
+        let longest_trigger = dormant.iter().map(|d| d.trigger.len()).max().unwrap_or(0);
+        Self {
+            dormant,
+            longest_trigger,
+            ..Self::default()
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.dormant.is_empty()
+    }
+
+    /// The grammar the next token must follow, while one is active.
+    pub fn active(&mut self) -> Option<&mut Constraint> {
+        self.active.as_mut().map(|active| &mut active.constraint)
+    }
+
+    /// Whether the next token depends on this one's reading: a grammar is active, or the output
+    /// ends partway into a trigger (the next tokens may switch one on), so they must not be
+    /// sampled ahead.
+    pub fn is_watching(&self) -> bool {
+        self.active.is_some()
+            || self.dormant.iter().any(|dormant| {
+                let trigger = &dormant.trigger;
+                (1..trigger.len().min(self.tail.len() + 1))
+                    .any(|n| trigger.is_char_boundary(n) && self.tail.ends_with(&trigger[..n]))
+            })
+    }
+
+    /// Reads one output token (`text`: its decoded text). An active grammar takes the token,
+    /// and ends once complete (nothing can follow) or accepting right after the closing text
+    /// (a loose tool grammar could go on); else the output is searched for a trigger, whose
+    /// grammar then takes the text after it. A token the grammar cannot take (sampled before
+    /// the trigger was read) ends the grammar instead: the answer goes on unconstrained.
+    pub fn read(&mut self, tokenizer: &ChatTokenizer, token: u32, text: &str) {
+        if let Some(active) = self.active.as_mut() {
+            active.tail.push_str(text);
+            keep_end(&mut active.tail, active.closing.len());
+            let done = match active.constraint.consume(token) {
+                Err(error) => {
+                    eprintln!(
+                        "rmlx engine: a custom tool's grammar stopped constraining its input: {error}"
+                    );
+                    true
+                }
+                Ok(()) => {
+                    active.constraint.is_finished()
+                        || (active.tail.ends_with(&active.closing)
+                            && active.constraint.is_accepting())
+                }
+            };
+            if done {
+                self.active = None;
+            }
+            return;
+        }
+        if self.dormant.is_empty() {
+            return;
+        }
+        self.tail.push_str(text);
+        let found = self
+            .dormant
+            .iter()
+            .filter_map(|dormant| {
+                let at = self.tail.find(dormant.trigger.as_str())?;
+                Some((at + dormant.trigger.len(), dormant))
+            })
+            .min_by_key(|(end, _)| *end);
+        let Some((end, dormant)) = found else {
+            // Only the end of the output can still hold the start of a trigger.
+            keep_end(&mut self.tail, self.longest_trigger);
+            return;
+        };
+        let mut active = Active {
+            constraint: dormant.fresh.fresh(),
+            closing: dormant.closing.clone(),
+            tail: String::new(),
+        };
+        // The rest of the token that completed the trigger is the input's first text.
+        let rest = self.tail[end..].to_string();
+        self.tail.clear();
+        if !rest.is_empty() {
+            let ids = match tokenizer.encode(&rest, false) {
+                Ok(ids) => ids,
+                Err(error) => {
+                    eprintln!("rmlx engine: a custom tool's input could not be read: {error}");
+                    return;
+                }
+            };
+            if let Err(error) = ids.iter().try_for_each(|&id| active.constraint.consume(id)) {
+                eprintln!("rmlx engine: a custom tool's input began outside its grammar: {error}");
+                return;
+            }
+            active.tail = rest;
+        }
+        self.active = Some(active);
+    }
 }
 
 /// One request's grammar state: the mask for the next token, advanced by each token read.
@@ -304,6 +557,20 @@ impl Constraint {
                 token,
                 message: error.to_string(),
             })
+    }
+
+    /// The same grammar from its start (a triggered grammar's next activation).
+    fn fresh(&self) -> Constraint {
+        Constraint {
+            matcher: self.matcher.deep_clone(),
+            allowed_below: self.allowed_below,
+            mask: vec![f32::NEG_INFINITY; self.mask.len()],
+        }
+    }
+
+    /// Whether what was read so far is a whole document (more may still follow).
+    fn is_accepting(&mut self) -> bool {
+        self.matcher.is_accepting().unwrap_or(false)
     }
 
     /// True once the document is complete: nothing but EOS may follow.
@@ -431,6 +698,42 @@ mod tests {
         let lenient = ResponseFormat::json_schema(unknown_format, false);
         assert!(factory.constraint(&lenient).unwrap().is_some());
         assert!(factory.constraint(&ResponseFormat::Text).unwrap().is_none());
+    }
+
+    /// The trigger may end inside a token: the rest of that token is the input's start. The
+    /// pipeline stops while the output ends partway into a trigger, and the grammar ends with
+    /// its closing text, leaving the output free.
+    #[test]
+    fn a_trigger_ending_inside_a_token_hands_the_rest_to_the_grammar() {
+        let tokenizer = tokenizer();
+        let factory =
+            ConstraintFactory::from_tokenizer(&tokenizer, MODEL_VOCAB, tokenizer.eos_token_ids())
+                .unwrap();
+        let grammar = TriggeredGrammar {
+            trigger: "<in>".into(),
+            input: ToolInputGrammar {
+                tool: "t".into(),
+                syntax: GrammarSyntax::Regex,
+                definition: "[0-9]+".into(),
+                closing: "!".into(),
+            },
+        };
+        let mut tools = factory.tool_grammars(&[grammar]).unwrap();
+        assert!(!tools.is_empty() && !tools.is_watching());
+        tools.read(&tokenizer, 0, "say ");
+        assert!(!tools.is_watching());
+        tools.read(&tokenizer, 0, "<");
+        assert!(tools.is_watching() && tools.active().is_none());
+        tools.read(&tokenizer, 0, "in>1");
+        let allowed = tools.active().expect("switched on").allowed().unwrap();
+        assert!(allowed.contains(&id(&tokenizer, "2")) && allowed.contains(&id(&tokenizer, "!")));
+        assert!(!allowed.contains(&id(&tokenizer, "x")));
+        tools.read(&tokenizer, id(&tokenizer, "2"), "2");
+        tools.read(&tokenizer, id(&tokenizer, "!"), "!");
+        assert!(tools.active().is_none() && !tools.is_watching());
+        // And again on the next call.
+        tools.read(&tokenizer, 0, "<in>");
+        assert!(tools.active().is_some());
     }
 
     #[test]

@@ -21,7 +21,7 @@ use std::{
 use crate::{
     cache::KvCache,
     chat::{ChatTokenizer, TemplateOptions},
-    constrain::{Constraint, ConstraintFactory, ResponseFormat},
+    constrain::{ConstraintFactory, Grammars},
     error::{EngineError, Result},
     generate::{self, Completion, DecodeRow, FinishReason, GenerateParams, Prefill, Sequence},
     metrics::{Metrics, MetricsSnapshot},
@@ -408,10 +408,10 @@ struct Resident {
 }
 
 impl Resident {
-    /// The request's `response_format` constraint; None for plain text.
-    fn constraint(&mut self, format: &ResponseFormat) -> Result<Option<Constraint>> {
-        if format.is_text() {
-            return Ok(None);
+    /// The request's `response_format` constraint and freeform tools' grammars.
+    fn grammars(&mut self, params: &GenerateParams) -> Result<Grammars> {
+        if params.response_format.is_text() && params.tool_grammars.is_empty() {
+            return Ok(Grammars::default());
         }
         let factory = match &mut self.constraints {
             Some(factory) => factory,
@@ -421,7 +421,10 @@ impl Resident {
                 self.tokenizer.eos_token_ids(),
             )?),
         };
-        Ok(factory.constraint(format)?)
+        Ok(Grammars {
+            format: factory.constraint(&params.response_format)?,
+            tools: factory.tool_grammars(&params.tool_grammars)?,
+        })
     }
 }
 
@@ -507,7 +510,7 @@ struct Admission {
     key: PathBuf,
     ticket: Ticket,
     prefill: Prefill,
-    constraint: Option<Constraint>,
+    constraint: Grammars,
 }
 
 /// One model's running requests: `rows[b]` owns row `b` of every layer's cache.
@@ -987,7 +990,7 @@ impl EngineThread {
 
     /// Everything before the first prefill chunk: the model resident, the prompt rendered
     /// and checked against the context, the images encoded, the prefix cache consulted.
-    fn start(&mut self, request: &Request) -> Result<(PathBuf, Prefill, Option<Constraint>)> {
+    fn start(&mut self, request: &Request) -> Result<(PathBuf, Prefill, Grammars)> {
         let model_id = request.metrics_id();
         self.resident(&request.model)?;
         let key = self.lru.last().expect("just made resident").clone();
@@ -996,7 +999,7 @@ impl EngineThread {
             .models
             .get_mut(&key)
             .expect("just made resident")
-            .constraint(&request.params.response_format)?;
+            .grammars(&request.params)?;
         let resident = &self.models[&key];
         let tokenizer = &resident.tokenizer;
         // Before rendering: a text-only template may not even accept image parts.

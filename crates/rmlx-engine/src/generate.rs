@@ -14,7 +14,7 @@ use mlx_rs::{ops::indexing::IndexOp, Array};
 use crate::{
     cache::KvCache,
     chat::{ChatTokenizer, StopMatcher, StreamDecoder},
-    constrain::{self, Constraint, ResponseFormat},
+    constrain::{self, Constraint, Grammars, ResponseFormat, ToolGrammars, TriggeredGrammar},
     error::{EngineError, Result},
     models::{LanguageModel, Logits},
     multimodal::{self, ImagePrefill},
@@ -49,6 +49,9 @@ pub struct GenerateParams {
     /// Constrain the output to JSON (OpenAI `response_format`).
     #[serde(default)]
     pub response_format: ResponseFormat,
+    /// Freeform tools' grammars, each switched on when the model opens a call of its tool.
+    #[serde(skip)]
+    pub tool_grammars: Vec<TriggeredGrammar>,
 }
 
 impl Default for GenerateParams {
@@ -63,6 +66,7 @@ impl Default for GenerateParams {
             prefill_chunk: None,
             logprobs: None,
             response_format: ResponseFormat::Text,
+            tool_grammars: Vec::new(),
         }
     }
 }
@@ -259,16 +263,24 @@ pub fn generate(
     on_delta: impl FnMut(Delta),
 ) -> Result<Completion> {
     generate_reusing(
-        model, tokenizer, prompt_ids, params, None, None, None, cancel, on_delta,
+        model,
+        tokenizer,
+        prompt_ids,
+        params,
+        None,
+        Grammars::default(),
+        None,
+        cancel,
+        on_delta,
     )
     .map(|(completion, _)| completion)
 }
 
 /// `generate`, starting from a reused prefix's KV when given, and handing back the request's
-/// caches with the tokens they hold (for the prefix cache). `constraint` enforces
-/// `params.response_format` (from the model's cached `ConstraintFactory`); without one, a
-/// non-text format builds its own. The engine runs the same prefill and decode steps, with
-/// other requests' rows beside this one's.
+/// caches with the tokens they hold (for the prefix cache). `grammars` enforce
+/// `params.response_format` and `params.tool_grammars` (from the model's cached
+/// `ConstraintFactory`); left empty, they are built for this call. The engine runs the same
+/// prefill and decode steps, with other requests' rows beside this one's.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_reusing(
     model: &dyn LanguageModel,
@@ -276,7 +288,7 @@ pub fn generate_reusing(
     prompt_ids: &[u32],
     params: &GenerateParams,
     reuse: Option<Reuse>,
-    constraint: Option<Constraint>,
+    grammars: Grammars,
     images: Option<ImagePrefill>,
     cancel: &AtomicBool,
     on_delta: impl FnMut(Delta),
@@ -288,7 +300,7 @@ pub fn generate_reusing(
         }
         prefill.step(model)?;
     }
-    let (sequence, mut caches) = prefill.into_sequence(model, tokenizer, constraint)?;
+    let (sequence, mut caches) = prefill.into_sequence(model, tokenizer, grammars)?;
     let mut row = Solo {
         sequence,
         cancel,
@@ -480,15 +492,23 @@ impl Prefill {
         self,
         model: &dyn LanguageModel,
         tokenizer: &ChatTokenizer,
-        constraint: Option<Constraint>,
+        grammars: Grammars,
     ) -> Result<(Sequence, Vec<KvCache>)> {
         let params = self.params;
-        let constraint = match constraint {
+        let constraint = match grammars.format {
             Some(constraint) => Some(constraint),
             None => constrain::one_off_constraint(
                 tokenizer,
                 model.vocab_size(),
                 &params.response_format,
+            )?,
+        };
+        let tools = match grammars.tools.is_empty() {
+            false => grammars.tools,
+            true => constrain::one_off_tool_grammars(
+                tokenizer,
+                model.vocab_size(),
+                &params.tool_grammars,
             )?,
         };
         let mut stop_ids: Vec<u32> = params.stop_token_ids.clone();
@@ -505,6 +525,7 @@ impl Prefill {
         let sequence = Sequence {
             sampler: Sampler::new(&params.sampling)?,
             constraint,
+            tools,
             stop_ids,
             history: self.prompt_ids.clone(),
             decoder: StreamDecoder::new(tokenizer),
@@ -539,6 +560,8 @@ pub struct Sequence {
     params: GenerateParams,
     sampler: Sampler,
     constraint: Option<Constraint>,
+    /// Freeform tools' grammars, dormant until the model opens a call of one.
+    tools: ToolGrammars,
     stop_ids: Vec<u32>,
     /// Prompt and read tokens: what penalties see (plus the newest token, still lazy).
     history: Vec<u32>,
@@ -584,7 +607,7 @@ impl Sequence {
     /// A constrained request's next mask depends on its last token: its steps cannot be
     /// queued ahead of reading.
     fn is_constrained(&self) -> bool {
-        self.constraint.is_some()
+        self.constraint.is_some() || self.tools.is_watching()
     }
 
     /// The request's effective context (its `max_ctx`).
@@ -595,7 +618,7 @@ impl Sequence {
     /// Samples this request's token from its row of the batch's logits (`[1, vocab]`).
     fn sample(&mut self, logits: &Array) -> Result<()> {
         let mut logits = logits.clone();
-        if let Some(constraint) = self.constraint.as_mut() {
+        if let Some(constraint) = self.constraint.as_mut().or(self.tools.active()) {
             // Start the forward, and build the grammar's mask on the host meanwhile. Adding it
             // before the processors equals mlx-lm's order: they keep -inf at -inf and x + 0 = x.
             crate::runtime::async_eval([&logits])?;
@@ -625,7 +648,7 @@ impl Sequence {
     /// Whether this row's token is the argmax of its log-probs after at most a logit bias (see
     /// [`Sampler::is_batchable_greedy`]): such rows of a batch are sampled together.
     fn is_batchable_greedy(&self) -> bool {
-        self.constraint.is_none() && self.sampler.is_batchable_greedy()
+        !self.is_constrained() && self.sampler.is_batchable_greedy()
     }
 
     /// Takes row `row` of a batch sampled together (`logprobs`: the batch's `[B, vocab]`).
@@ -697,6 +720,7 @@ impl Sequence {
             constraint.consume(token)?;
         }
         let piece = self.decoder.push(token);
+        self.tools.read(tokenizer, token, &piece);
         let matched = self.stops.push(&piece);
         self.text.push_str(&matched.text);
         emit(Delta {

@@ -1,13 +1,14 @@
 //! `response_format` through the real decode loop on the random-weight Qwen3 fixture, whose
 //! unconstrained output is gibberish: greedy and sampled `json_object` answers parse as objects
 //! and stop, a `json_schema` answer validates, truncation is `length`, the engine refuses a bad
-//! schema before any compute, and unconstrained greedy ids still match the mlx-lm golden.
+//! schema before any compute, and unconstrained greedy ids still match the mlx-lm golden. A
+//! freeform tool's triggered grammar holds only what follows its trigger, each time it shows.
 
 use std::{path::PathBuf, sync::atomic::AtomicBool};
 
 use rmlx_engine::{
     chat::ChatTokenizer,
-    constrain::ResponseFormat,
+    constrain::{GrammarSyntax, ResponseFormat, ToolInputGrammar, TriggeredGrammar},
     engine::{Engine, Event, Prompt, Request},
     generate::{generate, Completion, FinishReason, GenerateParams},
     models::{load_model, LoadedModel},
@@ -224,3 +225,88 @@ fn the_engine_constrains_and_refuses_bad_schemas_before_starting() {
         other => panic!("expected an invalid-request error first, got {other:?}"),
     }
 }
+
+/// The random model under a logit bias writes `x` forever. A grammar triggered by `xx` (as a
+/// tool's grammar is by its call's opening) with closing `!` turns that into calls: each `xx`
+/// is followed by an input of the grammar and `!`, after which the output is free again (more
+/// `x`s, so the next call). Both syntaxes, each through the engine's resident factory and a
+/// one-off one; a grammar that does not compile is the request's error, naming the tool.
+#[test]
+fn a_triggered_grammar_holds_only_what_follows_its_trigger() {
+    let model = Fixture::new();
+    let x = model.tokenizer.encode("x", false).unwrap()[0];
+    let mut sampling = SamplingParams::greedy();
+    sampling.logit_bias = [(x, 100.0)].into();
+    let mut params = params(ResponseFormat::Text, sampling, 48);
+    assert_eq!(model.run(&params).text, "x".repeat(48), "the bias alone");
+
+    let digits = |input: &str| input.len() == 3 && input.bytes().all(|b| b.is_ascii_digit());
+    let colors = |input: &str| {
+        input
+            .split(',')
+            .all(|word| ["red", "green", "blue"].contains(&word))
+    };
+    let lark = "start: word (\",\" word)*\nword: \"red\" | \"green\" | \"blue\"\n";
+    let cases: [(GrammarSyntax, &str, InputCheck); 2] = [
+        (GrammarSyntax::Regex, "[0-9]{3}", &digits),
+        (GrammarSyntax::Lark, lark, &colors),
+    ];
+    let engine = Engine::start(4).unwrap();
+    for (syntax, definition, valid) in cases {
+        params.tool_grammars = vec![TriggeredGrammar {
+            trigger: "xx".into(),
+            input: ToolInputGrammar {
+                tool: "t".into(),
+                syntax,
+                definition: definition.into(),
+                closing: "!".into(),
+            },
+        }];
+        let request = Request {
+            model: fixture(),
+            prompt: Prompt::Ids(model.prompt.clone()),
+            params: params.clone(),
+            ..Request::default()
+        };
+        let resident = engine.submit(request).unwrap().wait().unwrap().text;
+        for text in [model.run(&params).text, resident] {
+            eprintln!("{syntax:?}: {text:?}");
+            let calls: Vec<&str> = text.split('!').collect();
+            let (last, whole) = calls.split_last().unwrap();
+            assert!(
+                whole.len() >= 2,
+                "{syntax:?}: fewer than two calls in {text:?}"
+            );
+            for call in whole {
+                let input = call
+                    .strip_prefix("xx")
+                    .unwrap_or_else(|| panic!("{text:?}"));
+                assert!(
+                    valid(input),
+                    "{syntax:?}: {input:?} is outside the grammar in {text:?}"
+                );
+            }
+            assert!(last.starts_with('x') || last.is_empty(), "{text:?}");
+        }
+    }
+
+    params.tool_grammars[0].input.definition = "start: (".into();
+    let request = Request {
+        model: fixture(),
+        prompt: Prompt::Ids(model.prompt.clone()),
+        params,
+        ..Request::default()
+    };
+    match engine.submit(request).unwrap().events.recv().unwrap() {
+        Event::Error(EngineError::InvalidRequest(message)) => {
+            assert!(
+                message.contains("grammar of custom tool `t` does not compile"),
+                "{message}"
+            )
+        }
+        other => panic!("expected an invalid-request error first, got {other:?}"),
+    }
+}
+
+/// Whether a tool's input is in its grammar (written out by hand for each test grammar).
+type InputCheck<'a> = &'a dyn Fn(&str) -> bool;

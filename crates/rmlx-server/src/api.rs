@@ -659,8 +659,9 @@ pub struct CodexTruncationPolicy {
 
 /// One model as Codex CLI's `/models` reader takes it. `base_instructions` is left out on
 /// purpose: Codex would use it in place of its own system prompt. `apply_patch_tool_type` is
-/// left out too: Codex 0.169 knows only `freeform` (a grammar this server does not enforce) and
-/// refuses any other value; absent, it sends apply_patch as a JSON function.
+/// left out too: Codex 0.169 knows only `freeform` (its grammar enforced only where the model's
+/// call format writes the input raw) and refuses any other value; absent, it sends apply_patch
+/// as a JSON function, which every call format holds to its schema.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct CodexModel {
     pub slug: String,

@@ -15,16 +15,23 @@
 //!   tools to choose from the name cannot be left open in XML (`<function=` then a grammar over
 //!   raw names), so those calls use the JSON form above, `<tool_call>\n{"name", "arguments"}`.
 //!
+//! - A freeform tool with a grammar (Responses `custom` tools) as the one tool to call, in the XML
+//!   format: the prompt ends in `<tool_call>\n<function=NAME>\n<parameter=input>\n` and the
+//!   answer is the raw input in the tool's grammar, then `\n</parameter>\n</function>`. In the
+//!   JSON format its input is a JSON string, held to a regex grammar by the string's `pattern`
+//!   (a Lark grammar cannot be mapped into a JSON string's escapes: only shown to the model).
+//!
 //! Reference: vLLM's `tool_choice="required"` (a JSON-schema guided decode over the tools,
 //! whatever the model's own call format).
 
-use rmlx_engine::constrain::ResponseFormat;
+use rmlx_engine::constrain::{ResponseFormat, ToolInputGrammar};
 use serde_json::{json, Value};
 
 use crate::{
     error::ApiError,
     parse::{OutputParser, ToolFormat, THINK_CLOSE, TOOL_OPEN},
-    xml_calls::FUNCTION_OPEN,
+    responses::input::CustomGrammar,
+    xml_calls::{raw_input_opening, FUNCTION_OPEN, RAW_INPUT_CLOSING},
 };
 
 /// OpenAI: `"required"`, or `{"type": "function", "function": {"name": ..}}`.
@@ -47,6 +54,8 @@ pub fn anthropic_requires_call(choice: Option<&Value>) -> bool {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ForcedCall {
     tools: Vec<(String, Value)>,
+    /// The grammar of the one tool to call, when it is a freeform tool that gives one.
+    input_grammar: Option<CustomGrammar>,
 }
 
 impl ForcedCall {
@@ -77,7 +86,30 @@ impl ForcedCall {
                 (name, parameters)
             })
             .collect();
-        Ok(Some(Self { tools }))
+        Ok(Some(Self {
+            tools,
+            input_grammar: None,
+        }))
+    }
+
+    /// Knows the freeform tools' grammars (by flat name): one of them as the only tool to call
+    /// is written as its raw input where the format allows (see the module's notes).
+    pub fn with_grammars(mut self, grammars: &[(String, CustomGrammar)]) -> Self {
+        if let [(name, _)] = self.tools.as_slice() {
+            self.input_grammar = grammars
+                .iter()
+                .find(|(tool, _)| tool == name)
+                .map(|(_, grammar)| grammar.clone());
+        }
+        self
+    }
+
+    /// The freeform tool (name, grammar) whose raw input is the answer.
+    fn raw_input(&self, format: ToolFormat) -> Option<(&str, &CustomGrammar)> {
+        match (format, self.tools.as_slice(), &self.input_grammar) {
+            (ToolFormat::Xml, [(name, _)], Some(grammar)) => Some((name, grammar)),
+            _ => None,
+        }
     }
 
     /// The function the prompt names, when the format writes the name as text (XML) and there is
@@ -91,6 +123,14 @@ impl ForcedCall {
 
     /// The grammar of the answer: the call's JSON, or the named function's arguments.
     pub fn response_format(&self, format: ToolFormat) -> ResponseFormat {
+        if let Some((name, grammar)) = self.raw_input(format) {
+            return ResponseFormat::ToolInput(ToolInputGrammar {
+                tool: name.to_string(),
+                syntax: grammar.syntax,
+                definition: grammar.definition.clone(),
+                closing: RAW_INPUT_CLOSING.to_string(),
+            });
+        }
         // Lenient: a keyword the grammar cannot enforce is skipped rather than failing the call.
         if let Some((_, parameters)) = self.named(format) {
             return ResponseFormat::json_schema(parameters.clone(), false);
@@ -109,6 +149,9 @@ impl ForcedCall {
 
     /// The parser of the answer (held whole to the end).
     pub fn parser(&self, format: ToolFormat) -> OutputParser {
+        if let Some((name, _)) = self.raw_input(format) {
+            return OutputParser::forced_input(name, RAW_INPUT_CLOSING);
+        }
         match self.named(format) {
             Some((name, _)) => OutputParser::forced_arguments(name),
             None => OutputParser::forced_call(),
@@ -129,7 +172,9 @@ impl ForcedCall {
         }
         prefill.push_str(TOOL_OPEN);
         prefill.push('\n');
-        if let Some((name, _)) = self.named(format) {
+        if let Some((name, _)) = self.raw_input(format) {
+            prefill.push_str(&raw_input_opening(name));
+        } else if let Some((name, _)) = self.named(format) {
             prefill.push_str(&format!("{FUNCTION_OPEN}{name}>\n"));
         }
         prefill

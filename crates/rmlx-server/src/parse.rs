@@ -5,7 +5,7 @@
 //! model wrote, with a warning. Pure text: the desktop app reuses it. Reference: vLLM's `qwen3`
 //! reasoning parser and `hermes` / `qwen3_coder` tool parsers (same tags).
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use crate::xml_calls::{self, XmlTools};
 
@@ -61,6 +61,12 @@ enum Mode {
     /// The whole output is one call's JSON (the prompt opened the call; a grammar shapes it):
     /// `{"name", "arguments"}`, or with the function named by the prompt, its arguments only.
     ForcedCall(Option<String>),
+    /// The whole output is a freeform tool's raw input then `closing` (the prompt opened the
+    /// call up to the input; the tool's grammar shapes it).
+    ForcedInput {
+        name: String,
+        closing: String,
+    },
 }
 
 /// Streaming parser: `push` chunks, then `finish`. Text that might be the start of a tag is held
@@ -130,6 +136,19 @@ impl OutputParser {
     /// the JSON object of its arguments, held to the end like `forced_call`'s.
     pub fn forced_arguments(name: &str) -> Self {
         Self::forced(Some(name.to_string()))
+    }
+
+    /// A forced call of a freeform tool whose opening the prompt wrote up to the raw input
+    /// (XML): the output is the input then `closing`, held to the end, given back as the call
+    /// `{"input": RAW}`, or nothing when it was cut short.
+    pub fn forced_input(name: &str, closing: &str) -> Self {
+        Self {
+            mode: Mode::ForcedInput {
+                name: name.to_string(),
+                closing: closing.to_string(),
+            },
+            ..Self::forced(None)
+        }
     }
 
     fn forced(name: Option<String>) -> Self {
@@ -216,7 +235,7 @@ impl OutputParser {
                     None => break,
                 },
                 // Not even a closing tag ends it: a JSON string may hold that text.
-                Mode::ForcedCall(_) => break,
+                Mode::ForcedCall(_) | Mode::ForcedInput { .. } => break,
             }
         }
         out
@@ -235,6 +254,14 @@ impl OutputParser {
                 parse_arguments(&rest)
                     .map(|arguments| Piece::ToolCall(ToolCall { name, arguments })),
             ),
+            Mode::ForcedInput { name, closing } => {
+                out.extend(rest.strip_suffix(closing.as_str()).map(|input| {
+                    Piece::ToolCall(ToolCall {
+                        name,
+                        arguments: json!({ "input": input }),
+                    })
+                }))
+            }
         }
         out
     }

@@ -22,7 +22,7 @@ use axum::{
 };
 use rmlx_engine::{
     chat::TemplateOptions,
-    constrain::ResponseFormat,
+    constrain::{ResponseFormat, ToolInputGrammar, TriggeredGrammar},
     engine::{Prompt, Request},
     generate::{Completion, FinishReason, GenerateParams},
     EngineError,
@@ -39,11 +39,11 @@ use crate::{
     forced::{self, ForcedCall},
     generation::{inspect_prompt, new_id, unix_now, Generation, Step},
     openai::Sampler,
-    parse::OutputParser,
+    parse::{OutputParser, ToolFormat},
     sse::{self, EventSource},
-    AppState,
+    xml_calls, AppState,
 };
-use input::ToolNames;
+use input::{CustomGrammar, ToolNames};
 use output::{Options, Output};
 use schema::{NullOnly, ResponseToolIn, ResponsesInput, TextFormatIn, ToolChoiceIn};
 use store::Store;
@@ -229,6 +229,31 @@ fn response_format(format: Option<&Value>) -> Result<ResponseFormat, ApiError> {
     serde_json::from_value(chat).map_err(|error| invalid(error.to_string()))
 }
 
+/// The freeform tools' grammars, each switched on when the model opens a call of its tool: in
+/// the XML format the input is raw text after `<parameter=input>`. Qwen3's JSON format writes it
+/// as a JSON string, whose escapes a grammar cannot be mapped into: there the grammar is shown
+/// to the model (the parameter's description; a regex also its `pattern`), not enforced.
+fn triggered_grammars(
+    grammars: &[(String, CustomGrammar)],
+    format: ToolFormat,
+) -> Vec<TriggeredGrammar> {
+    if format != ToolFormat::Xml {
+        return Vec::new();
+    }
+    grammars
+        .iter()
+        .map(|(name, grammar)| TriggeredGrammar {
+            trigger: xml_calls::raw_input_opening(name),
+            input: ToolInputGrammar {
+                tool: name.clone(),
+                syntax: grammar.syntax,
+                definition: grammar.definition.clone(),
+                closing: xml_calls::RAW_INPUT_CLOSING.to_string(),
+            },
+        })
+        .collect()
+}
+
 /// A request as the engine takes it, before any model is involved.
 pub(crate) struct Prepared {
     messages: Vec<Value>,
@@ -238,6 +263,7 @@ pub(crate) struct Prepared {
     options: TemplateOptions,
     response_format: ResponseFormat,
     names: ToolNames,
+    grammars: Vec<(String, CustomGrammar)>,
     /// The whole conversation as input items (a previous response's, then this input): what
     /// is stored for the next `previous_response_id`.
     items: Vec<Value>,
@@ -275,7 +301,8 @@ pub(crate) fn prepare(
     let forced = ForcedCall::new(
         forced::openai_requires_call(choice.as_ref()),
         functions.as_ref(),
-    )?;
+    )?
+    .map(|forced| forced.with_grammars(&tools.grammars));
     let mut extra = request.chat_template_kwargs.clone().unwrap_or_default();
     let kwarg_thinking = extra.remove("enable_thinking").and_then(|v| v.as_bool());
     let effort = request.reasoning.as_ref().and_then(|r| r.effort.as_deref());
@@ -293,6 +320,7 @@ pub(crate) fn prepare(
         options,
         response_format: response_format(request.text.as_ref().and_then(|t| t.format.as_ref()))?,
         names: tools.names,
+        grammars: tools.grammars,
         items: previous,
         ignored,
     })
@@ -354,10 +382,17 @@ pub async fn create(
             let prefill = forced.prefill("", info.in_reasoning, info.tool_format);
             (forced.parser(info.tool_format), Some(prefill))
         }
-        None => (
-            OutputParser::for_tools(info.in_reasoning, info.tool_format, prepared.tools.as_ref()),
-            None,
-        ),
+        None => {
+            params.tool_grammars = triggered_grammars(&prepared.grammars, info.tool_format);
+            (
+                OutputParser::for_tools(
+                    info.in_reasoning,
+                    info.tool_format,
+                    prepared.tools.as_ref(),
+                ),
+                None,
+            )
+        }
     };
     let id = new_id("resp_");
     let head = request.head(&id, &entry.id);

@@ -23,6 +23,15 @@ pub const FUNCTION_CLOSE: &str = "</function>";
 pub const PARAMETER_OPEN: &str = "<parameter=";
 pub const PARAMETER_CLOSE: &str = "</parameter>";
 
+/// A freeform tool's call up to its raw input (`input`, its one parameter), as the template
+/// writes it: what switches the tool's grammar on.
+pub fn raw_input_opening(name: &str) -> String {
+    format!("{FUNCTION_OPEN}{name}>\n{PARAMETER_OPEN}input>\n")
+}
+
+/// What closes that input and the call's function block.
+pub const RAW_INPUT_CLOSING: &str = "\n</parameter>\n</function>";
+
 /// The offered tools by name, with their parameter schemas (what the values are converted to).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct XmlTools {
@@ -397,6 +406,46 @@ mod tests {
         for name in ["qwen3-tiny", "releases/qwen3-4b", "releases/gemma-4-e2b-it"] {
             let tokenizer = ChatTokenizer::from_dir(&release(name)).unwrap();
             assert!(!template_writes_xml(&tokenizer), "{name}");
+        }
+    }
+
+    /// A freeform tool's grammar switches on at `raw_input_opening` and its input ends at
+    /// `RAW_INPUT_CLOSING`: both exactly as the real templates write a past call of it.
+    #[test]
+    fn a_raw_input_opens_and_closes_as_the_templates_write_it() {
+        let input = "*** Begin Patch\n*** Delete File: a.txt\n*** End Patch";
+        let tool = json!({"type": "function", "function": {"name": "apply_patch",
+            "parameters": {"type": "object", "properties": {"input": {"type": "string"}}}}});
+        let messages = [
+            json!({"role": "user", "content": "patch"}),
+            json!({"role": "assistant", "content": "", "tool_calls": [{"id": "c1",
+                "type": "function",
+                "function": {"name": "apply_patch", "arguments": {"input": input}}}]}),
+            json!({"role": "tool", "tool_call_id": "c1", "content": "done"}),
+        ];
+        let options = TemplateOptions {
+            add_generation_prompt: true,
+            tools: Some(json!([tool])),
+            ..TemplateOptions::default()
+        };
+        for name in [
+            "qwen3.6-27b",
+            "qwen3.6-35b-a3b",
+            "qwen3.5-35b-a3b",
+            "qwen3.5-0.8b",
+        ] {
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/fixtures/releases")
+                .join(name);
+            let text = ChatTokenizer::from_dir(&dir)
+                .unwrap()
+                .render(&messages, &options)
+                .unwrap();
+            let written = format!(
+                "{}{input}{RAW_INPUT_CLOSING}",
+                raw_input_opening("apply_patch")
+            );
+            assert!(text.contains(&written), "{name}: {text}");
         }
     }
 }

@@ -680,3 +680,95 @@ async fn xml_format_forced_calls_work_through_the_responses_route() {
     let events = stream(&app, &request).await;
     assert_eq!(comparable(last_response(&events)), comparable(&whole));
 }
+
+/// A finite patch language in Lark (rules, `|`, `?`, regex terminals, an imported terminal):
+/// the random model always ends it, and a check written here reads what it wrote.
+const PATCH_GRAMMAR: &str = r#"start: "*** Begin Patch" LF op "*** End Patch"
+op: "*** Delete File: " PATH LF | "*** Add File: " PATH LF ("+" LINE LF)?
+PATH: /[a-z]{1,8}\.txt/
+LINE: /[a-z ]{0,12}/
+%import common.LF
+"#;
+
+fn is_patch(input: &str) -> bool {
+    let path = |p: &str| {
+        p.strip_suffix(".txt").is_some_and(|stem| {
+            (1..=8).contains(&stem.len()) && stem.bytes().all(|b| b.is_ascii_lowercase())
+        })
+    };
+    let Some(body) = input
+        .strip_prefix("*** Begin Patch\n")
+        .and_then(|rest| rest.strip_suffix("*** End Patch"))
+    else {
+        return false;
+    };
+    let lines: Vec<&str> = body.split_terminator('\n').collect();
+    match lines.as_slice() {
+        [op] => {
+            op.strip_prefix("*** Delete File: ").is_some_and(path)
+                || op.strip_prefix("*** Add File: ").is_some_and(path)
+        }
+        [op, added] => {
+            op.strip_prefix("*** Add File: ").is_some_and(path)
+                && added.strip_prefix('+').is_some_and(|line| {
+                    line.len() <= 12 && line.bytes().all(|b| b == b' ' || b.is_ascii_lowercase())
+                })
+        }
+        _ => false,
+    }
+}
+
+/// A forced freeform call on an XML-format model: the prompt opens the call up to the raw input
+/// and the tool's grammar (Lark, or a regex) holds the input, whole and streamed; the call
+/// comes back as the client's `custom_tool_call` with exactly that text. A grammar that does not
+/// compile is a 400 naming the tool.
+#[tokio::test]
+async fn a_freeform_tool_grammar_holds_its_raw_input() {
+    let (app, _) = qwen36();
+    let cases: [(&str, &str, InputCheck); 2] = [
+        ("lark", PATCH_GRAMMAR, &is_patch),
+        ("regex", "[0-9]{2,4}-[a-z]{3}", &|input: &str| {
+            let (digits, letters) = input.split_once('-').unwrap_or_default();
+            (2..=4).contains(&digits.len())
+                && digits.bytes().all(|b| b.is_ascii_digit())
+                && letters.len() == 3
+                && letters.bytes().all(|b| b.is_ascii_lowercase())
+        }),
+    ];
+    for (syntax, definition, valid) in cases {
+        for seed in [1, 2] {
+            let tools = json!([forecast_tool(),
+                {"type": "custom", "name": "apply_patch", "description": "Edit files",
+                 "format": {"type": "grammar", "syntax": syntax, "definition": definition}}]);
+            let request = json!({"model": QWEN36, "input": "Delete a file.",
+                "max_output_tokens": MAX_TOKENS, "temperature": 1.0, "seed": seed,
+                "tools": tools, "tool_choice": {"type": "custom", "name": "apply_patch"},
+                "reasoning": {"effort": "none"}});
+            let whole = respond(&app, &request).await;
+            assert_eq!(whole["status"], "completed", "{whole}");
+            let call = &whole["output"][0];
+            assert_eq!(call["type"], "custom_tool_call", "{whole}");
+            let input = call["input"].as_str().unwrap();
+            eprintln!("{syntax} seed {seed}: {input:?}");
+            assert!(valid(input), "{syntax}: {input:?} is outside the grammar");
+            let events = stream(&app, &request).await;
+            assert_eq!(comparable(last_response(&events)), comparable(&whole));
+        }
+    }
+
+    let bad = json!([{"type": "custom", "name": "apply_patch",
+        "format": {"type": "grammar", "syntax": "lark", "definition": "start: ("}}]);
+    let request = json!({"model": QWEN36, "input": "x", "tools": bad,
+        "tool_choice": {"type": "custom", "name": "apply_patch"}});
+    let reply = post(&app, "/v1/responses", &request).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text);
+    let body: Value = reply.json();
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("grammar of custom tool `apply_patch` does not compile"),
+        "{message}"
+    );
+}
+
+/// Whether a tool's input is in its grammar (written out by hand for each test grammar).
+type InputCheck<'a> = &'a dyn Fn(&str) -> bool;

@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 
+use rmlx_engine::constrain::GrammarSyntax;
 use serde_json::{json, Value};
 
 use crate::{
@@ -74,6 +75,41 @@ impl ToolNames {
 pub struct Tools {
     pub functions: Vec<Value>,
     pub names: ToolNames,
+    /// The grammars of the freeform tools that give one, by flat name.
+    pub grammars: Vec<(String, CustomGrammar)>,
+}
+
+/// A freeform tool's `format: {type: "grammar", syntax, definition}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CustomGrammar {
+    pub syntax: GrammarSyntax,
+    pub definition: String,
+}
+
+impl CustomGrammar {
+    fn of(tool: &Value) -> Result<Option<Self>, ApiError> {
+        let format = &tool["format"];
+        if format["type"] != "grammar" {
+            return Ok(None);
+        }
+        let definition = format["definition"]
+            .as_str()
+            .ok_or_else(|| bad("a custom tool's grammar `format` needs a string `definition`"))?;
+        let syntax = match format.get("syntax").map(Value::as_str) {
+            None | Some(Some("lark")) => GrammarSyntax::Lark,
+            Some(Some("regex")) => GrammarSyntax::Regex,
+            Some(_) => {
+                return Err(bad(format!(
+                    "a custom tool's grammar `syntax` is `lark` or `regex`, not {}",
+                    format["syntax"]
+                )))
+            }
+        };
+        Ok(Some(Self {
+            syntax,
+            definition: definition.to_string(),
+        }))
+    }
 }
 
 /// A function tool as the template takes it.
@@ -87,17 +123,22 @@ fn function(name: String, description: Option<&Value>, parameters: Value) -> Val
     json!({"type": "function", "function": function})
 }
 
-/// A freeform tool's one string argument; its grammar (when it gives one) is shown to the
-/// model in the argument's description, not enforced.
-fn custom_parameters(tool: &Value) -> Value {
+/// A freeform tool's one string argument, its grammar (when it gives one) shown to the model in
+/// the argument's description. The grammar is enforced on the raw input where the model's call
+/// format writes it raw (XML, `responses.rs`); a regex is also the string's `pattern`, which
+/// holds a forced call in the JSON format to it.
+fn custom_parameters(grammar: Option<&CustomGrammar>) -> Value {
     let mut input = json!({"type": "string", "description": "The tool's input, as raw text."});
-    let format = &tool["format"];
-    if format["type"] == "grammar" {
-        if let Some(definition) = format["definition"].as_str() {
-            let syntax = format["syntax"].as_str().unwrap_or("lark");
-            input["description"] = Value::String(format!(
-                "The tool's input, as raw text following this {syntax} grammar:\n{definition}"
-            ));
+    if let Some(CustomGrammar { syntax, definition }) = grammar {
+        let name = match syntax {
+            GrammarSyntax::Lark => "lark",
+            GrammarSyntax::Regex => "regex",
+        };
+        input["description"] = Value::String(format!(
+            "The tool's input, as raw text following this {name} grammar:\n{definition}"
+        ));
+        if *syntax == GrammarSyntax::Regex {
+            input["pattern"] = Value::String(format!("^(?:{definition})$"));
         }
     }
     json!({"type": "object", "properties": {"input": input}, "required": ["input"],
@@ -122,6 +163,7 @@ pub fn tools(tools: Option<&[Value]>, ignored: &mut Dropped) -> Result<Tools, Ap
     let mut out = Tools {
         functions: Vec::new(),
         names: ToolNames::default(),
+        grammars: Vec::new(),
     };
     let mut add = |tool: &Value, namespace: Option<&str>, ignored: &mut Dropped| {
         let kind = tool.get("type").and_then(Value::as_str).unwrap_or_default();
@@ -135,8 +177,12 @@ pub fn tools(tools: Option<&[Value]>, ignored: &mut Dropped) -> Result<Tools, Ap
         };
         let name = tool_name(tool, kind)?;
         let flat = join_name(namespace, &name);
+        let grammar = match custom {
+            true => CustomGrammar::of(tool)?,
+            false => None,
+        };
         let parameters = match custom {
-            true => custom_parameters(tool),
+            true => custom_parameters(grammar.as_ref()),
             // No parameters: a function of no arguments (as OpenAI reads it).
             false => tool
                 .get("parameters")
@@ -146,6 +192,9 @@ pub fn tools(tools: Option<&[Value]>, ignored: &mut Dropped) -> Result<Tools, Ap
         };
         out.functions
             .push(function(flat.clone(), tool.get("description"), parameters));
+        if let Some(grammar) = grammar {
+            out.grammars.push((flat.clone(), grammar));
+        }
         out.names.0.insert(
             flat,
             ToolName {
@@ -239,6 +288,7 @@ pub fn tool_choice(
                     .and_then(Value::as_str)
                     .is_some_and(|name| allowed.iter().any(|a| a == name))
             });
+            tools.grammars.retain(|(name, _)| allowed.contains(name));
             let mode = choice.get("mode").and_then(Value::as_str).unwrap_or("auto");
             Ok(Some(json!(if mode == "required" {
                 "required"

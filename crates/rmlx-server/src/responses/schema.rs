@@ -171,8 +171,9 @@ json_component!(
 );
 
 json_component!(
-    /// A freeform tool: the model sees a function of one string argument, `input`; `format`'s
-    /// grammar is shown to it, not enforced.
+    /// A freeform tool: the model sees a function of one string argument, `input`. A `grammar`
+    /// `format` (Lark or a regex) holds that input where the model writes it raw (XML calls);
+    /// see docs/SERVER.md.
     ResponsesCustomTool [] => json!({
         "type": "object",
         "required": ["type", "name"],
@@ -180,7 +181,13 @@ json_component!(
             "type": {"const": "custom"},
             "name": {"type": "string", "minLength": 1},
             "description": {},
-            "format": {}
+            "format": {
+                "if": {"type": "object", "required": ["type"],
+                       "properties": {"type": {"const": "grammar"}}},
+                "then": {"required": ["definition"], "properties": {
+                    "definition": {"type": "string"},
+                    "syntax": {"enum": ["lark", "regex"]}}}
+            }
         }
     })
 );

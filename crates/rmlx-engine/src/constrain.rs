@@ -55,6 +55,9 @@ pub enum GrammarSyntax {
     Lark,
     /// A regular expression (Rust `regex` syntax) the whole input matches.
     Regex,
+    /// A JSON string whose text (escapes read) matches the regular expression: the input as a
+    /// JSON call format writes it.
+    JsonString,
 }
 
 /// A freeform tool's raw input, then the literal text that closes the call in the model's
@@ -76,6 +79,10 @@ impl ToolInputGrammar {
         let mut tool = match self.syntax {
             GrammarSyntax::Lark => GrammarWithLexer::from_lark(self.definition.clone()),
             GrammarSyntax::Regex => GrammarWithLexer::from_regex(&self.definition),
+            GrammarSyntax::JsonString => GrammarWithLexer::from_json_schema(json!({
+                "type": "string",
+                "pattern": format!("^(?:{})$", self.definition),
+            })),
         };
         tool.name = Some("tool".into());
         let call = GrammarWithLexer::from_lark(format!("start: @tool {closing}\n"));

@@ -18,8 +18,9 @@
 //! - A freeform tool with a grammar (Responses `custom` tools) as the one tool to call, in the XML
 //!   format: the prompt ends in `<tool_call>\n<function=NAME>\n<parameter=input>\n` and the
 //!   answer is the raw input in the tool's grammar, then `\n</parameter>\n</function>`. In the
-//!   JSON format its input is a JSON string, held to a regex grammar by the string's `pattern`
-//!   (a Lark grammar cannot be mapped into a JSON string's escapes: only shown to the model).
+//!   JSON format its input is a JSON string, held by the string's `pattern` to the grammar's
+//!   regex (a regex, or a Lark grammar without recursion: `lark_regex`; a recursive one cannot be
+//!   mapped into a JSON string's escapes and is only shown to the model).
 //!
 //! Reference: vLLM's `tool_choice="required"` (a JSON-schema guided decode over the tools,
 //! whatever the model's own call format).
@@ -135,10 +136,18 @@ impl ForcedCall {
         if let Some((_, parameters)) = self.named(format) {
             return ResponseFormat::json_schema(parameters.clone(), false);
         }
+        // A freeform tool's grammar as its JSON string's pattern.
+        let pattern = self.input_grammar.as_ref().and_then(CustomGrammar::regex);
         let calls: Vec<Value> = self
             .tools
             .iter()
             .map(|(name, parameters)| {
+                let mut parameters = parameters.clone();
+                if let (Some(pattern), Some(input)) =
+                    (&pattern, parameters.pointer_mut("/properties/input"))
+                {
+                    input["pattern"] = json!(format!("^(?:{pattern})$"));
+                }
                 json!({"type": "object",
                        "properties": {"name": {"const": name}, "arguments": parameters},
                        "required": ["name", "arguments"], "additionalProperties": false})

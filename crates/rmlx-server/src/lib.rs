@@ -15,6 +15,7 @@ pub mod forced;
 pub mod fuzzing;
 pub mod generation;
 pub mod guard;
+pub mod lark_regex;
 pub mod logprobs;
 pub mod metrics;
 pub mod models;

@@ -22,7 +22,7 @@ use axum::{
 };
 use rmlx_engine::{
     chat::TemplateOptions,
-    constrain::{ResponseFormat, ToolInputGrammar, TriggeredGrammar},
+    constrain::{GrammarSyntax, ResponseFormat, ToolInputGrammar, TriggeredGrammar},
     engine::{Prompt, Request},
     generate::{Completion, FinishReason, GenerateParams},
     EngineError,
@@ -230,28 +230,49 @@ fn response_format(format: Option<&Value>) -> Result<ResponseFormat, ApiError> {
 }
 
 /// The freeform tools' grammars, each switched on when the model opens a call of its tool: in
-/// the XML format the input is raw text after `<parameter=input>`. Qwen3's JSON format writes it
-/// as a JSON string, whose escapes a grammar cannot be mapped into: there the grammar is shown
-/// to the model (the parameter's description; a regex also its `pattern`), not enforced.
+/// the XML format the input is raw text after `<parameter=input>\n`; Qwen3's JSON format writes
+/// it as a JSON string after `"arguments": {"input": `, held to the grammar's regex (a regex, or
+/// a Lark grammar without recursion; a recursive one cannot be mapped into a JSON string's
+/// escapes and is only shown to the model).
 fn triggered_grammars(
     grammars: &[(String, CustomGrammar)],
     format: ToolFormat,
 ) -> Vec<TriggeredGrammar> {
-    if format != ToolFormat::Xml {
-        return Vec::new();
-    }
     grammars
         .iter()
-        .map(|(name, grammar)| TriggeredGrammar {
-            trigger: xml_calls::raw_input_opening(name),
-            input: ToolInputGrammar {
-                tool: name.clone(),
-                syntax: grammar.syntax,
-                definition: grammar.definition.clone(),
-                closing: xml_calls::RAW_INPUT_CLOSING.to_string(),
-            },
+        .filter_map(|(name, grammar)| {
+            let (trigger, syntax, definition, closing) = match format {
+                ToolFormat::Xml => (
+                    xml_calls::raw_input_opening(name),
+                    grammar.syntax,
+                    grammar.definition.clone(),
+                    xml_calls::RAW_INPUT_CLOSING,
+                ),
+                ToolFormat::Json => (
+                    json_input_opening(name),
+                    GrammarSyntax::JsonString,
+                    grammar.regex()?,
+                    "}}",
+                ),
+            };
+            Some(TriggeredGrammar {
+                trigger,
+                input: ToolInputGrammar {
+                    tool: name.clone(),
+                    syntax,
+                    definition,
+                    closing: closing.to_string(),
+                },
+            })
         })
         .collect()
+}
+
+/// A freeform tool's call in Qwen3's JSON format up to its input's JSON string, as the model
+/// writes it (the template's `{"name": <function-name>, "arguments": <args-json-object>}`).
+pub(crate) fn json_input_opening(name: &str) -> String {
+    let name = serde_json::to_string(name).expect("a string serializes");
+    format!("{{\"name\": {name}, \"arguments\": {{\"input\": ")
 }
 
 /// A request as the engine takes it, before any model is involved.
@@ -619,6 +640,22 @@ mod tests {
 
     use super::*;
     use crate::sse::testing::{delta, done, events, generation};
+
+    /// A freeform tool's grammar switches on where Qwen3's template writes a past call's input
+    /// (the JSON string after `json_input_opening`, closed by `}}`), in each Qwen3 release.
+    #[test]
+    fn a_json_input_opens_as_the_qwen3_templates_write_it() {
+        let input = "*** Begin Patch\n*** Delete File: \"a\".txt\n*** End Patch";
+        let written = format!(
+            "{}{}}}}}",
+            json_input_opening("apply_patch"),
+            serde_json::to_string(input).unwrap()
+        );
+        for name in ["releases/qwen3-4b", "releases/qwen3-30b-a3b", "qwen3-tiny"] {
+            let text = crate::xml_calls::rendered_apply_patch_call(name, input);
+            assert!(text.contains(&written), "{name}: {text}");
+        }
+    }
 
     fn turn(engine_events: Vec<EngineEvent>) -> Turn {
         let request: ResponsesRequest =

@@ -414,38 +414,45 @@ mod tests {
     #[test]
     fn a_raw_input_opens_and_closes_as_the_templates_write_it() {
         let input = "*** Begin Patch\n*** Delete File: a.txt\n*** End Patch";
-        let tool = json!({"type": "function", "function": {"name": "apply_patch",
-            "parameters": {"type": "object", "properties": {"input": {"type": "string"}}}}});
-        let messages = [
-            json!({"role": "user", "content": "patch"}),
-            json!({"role": "assistant", "content": "", "tool_calls": [{"id": "c1",
-                "type": "function",
-                "function": {"name": "apply_patch", "arguments": {"input": input}}}]}),
-            json!({"role": "tool", "tool_call_id": "c1", "content": "done"}),
-        ];
-        let options = TemplateOptions {
-            add_generation_prompt: true,
-            tools: Some(json!([tool])),
-            ..TemplateOptions::default()
-        };
+        let written = format!(
+            "{}{input}{RAW_INPUT_CLOSING}",
+            raw_input_opening("apply_patch")
+        );
         for name in [
             "qwen3.6-27b",
             "qwen3.6-35b-a3b",
             "qwen3.5-35b-a3b",
             "qwen3.5-0.8b",
         ] {
-            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../tests/fixtures/releases")
-                .join(name);
-            let text = ChatTokenizer::from_dir(&dir)
-                .unwrap()
-                .render(&messages, &options)
-                .unwrap();
-            let written = format!(
-                "{}{input}{RAW_INPUT_CLOSING}",
-                raw_input_opening("apply_patch")
-            );
+            let text = rendered_apply_patch_call(&format!("releases/{name}"), input);
             assert!(text.contains(&written), "{name}: {text}");
         }
     }
+}
+
+/// A conversation with one past `apply_patch` call of `input`, rendered by the fixture's
+/// template (where a freeform tool's grammar switches on is read off it).
+#[cfg(test)]
+pub(crate) fn rendered_apply_patch_call(fixture: &str, input: &str) -> String {
+    let tool = json!({"type": "function", "function": {"name": "apply_patch",
+        "parameters": {"type": "object", "properties": {"input": {"type": "string"}}}}});
+    let messages = [
+        json!({"role": "user", "content": "patch"}),
+        json!({"role": "assistant", "content": "", "tool_calls": [{"id": "c1",
+            "type": "function",
+            "function": {"name": "apply_patch", "arguments": {"input": input}}}]}),
+        json!({"role": "tool", "tool_call_id": "c1", "content": "done"}),
+    ];
+    let options = TemplateOptions {
+        add_generation_prompt: true,
+        tools: Some(json!([tool])),
+        ..TemplateOptions::default()
+    };
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(fixture);
+    ChatTokenizer::from_dir(&dir)
+        .unwrap()
+        .render(&messages, &options)
+        .unwrap()
 }

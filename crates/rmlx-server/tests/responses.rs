@@ -718,13 +718,34 @@ fn is_patch(input: &str) -> bool {
     }
 }
 
-/// A forced freeform call on an XML-format model: the prompt opens the call up to the raw input
-/// and the tool's grammar (Lark, or a regex) holds the input, whole and streamed; the call
-/// comes back as the client's `custom_tool_call` with exactly that text. A grammar that does not
+/// A forced freeform call: on an XML-format model (Qwen3.6) the prompt opens the call up to the
+/// raw input and the tool's grammar (Lark, or a regex) holds the input; on Qwen3's JSON format
+/// the input is a JSON string held to the grammar's regex. Whole and streamed, the call comes
+/// back as the client's `custom_tool_call` with the input's text. A grammar that does not
 /// compile is a 400 naming the tool.
 #[tokio::test]
-async fn a_freeform_tool_grammar_holds_its_raw_input() {
-    let (app, _) = qwen36();
+async fn a_freeform_tool_grammar_holds_its_input() {
+    let (xml, _) = qwen36();
+    let (json_format, _) = router(config());
+    for (app, model) in [(&xml, QWEN36), (&json_format, MODEL)] {
+        freeform_inputs_follow_their_grammar(app, model).await;
+    }
+    let app = xml;
+    let bad = json!([{"type": "custom", "name": "apply_patch",
+        "format": {"type": "grammar", "syntax": "lark", "definition": "start: ("}}]);
+    let request = json!({"model": QWEN36, "input": "x", "tools": bad,
+        "tool_choice": {"type": "custom", "name": "apply_patch"}});
+    let reply = post(&app, "/v1/responses", &request).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text);
+    let body: Value = reply.json();
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("grammar of custom tool `apply_patch` does not compile"),
+        "{message}"
+    );
+}
+
+async fn freeform_inputs_follow_their_grammar(app: &axum::Router, model: &str) {
     let cases: [(&str, &str, InputCheck); 2] = [
         ("lark", PATCH_GRAMMAR, &is_patch),
         ("regex", "[0-9]{2,4}-[a-z]{3}", &|input: &str| {
@@ -740,34 +761,24 @@ async fn a_freeform_tool_grammar_holds_its_raw_input() {
             let tools = json!([forecast_tool(),
                 {"type": "custom", "name": "apply_patch", "description": "Edit files",
                  "format": {"type": "grammar", "syntax": syntax, "definition": definition}}]);
-            let request = json!({"model": QWEN36, "input": "Delete a file.",
+            let request = json!({"model": model, "input": "Delete a file.",
                 "max_output_tokens": MAX_TOKENS, "temperature": 1.0, "seed": seed,
                 "tools": tools, "tool_choice": {"type": "custom", "name": "apply_patch"},
                 "reasoning": {"effort": "none"}});
-            let whole = respond(&app, &request).await;
+            let whole = respond(app, &request).await;
             assert_eq!(whole["status"], "completed", "{whole}");
             let call = &whole["output"][0];
             assert_eq!(call["type"], "custom_tool_call", "{whole}");
             let input = call["input"].as_str().unwrap();
-            eprintln!("{syntax} seed {seed}: {input:?}");
-            assert!(valid(input), "{syntax}: {input:?} is outside the grammar");
-            let events = stream(&app, &request).await;
+            eprintln!("{model} {syntax} seed {seed}: {input:?}");
+            assert!(
+                valid(input),
+                "{model} {syntax}: {input:?} is outside the grammar"
+            );
+            let events = stream(app, &request).await;
             assert_eq!(comparable(last_response(&events)), comparable(&whole));
         }
     }
-
-    let bad = json!([{"type": "custom", "name": "apply_patch",
-        "format": {"type": "grammar", "syntax": "lark", "definition": "start: ("}}]);
-    let request = json!({"model": QWEN36, "input": "x", "tools": bad,
-        "tool_choice": {"type": "custom", "name": "apply_patch"}});
-    let reply = post(&app, "/v1/responses", &request).await;
-    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text);
-    let body: Value = reply.json();
-    let message = body["error"]["message"].as_str().unwrap();
-    assert!(
-        message.contains("grammar of custom tool `apply_patch` does not compile"),
-        "{message}"
-    );
 }
 
 /// Whether a tool's input is in its grammar (written out by hand for each test grammar).

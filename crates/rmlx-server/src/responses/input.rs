@@ -87,6 +87,16 @@ pub struct CustomGrammar {
 }
 
 impl CustomGrammar {
+    /// The grammar as one regex, where it has one (a regex; a Lark grammar without recursion):
+    /// what holds the input when a JSON call format writes it as a JSON string.
+    pub fn regex(&self) -> Option<String> {
+        match self.syntax {
+            GrammarSyntax::Regex => Some(self.definition.clone()),
+            GrammarSyntax::Lark => crate::lark_regex::lark_to_regex(&self.definition).ok(),
+            GrammarSyntax::JsonString => None,
+        }
+    }
+
     fn of(tool: &Value) -> Result<Option<Self>, ApiError> {
         let format = &tool["format"];
         if format["type"] != "grammar" {
@@ -124,22 +134,17 @@ fn function(name: String, description: Option<&Value>, parameters: Value) -> Val
 }
 
 /// A freeform tool's one string argument, its grammar (when it gives one) shown to the model in
-/// the argument's description. The grammar is enforced on the raw input where the model's call
-/// format writes it raw (XML, `responses.rs`); a regex is also the string's `pattern`, which
-/// holds a forced call in the JSON format to it.
+/// the argument's description (enforced by the engine: `responses.rs`, `forced.rs`).
 fn custom_parameters(grammar: Option<&CustomGrammar>) -> Value {
     let mut input = json!({"type": "string", "description": "The tool's input, as raw text."});
     if let Some(CustomGrammar { syntax, definition }) = grammar {
         let name = match syntax {
-            GrammarSyntax::Lark => "lark",
             GrammarSyntax::Regex => "regex",
+            _ => "lark",
         };
         input["description"] = Value::String(format!(
             "The tool's input, as raw text following this {name} grammar:\n{definition}"
         ));
-        if *syntax == GrammarSyntax::Regex {
-            input["pattern"] = Value::String(format!("^(?:{definition})$"));
-        }
     }
     json!({"type": "object", "properties": {"input": input}, "required": ["input"],
            "additionalProperties": false})

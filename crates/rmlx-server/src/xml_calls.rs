@@ -266,6 +266,33 @@ pub fn template_writes_xml(tokenizer: &ChatTokenizer) -> bool {
     })
 }
 
+/// A conversation with one past `apply_patch` call of `input`, rendered by the fixture's
+/// template (where a freeform tool's grammar switches on is read off it).
+#[cfg(test)]
+pub(crate) fn rendered_apply_patch_call(fixture: &str, input: &str) -> String {
+    let tool = json!({"type": "function", "function": {"name": "apply_patch",
+        "parameters": {"type": "object", "properties": {"input": {"type": "string"}}}}});
+    let messages = [
+        json!({"role": "user", "content": "patch"}),
+        json!({"role": "assistant", "content": "", "tool_calls": [{"id": "c1",
+            "type": "function",
+            "function": {"name": "apply_patch", "arguments": {"input": input}}}]}),
+        json!({"role": "tool", "tool_call_id": "c1", "content": "done"}),
+    ];
+    let options = TemplateOptions {
+        add_generation_prompt: true,
+        tools: Some(json!([tool])),
+        ..TemplateOptions::default()
+    };
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(fixture);
+    ChatTokenizer::from_dir(&dir)
+        .unwrap()
+        .render(&messages, &options)
+        .unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -428,31 +455,4 @@ mod tests {
             assert!(text.contains(&written), "{name}: {text}");
         }
     }
-}
-
-/// A conversation with one past `apply_patch` call of `input`, rendered by the fixture's
-/// template (where a freeform tool's grammar switches on is read off it).
-#[cfg(test)]
-pub(crate) fn rendered_apply_patch_call(fixture: &str, input: &str) -> String {
-    let tool = json!({"type": "function", "function": {"name": "apply_patch",
-        "parameters": {"type": "object", "properties": {"input": {"type": "string"}}}}});
-    let messages = [
-        json!({"role": "user", "content": "patch"}),
-        json!({"role": "assistant", "content": "", "tool_calls": [{"id": "c1",
-            "type": "function",
-            "function": {"name": "apply_patch", "arguments": {"input": input}}}]}),
-        json!({"role": "tool", "tool_call_id": "c1", "content": "done"}),
-    ];
-    let options = TemplateOptions {
-        add_generation_prompt: true,
-        tools: Some(json!([tool])),
-        ..TemplateOptions::default()
-    };
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(fixture);
-    ChatTokenizer::from_dir(&dir)
-        .unwrap()
-        .render(&messages, &options)
-        .unwrap()
 }

@@ -80,8 +80,8 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let engine = Engine::start_with(EngineOptions {
         max_queue: concurrency,
         max_batch: args.max_batch.max(1),
-        prefix_cache_bytes: 0,
-        prefix_snapshot_bytes: 0,
+        prefix_cache_bytes: Some(0),
+        prefix_snapshot_bytes: Some(0),
         ..EngineOptions::default()
     })?;
     let vocab = engine.model_info(&args.model)?.vocab_size;

@@ -45,13 +45,16 @@ pub struct ServeArgs {
     /// Largest request body, in MB (images arrive inline as base64).
     #[arg(long, default_value_t = 64)]
     max_body_mb: usize,
-    /// MB of finished requests' KV the prefix cache keeps for reuse (0 turns it off).
-    #[arg(long, default_value_t = 1024)]
-    prefix_cache_mb: u64,
+    /// MB of finished requests' KV the prefix cache keeps for reuse (0 turns it off)
+    /// [default: a 128k-token agent session of the loaded model's KV, at least 1024, at most
+    /// half the memory its weights leave; docs/SERVER.md]
+    #[arg(long)]
+    prefix_cache_mb: Option<u64>,
     /// MB of recurrent-model snapshots (Qwen3.5 / 3.6: KV + Gated DeltaNet state at each
-    /// message boundary) the prefix cache keeps (0 turns them off).
-    #[arg(long, default_value_t = 2048)]
-    prefix_snapshot_mb: u64,
+    /// message boundary) the prefix cache keeps (0 turns them off) [default: two 128k-token
+    /// sessions' snapshots, at least 2048, within the same half]
+    #[arg(long)]
+    prefix_snapshot_mb: Option<u64>,
     /// Hub base URL for the admin download routes [default: $HF_ENDPOINT or
     /// https://huggingface.co]; $HF_TOKEN is sent as a bearer token when set.
     #[arg(long, value_name = "URL")]
@@ -79,8 +82,8 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         max_queue: args.max_queue,
         max_batch: args.max_batch,
         max_body_mb: args.max_body_mb,
-        prefix_cache_bytes: args.prefix_cache_mb << 20,
-        prefix_snapshot_bytes: args.prefix_snapshot_mb << 20,
+        prefix_cache_bytes: args.prefix_cache_mb.map(|mb| mb << 20),
+        prefix_snapshot_bytes: args.prefix_snapshot_mb.map(|mb| mb << 20),
         ui_dir: args.ui_dir,
         embedded_ui: !args.no_ui,
     };

@@ -347,6 +347,30 @@ impl KvCache {
         self.offset = self.offset.min(len.max(0));
     }
 
+    /// Frees the positions past the offset: the arrays become copies of exactly what is held
+    /// (a prefix-cache entry cut to fit its budget must not keep the whole buffers alive).
+    pub fn compact(&mut self) -> Result<()> {
+        let end = self.offset;
+        for array in [&mut self.keys, &mut self.values].into_iter().flatten() {
+            if array.shape()[2] == end {
+                continue;
+            }
+            // A concatenation always writes a new buffer (a slice alone may stay a view of the
+            // old one, and `contiguous` may share it when the slice is already contiguous).
+            let half = end / 2;
+            let copy = ops::concatenate(
+                &[
+                    array.index((.., .., ..half, ..)),
+                    array.index((.., .., half..end, ..)),
+                ],
+                2,
+            )?;
+            crate::runtime::eval([&copy])?;
+            *array = copy;
+        }
+        Ok(())
+    }
+
     /// Re-targets a reused cache to another request's context.
     pub fn set_max_ctx(&mut self, max_ctx: usize) {
         self.max_ctx = max_ctx.min(i32::MAX as usize) as i32;

@@ -26,7 +26,7 @@ use crate::{
     generate::{self, Completion, DecodeRow, FinishReason, GenerateParams, Prefill, Sequence},
     metrics::{Metrics, MetricsSnapshot},
     models::{self, LoadedModel, ModelInfo},
-    prefix_cache::PrefixCache,
+    prefix_cache::{self, ModelFootprint, PrefixCache},
 };
 
 /// What to feed the model.
@@ -177,10 +177,6 @@ enum Job {
     },
 }
 
-/// The default snapshot budget: 2 GiB, about 30 snapshots of Qwen3.6-35B-A3B's 63 MB Gated
-/// DeltaNet state (five 6-turn conversations), a few hundred for the small dense models.
-pub const DEFAULT_PREFIX_SNAPSHOT_BYTES: u64 = 2 << 30;
-
 /// Requests decoding together by default. On this CPU a batch of 8 tiny-Qwen3 streams gives
 /// the most tokens per second (docs/PERFORMANCE.md, "Batching"); mlx-lm's server batches up to
 /// 8 as well (`--decode-concurrency`).
@@ -195,11 +191,13 @@ pub struct EngineOptions {
     pub max_batch: usize,
     /// Models kept resident; the least recently used is unloaded past this.
     pub max_loaded: usize,
-    /// Bytes of KV the prefix cache keeps for reuse (0 turns it off).
-    pub prefix_cache_bytes: u64,
+    /// Bytes of KV the prefix cache keeps for reuse (0 turns it off); None sizes it for agent
+    /// sessions from the machine's memory and the resident models (`prefix_cache::auto_budgets`).
+    pub prefix_cache_bytes: Option<u64>,
     /// Bytes of recurrent-model snapshots (Qwen3.5: KV + Gated DeltaNet state at message
-    /// boundaries) the prefix cache keeps, apart from the KV entries (0 turns them off).
-    pub prefix_snapshot_bytes: u64,
+    /// boundaries) the prefix cache keeps, apart from the KV entries (0 turns them off); None:
+    /// sized as `prefix_cache_bytes` is.
+    pub prefix_snapshot_bytes: Option<u64>,
     /// Memory a model may take; None = what the OS reports available when it loads.
     pub memory_budget: Option<u64>,
 }
@@ -210,8 +208,8 @@ impl Default for EngineOptions {
             max_queue: 64,
             max_batch: DEFAULT_MAX_BATCH,
             max_loaded: 1,
-            prefix_cache_bytes: 1 << 30,
-            prefix_snapshot_bytes: DEFAULT_PREFIX_SNAPSHOT_BYTES,
+            prefix_cache_bytes: None,
+            prefix_snapshot_bytes: None,
             memory_budget: None,
         }
     }
@@ -283,9 +281,15 @@ impl Engine {
                     max_loaded: options.max_loaded.max(1),
                     memory_budget: options.memory_budget,
                     prefix: PrefixCache::new(
-                        options.prefix_cache_bytes,
-                        options.prefix_snapshot_bytes,
+                        options
+                            .prefix_cache_bytes
+                            .unwrap_or(prefix_cache::MIN_KV_BUDGET),
+                        options
+                            .prefix_snapshot_bytes
+                            .unwrap_or(prefix_cache::MIN_SNAPSHOT_BUDGET),
                     ),
+                    prefix_budgets: (options.prefix_cache_bytes, options.prefix_snapshot_bytes),
+                    prefix_ids: HashMap::new(),
                     metrics: worker_metrics,
                     queued: worker_queued,
                     waiting: worker_waiting,
@@ -403,6 +407,8 @@ impl Engine {
 struct Resident {
     loaded: LoadedModel,
     tokenizer: ChatTokenizer,
+    /// What it needs in memory (sizes the prefix cache's default budgets).
+    footprint: ModelFootprint,
     /// Built on the first constrained request: most models never see one.
     constraints: Option<ConstraintFactory>,
 }
@@ -428,6 +434,25 @@ impl Resident {
     }
 }
 
+/// A model's weights, KV per token and recurrent state, from its folder.
+fn footprint(dir: &Path) -> Result<ModelFootprint> {
+    let io = |error: std::io::Error| EngineError::Io {
+        path: dir.to_path_buf(),
+        message: error.to_string(),
+    };
+    let text = std::fs::read_to_string(dir.join("config.json")).map_err(io)?;
+    let config: serde_json::Value =
+        serde_json::from_str(&text).map_err(|error| EngineError::Io {
+            path: dir.join("config.json"),
+            message: error.to_string(),
+        })?;
+    Ok(ModelFootprint {
+        weights: crate::runtime::memory_needed(dir).map_err(io)?,
+        kv_per_token: models::structure::kv_bytes_per_token(&config),
+        recurrent_state: models::structure::recurrent_state_bytes(&config),
+    })
+}
+
 struct EngineThread {
     models: HashMap<PathBuf, Resident>,
     /// Resident model keys, least recently used first.
@@ -435,6 +460,10 @@ struct EngineThread {
     max_loaded: usize,
     memory_budget: Option<u64>,
     prefix: PrefixCache,
+    /// The budgets asked for (None: sized from memory and the resident models).
+    prefix_budgets: (Option<u64>, Option<u64>),
+    /// The model id metrics know each cached model by.
+    prefix_ids: HashMap<PathBuf, String>,
     metrics: Arc<Metrics>,
     queued: Arc<AtomicUsize>,
     waiting: Arc<AtomicUsize>,
@@ -913,8 +942,10 @@ impl EngineThread {
             evicted += self.prefix.insert(key, sequence.tokens, sequence.caches);
             self.metrics
                 .record_prefix_evictions(&ticket.model_id, evicted);
+            self.prefix_ids
+                .insert(key.to_path_buf(), ticket.model_id.clone());
         }
-        self.metrics.set_prefix_cache_usage(self.prefix.usage());
+        self.publish_prefix_usage();
         ticket.settle();
         self.publish_in_flight();
         ticket.send_last(Event::Done(completion));
@@ -928,6 +959,9 @@ impl EngineThread {
         self.prefix.forget_model(&key);
         self.metrics.set_prefix_cache_usage(self.prefix.usage());
         let removed = self.models.remove(&key).is_some();
+        self.metrics
+            .set_model_prefix_bytes(self.prefix_ids.get(&key), 0);
+        self.refresh_prefix_budgets();
         self.publish_resident();
         // The weights' buffers go back to the system, not to MLX's buffer cache, unless a
         // running batch may reuse them (unloading another model while one decodes).
@@ -935,6 +969,31 @@ impl EngineThread {
             crate::runtime::release_cached_memory();
         }
         removed
+    }
+
+    /// Sizes the prefix cache's budgets that were not set for the resident models.
+    fn refresh_prefix_budgets(&mut self) {
+        let footprints: Vec<ModelFootprint> =
+            self.models.values().map(|model| model.footprint).collect();
+        let memory = self.memory_budget.or_else(crate::runtime::total_memory);
+        let auto = prefix_cache::auto_budgets(&footprints, memory);
+        let budgets = prefix_cache::Budgets {
+            kv: self.prefix_budgets.0.unwrap_or(auto.kv),
+            snapshots: self.prefix_budgets.1.unwrap_or(auto.snapshots),
+        };
+        if budgets != self.prefix.budgets() {
+            self.prefix.set_budgets(budgets);
+            self.publish_prefix_usage();
+        }
+    }
+
+    /// `/metrics/cache`'s prefix figures: the totals and each cached model's bytes.
+    fn publish_prefix_usage(&self) {
+        self.metrics.set_prefix_cache_usage(self.prefix.usage());
+        for (path, id) in &self.prefix_ids {
+            self.metrics
+                .set_model_prefix_bytes(Some(id), self.prefix.model_bytes(path));
+        }
     }
 
     /// Refuses, with the numbers, a model whose weights cannot fit next to what is resident;
@@ -971,14 +1030,17 @@ impl EngineThread {
             self.check_fits(&key)?;
             let tokenizer = ChatTokenizer::from_dir(&key)?;
             let loaded = models::load_model(&key)?;
+            let footprint = footprint(&key)?;
             self.models.insert(
                 key.clone(),
                 Resident {
                     loaded,
                     tokenizer,
+                    footprint,
                     constraints: None,
                 },
             );
+            self.refresh_prefix_budgets();
         }
         if self.lru.last() != Some(&key) {
             self.lru.retain(|resident| *resident != key);

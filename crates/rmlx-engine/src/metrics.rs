@@ -151,6 +151,7 @@ struct ModelState {
     prefix_hits: u64,
     prefix_misses: u64,
     prefix_evictions: u64,
+    prefix_bytes: u64,
 }
 
 #[derive(Debug, Default)]
@@ -169,6 +170,9 @@ pub struct Metrics {
     prefix_cache_bytes: AtomicU64,
     prefix_snapshot_bytes: AtomicU64,
     prefix_snapshots: AtomicUsize,
+    prefix_budget_bytes: AtomicU64,
+    prefix_snapshot_budget_bytes: AtomicU64,
+    prefix_trimmed: AtomicU64,
 }
 
 /// Per-model figures in a snapshot.
@@ -181,6 +185,8 @@ pub struct ModelSnapshot {
     pub prefix_cache_hits: u64,
     pub prefix_cache_misses: u64,
     pub prefix_cache_evictions: u64,
+    /// Bytes the prefix cache keeps for this model.
+    pub prefix_cache_bytes: u64,
     pub ttft_ms: Summary,
     pub itl_ms: Summary,
     #[serde(skip)]
@@ -205,6 +211,11 @@ pub struct MetricsSnapshot {
     /// Recurrent-model snapshots kept (Qwen3.5 / 3.6, one per message boundary) and their bytes.
     pub prefix_snapshots: usize,
     pub prefix_snapshot_bytes: u64,
+    /// The budgets of the prefix cache's KV entries and snapshots (set, or sized for agents).
+    pub prefix_cache_budget_bytes: u64,
+    pub prefix_snapshot_budget_bytes: u64,
+    /// KV entries stored shorter than they came, to fit the budget.
+    pub prefix_cache_trimmed: u64,
     pub mlx_active_bytes: u64,
     pub mlx_peak_bytes: u64,
     pub mlx_cache_bytes: u64,
@@ -238,6 +249,7 @@ impl Metrics {
                 prefix_hits: 0,
                 prefix_misses: 0,
                 prefix_evictions: 0,
+                prefix_bytes: 0,
             });
         update(entry)
     }
@@ -308,6 +320,13 @@ impl Metrics {
         self.with_model(model, |entry| entry.prefix_evictions += evicted);
     }
 
+    /// Bytes the prefix cache keeps for `model` (None: a model no request named yet).
+    pub(crate) fn set_model_prefix_bytes(&self, model: Option<&String>, bytes: u64) {
+        if let Some(model) = model {
+            self.with_model(model, |entry| entry.prefix_bytes = bytes);
+        }
+    }
+
     pub(crate) fn set_in_flight(&self, running: usize, kv_bytes: u64) {
         self.in_flight.store(running, Ordering::Relaxed);
         self.kv_bytes.store(kv_bytes, Ordering::Relaxed);
@@ -320,6 +339,11 @@ impl Metrics {
             .store(usage.snapshot_bytes, Ordering::Relaxed);
         self.prefix_snapshots
             .store(usage.snapshots, Ordering::Relaxed);
+        self.prefix_budget_bytes
+            .store(usage.budget_bytes, Ordering::Relaxed);
+        self.prefix_snapshot_budget_bytes
+            .store(usage.snapshot_budget_bytes, Ordering::Relaxed);
+        self.prefix_trimmed.store(usage.trimmed, Ordering::Relaxed);
     }
 
     pub fn snapshot(&self) -> MetricsSnapshot {
@@ -338,6 +362,7 @@ impl Metrics {
                 prefix_cache_hits: entry.prefix_hits,
                 prefix_cache_misses: entry.prefix_misses,
                 prefix_cache_evictions: entry.prefix_evictions,
+                prefix_cache_bytes: entry.prefix_bytes,
                 ttft_ms: entry.ttft.summary(),
                 itl_ms: entry.itl.summary(),
                 ttft_histogram: entry.ttft_histogram.clone(),
@@ -357,6 +382,9 @@ impl Metrics {
             prefix_cache_bytes: self.prefix_cache_bytes.load(Ordering::Relaxed),
             prefix_snapshots: self.prefix_snapshots.load(Ordering::Relaxed),
             prefix_snapshot_bytes: self.prefix_snapshot_bytes.load(Ordering::Relaxed),
+            prefix_cache_budget_bytes: self.prefix_budget_bytes.load(Ordering::Relaxed),
+            prefix_snapshot_budget_bytes: self.prefix_snapshot_budget_bytes.load(Ordering::Relaxed),
+            prefix_cache_trimmed: self.prefix_trimmed.load(Ordering::Relaxed),
             mlx_active_bytes: memory.0,
             mlx_peak_bytes: memory.1,
             mlx_cache_bytes: memory.2,

@@ -5,10 +5,86 @@
 //! shorter prefix: its entries are snapshots, each serving exactly its own tokens, kept under a
 //! budget of their own. Reference: mlx-lm `server.py` (`LRUPromptCache`) and
 //! `models/cache.py` (`trim`).
+//!
+//! Budgets: by default sized for coding agents, whose sessions re-send 25-130k tokens every turn
+//! ([`auto_budgets`]); a KV entry larger than its budget keeps the prefix that fits.
 
 use std::path::{Path, PathBuf};
 
 use crate::cache::KvCache;
+
+/// Tokens of one agent session the default budgets hold: Claude Code and Codex sessions run past
+/// 100k tokens of prompt before they compact.
+pub const AGENT_SESSION_TOKENS: u64 = 128 * 1024;
+/// The smallest default KV budget (the budget before agents were sized for).
+pub const MIN_KV_BUDGET: u64 = 1 << 30;
+/// The smallest default snapshot budget: about 30 snapshots of Qwen3.6-35B-A3B's 63 MB Gated
+/// DeltaNet state (five 6-turn conversations), a few hundred for the small dense models.
+pub const MIN_SNAPSHOT_BUDGET: u64 = 2 << 30;
+/// A KV entry is kept only if at least this many of its tokens fit (a shorter one saves little).
+const MIN_TRIMMED_TOKENS: usize = 256;
+
+/// What a resident model needs in memory, from its config (`models::structure`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelFootprint {
+    /// Weights as loaded.
+    pub weights: u64,
+    /// KV bytes per position of context.
+    pub kv_per_token: u64,
+    /// A sequence's fixed recurrent state (0 without linear-attention layers).
+    pub recurrent_state: u64,
+}
+
+/// The prefix cache's two budgets, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budgets {
+    /// KV entries (attention-only models).
+    pub kv: u64,
+    /// Snapshots (models with a recurrent state).
+    pub snapshots: u64,
+}
+
+/// The default budgets for the resident models on a machine with `total_memory` bytes:
+/// - KV: one [`AGENT_SESSION_TOKENS`] session of the largest attention-only model's KV;
+/// - snapshots: two such sessions of a recurrent model (its attention layers' KV plus the
+///   state; the newest turn's snapshot and the one before, since a snapshot serves only
+///   prompts that contain it whole);
+/// - together at most half the memory the weights leave, shared in proportion to what each
+///   wants; never under [`MIN_KV_BUDGET`] / [`MIN_SNAPSHOT_BUDGET`]. Unknown memory: the floors.
+pub fn auto_budgets(models: &[ModelFootprint], total_memory: Option<u64>) -> Budgets {
+    let session = |model: &ModelFootprint| model.kv_per_token * AGENT_SESSION_TOKENS;
+    let kv_want = models
+        .iter()
+        .filter(|model| model.recurrent_state == 0)
+        .map(session)
+        .max()
+        .unwrap_or(0);
+    let snapshot_want = models
+        .iter()
+        .filter(|model| model.recurrent_state > 0)
+        .map(|model| 2 * (session(model) + model.recurrent_state))
+        .max()
+        .unwrap_or(0);
+    let floors = Budgets {
+        kv: MIN_KV_BUDGET,
+        snapshots: MIN_SNAPSHOT_BUDGET,
+    };
+    let Some(total) = total_memory else {
+        return floors;
+    };
+    let weights: u64 = models.iter().map(|model| model.weights).sum();
+    let room = total.saturating_sub(weights) / 2;
+    let wants = kv_want + snapshot_want;
+    let share = |want: u64| match wants <= room {
+        true => want,
+        // u128: a want times the room passes u64 on large machines.
+        false => (want as u128 * room as u128 / wants.max(1) as u128) as u64,
+    };
+    Budgets {
+        kv: share(kv_want).max(floors.kv),
+        snapshots: share(snapshot_want).max(floors.snapshots),
+    }
+}
 
 struct Entry {
     model: PathBuf,
@@ -33,15 +109,20 @@ pub struct PrefixCache {
     budget_bytes: u64,
     snapshot_budget_bytes: u64,
     clock: u64,
+    /// KV entries stored shorter than they came, to fit the budget.
+    trimmed: u64,
 }
 
-/// What the cache holds, by kind (for `/metrics/cache`).
+/// What the cache holds, by kind, and its budgets (for `/metrics/cache`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheUsage {
     pub entries: usize,
     pub bytes: u64,
     pub snapshots: usize,
     pub snapshot_bytes: u64,
+    pub budget_bytes: u64,
+    pub snapshot_budget_bytes: u64,
+    pub trimmed: u64,
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -56,7 +137,31 @@ impl PrefixCache {
             budget_bytes,
             snapshot_budget_bytes,
             clock: 0,
+            trimmed: 0,
         }
+    }
+
+    pub fn budgets(&self) -> Budgets {
+        Budgets {
+            kv: self.budget_bytes,
+            snapshots: self.snapshot_budget_bytes,
+        }
+    }
+
+    /// New budgets (the resident models changed); returns the entries evicted to fit them.
+    pub fn set_budgets(&mut self, budgets: Budgets) -> u64 {
+        self.budget_bytes = budgets.kv;
+        self.snapshot_budget_bytes = budgets.snapshots;
+        self.evict_to_fit(false) + self.evict_to_fit(true)
+    }
+
+    /// Bytes kept for `model` (KV entries and snapshots).
+    pub fn model_bytes(&self, model: &Path) -> u64 {
+        self.entries
+            .iter()
+            .filter(|entry| entry.model == model)
+            .map(|entry| entry.bytes)
+            .sum()
     }
 
     pub fn bytes(&self) -> u64 {
@@ -78,6 +183,9 @@ impl PrefixCache {
             bytes: self.class_bytes(false),
             snapshots,
             snapshot_bytes: self.class_bytes(true),
+            budget_bytes: self.budget_bytes,
+            snapshot_budget_bytes: self.snapshot_budget_bytes,
+            trimmed: self.trimmed,
         }
     }
 
@@ -118,26 +226,51 @@ impl PrefixCache {
 
     /// Keeps a finished request's KV for `tokens`; returns how many entries were evicted.
     /// An entry that is a prefix of the new one is replaced when the new one can serve it (a
-    /// KV cache can be cut back; a snapshot cannot, so shorter snapshots stay).
-    pub fn insert(&mut self, model: &Path, tokens: Vec<u32>, caches: Vec<KvCache>) -> u64 {
+    /// KV cache can be cut back; a snapshot cannot, so shorter snapshots stay). A KV entry over
+    /// the budget keeps the longest prefix that fits (a snapshot cannot be cut, so it is not kept).
+    pub fn insert(&mut self, model: &Path, mut tokens: Vec<u32>, mut caches: Vec<KvCache>) -> u64 {
         if tokens.is_empty() {
             return 0;
         }
         self.clock += 1;
         let snapshot = !caches.iter().all(|cache| cache.can_truncate_to(0));
-        self.entries.retain(|entry| {
-            let served = entry.tokens.len() <= tokens.len() && tokens.starts_with(&entry.tokens);
-            !(entry.model == model && served && (!snapshot || entry.tokens == tokens))
-        });
         let budget = if snapshot {
             self.snapshot_budget_bytes
         } else {
             self.budget_bytes
         };
-        let bytes = caches.iter().map(|cache| cache.nbytes() as u64).sum();
+        let mut bytes: u64 = caches.iter().map(|cache| cache.nbytes() as u64).sum();
+        if bytes > budget && !snapshot {
+            // Positions held (allocated in growth steps) give the bytes of one.
+            let positions = caches
+                .iter()
+                .map(KvCache::capacity)
+                .max()
+                .unwrap_or(0)
+                .max(1);
+            let per_token = bytes.div_ceil(positions as u64).max(1);
+            let fits = (budget / per_token) as usize;
+            if fits < MIN_TRIMMED_TOKENS.min(tokens.len()) {
+                return 0;
+            }
+            let keep = fits.min(tokens.len());
+            tokens.truncate(keep);
+            for cache in &mut caches {
+                cache.truncate(keep as i32);
+                if cache.compact().is_err() {
+                    return 0;
+                }
+            }
+            bytes = caches.iter().map(|cache| cache.nbytes() as u64).sum();
+            self.trimmed += 1;
+        }
         if bytes > budget {
             return 0;
         }
+        self.entries.retain(|entry| {
+            let served = entry.tokens.len() <= tokens.len() && tokens.starts_with(&entry.tokens);
+            !(entry.model == model && served && (!snapshot || entry.tokens == tokens))
+        });
         self.entries.push(Entry {
             model: model.to_path_buf(),
             tokens,
@@ -146,6 +279,16 @@ impl PrefixCache {
             last_used: self.clock,
             snapshot,
         });
+        self.evict_to_fit(snapshot)
+    }
+
+    /// Evicts the least recently used entries of one kind until it is within its budget.
+    fn evict_to_fit(&mut self, snapshot: bool) -> u64 {
+        let budget = if snapshot {
+            self.snapshot_budget_bytes
+        } else {
+            self.budget_bytes
+        };
         let mut evicted = 0;
         while self.class_bytes(snapshot) > budget {
             let oldest = self
@@ -165,5 +308,172 @@ impl PrefixCache {
     /// Drops everything kept for `model` (it was unloaded).
     pub fn forget_model(&mut self, model: &Path) {
         self.entries.retain(|entry| entry.model != model);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::structure::{kv_bytes_per_token, recurrent_state_bytes};
+    use mlx_rs::{ops, Array};
+
+    const GIB: u64 = 1 << 30;
+
+    fn real(release: &str) -> serde_json::Value {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/real-configs")
+            .join(release)
+            .join("config.json");
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    }
+
+    /// Every release's real layer sizes: with the memory for it (the weights, then twice what
+    /// the budget wants), the default budget holds a 100k-token session: a KV entry of it, or
+    /// for a recurrent model two snapshots of it.
+    #[test]
+    fn a_100k_session_of_every_family_fits_the_default_budget() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/real-configs");
+        let mut releases = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let entry = entry.unwrap();
+            let name = entry.file_name().into_string().unwrap();
+            // The README, and releases kept for their other files.
+            if !entry.path().join("config.json").exists() {
+                continue;
+            }
+            let config = real(&name);
+            let model = ModelFootprint {
+                weights: 20 * GIB,
+                kv_per_token: kv_bytes_per_token(&config),
+                recurrent_state: recurrent_state_bytes(&config),
+            };
+            assert!(model.kv_per_token > 0, "{name}");
+            let session = 100_000 * model.kv_per_token;
+            let recurrent = model.recurrent_state > 0;
+            let needed = match recurrent {
+                true => 2 * (session + model.recurrent_state),
+                false => session,
+            };
+            let machine = model.weights + 2 * (needed + needed / 4);
+            let budgets = auto_budgets(&[model], Some(machine));
+            let budget = if recurrent {
+                budgets.snapshots
+            } else {
+                budgets.kv
+            };
+            assert!(budget >= needed, "{name}: {budget} < {needed}");
+            // The machine also keeps half of what the weights leave for everything else.
+            assert!(
+                budgets.kv.max(MIN_KV_BUDGET) + budgets.snapshots <= machine,
+                "{name}"
+            );
+            releases += 1;
+        }
+        assert!(releases >= 20, "{releases} real configs");
+    }
+
+    #[test]
+    fn budgets_are_shared_within_half_the_free_memory_and_never_under_the_floors() {
+        // Qwen3-4B in bf16 (8 GB, 144 KiB of KV per token) wants 18 GiB for a session.
+        let qwen3_4b = ModelFootprint {
+            weights: 8 * GIB,
+            kv_per_token: 36 * 2 * 8 * 128 * 2,
+            recurrent_state: 0,
+        };
+        let want = qwen3_4b.kv_per_token * AGENT_SESSION_TOKENS;
+        let big = auto_budgets(&[qwen3_4b], Some(128 * GIB));
+        assert_eq!((big.kv, big.snapshots), (want, MIN_SNAPSHOT_BUDGET));
+        // A 32 GB Mac: half of the 24 GB the weights leave.
+        let small = auto_budgets(&[qwen3_4b], Some(32 * GIB));
+        assert_eq!(small.kv, 12 * GIB);
+        // Two resident models, one recurrent: the half is shared in proportion to the wants.
+        let recurrent = ModelFootprint {
+            weights: 8 * GIB,
+            kv_per_token: want / AGENT_SESSION_TOKENS / 2,
+            recurrent_state: GIB,
+        };
+        let shared = auto_budgets(&[qwen3_4b, recurrent], Some(40 * GIB));
+        let recurrent_want = 2 * (want / 2 + GIB);
+        let room = 12 * GIB;
+        assert_eq!(
+            shared.kv,
+            (want as u128 * room as u128 / (want + recurrent_want) as u128) as u64
+        );
+        assert!(shared.kv + shared.snapshots <= room + 1);
+        // Unknown memory, or too little: the floors.
+        let floors = Budgets {
+            kv: MIN_KV_BUDGET,
+            snapshots: MIN_SNAPSHOT_BUDGET,
+        };
+        assert_eq!(auto_budgets(&[qwen3_4b], None), floors);
+        assert_eq!(auto_budgets(&[qwen3_4b], Some(9 * GIB)), floors);
+        assert_eq!(auto_budgets(&[], Some(64 * GIB)), floors);
+    }
+
+    /// A one-row cache of `tokens` positions (2 heads, dim 4) whose values count up.
+    fn caches(layers: usize, tokens: i32) -> Vec<KvCache> {
+        (0..layers)
+            .map(|layer| {
+                let mut cache = KvCache::new(4096);
+                let n = 2 * tokens * 4;
+                let values: Vec<f32> = (0..n).map(|i| (i + layer as i32 * n) as f32).collect();
+                let keys = Array::from_slice(&values, &[1, 2, tokens, 4]);
+                cache.update_and_fetch(&keys, &keys).unwrap();
+                cache
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_entry_over_the_budget_keeps_the_prefix_that_fits() {
+        let model = Path::new("/models/m");
+        let whole = caches(2, 1000);
+        let whole_bytes: u64 = whole.iter().map(|c| c.nbytes() as u64).sum();
+        // 1000 tokens live in 1024 allocated positions: 64 bytes per position and layer.
+        assert_eq!(whole_bytes, 2 * 2 * 1024 * 2 * 4 * 4);
+        let budget = whole_bytes / 2;
+        let mut prefix = PrefixCache::new(budget, budget);
+        let tokens: Vec<u32> = (0..1000).collect();
+        assert_eq!(prefix.insert(model, tokens.clone(), whole.clone()), 0);
+        let usage = prefix.usage();
+        assert_eq!((usage.entries, usage.trimmed), (1, 1));
+        assert!(
+            usage.bytes <= budget && usage.bytes >= budget - 256,
+            "{}",
+            usage.bytes
+        );
+        assert_eq!(prefix.model_bytes(model), usage.bytes);
+        // A prompt past the entry reuses what was kept, and it holds the original values.
+        let reuse = prefix
+            .lookup(model, &(0..2000).collect::<Vec<u32>>())
+            .unwrap();
+        assert_eq!(reuse.cached_tokens, 512);
+        for (kept, original) in reuse.caches.iter().zip(&whole) {
+            assert_eq!(kept.offset(), 512);
+            assert_eq!(kept.capacity(), 512, "compacted");
+            let (a, b) = (&kept.state()[0], &original.state()[0]);
+            use mlx_rs::ops::indexing::IndexOp;
+            let equal = ops::array_eq(
+                a.index((.., .., ..512, ..)),
+                b.index((.., .., ..512, ..)),
+                None,
+            )
+            .unwrap()
+            .item_exact::<bool>();
+            assert!(equal);
+        }
+        // Too small to be worth keeping: nothing.
+        let mut tiny = PrefixCache::new(1000, 1000);
+        tiny.insert(model, tokens, whole);
+        assert_eq!(tiny.usage().entries, 0);
+        // Smaller budgets evict down to them.
+        assert_eq!(
+            prefix.set_budgets(Budgets {
+                kv: 1,
+                snapshots: 1
+            }),
+            1
+        );
+        assert_eq!(prefix.usage().entries, 0);
     }
 }

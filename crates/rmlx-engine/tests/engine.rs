@@ -231,7 +231,7 @@ fn repeated_conversation_hits_the_prefix_cache_with_identical_answers() {
     };
     let cached = Engine::start(4).unwrap();
     let uncached = Engine::start_with(rmlx_engine::engine::EngineOptions {
-        prefix_cache_bytes: 0,
+        prefix_cache_bytes: Some(0),
         ..Default::default()
     })
     .unwrap();
@@ -262,6 +262,19 @@ fn repeated_conversation_hits_the_prefix_cache_with_identical_answers() {
         (0, 0, 0)
     );
     assert!(metrics.prefix_cache_bytes > 0);
+    // Per model, and the budgets sized for agent sessions (this machine's memory, the tiny
+    // model's KV: the floors).
+    assert_eq!(model.prefix_cache_bytes, metrics.prefix_cache_bytes);
+    assert_eq!(
+        (
+            metrics.prefix_cache_budget_bytes,
+            metrics.prefix_snapshot_budget_bytes
+        ),
+        (
+            rmlx_engine::prefix_cache::MIN_KV_BUDGET,
+            rmlx_engine::prefix_cache::MIN_SNAPSHOT_BUDGET
+        )
+    );
     assert!(metrics.mlx_active_bytes > 0);
 }
 
@@ -477,8 +490,8 @@ fn batched_requests_equal_their_solo_runs_in_every_family() {
             .collect();
         let alone = Engine::start_with(EngineOptions {
             max_batch: 1,
-            prefix_cache_bytes: 0,
-            prefix_snapshot_bytes: 0,
+            prefix_cache_bytes: Some(0),
+            prefix_snapshot_bytes: Some(0),
             ..EngineOptions::default()
         })
         .unwrap();
@@ -577,7 +590,7 @@ fn batched_requests_keep_their_own_parameters() {
 
     let alone = Engine::start_with(EngineOptions {
         max_batch: 1,
-        prefix_cache_bytes: 0,
+        prefix_cache_bytes: Some(0),
         ..EngineOptions::default()
     })
     .unwrap();
@@ -600,7 +613,7 @@ fn batched_requests_keep_their_own_parameters() {
     drop(alone);
 
     let engine = Engine::start_with(EngineOptions {
-        prefix_cache_bytes: 0,
+        prefix_cache_bytes: Some(0),
         ..EngineOptions::default()
     })
     .unwrap();

@@ -153,8 +153,8 @@ fn conversation(cached: &Engine, reference: &Engine, preserve_thinking: bool) ->
 #[test]
 fn agent_turns_reuse_their_longest_snapshot_and_answer_as_without_the_cache() {
     let reference = Engine::start_with(EngineOptions {
-        prefix_cache_bytes: 0,
-        prefix_snapshot_bytes: 0,
+        prefix_cache_bytes: Some(0),
+        prefix_snapshot_bytes: Some(0),
         ..Default::default()
     })
     .unwrap();
@@ -187,7 +187,7 @@ fn agent_turns_reuse_their_longest_snapshot_and_answer_as_without_the_cache() {
 #[test]
 fn snapshots_obey_their_budget_and_leave_kv_entries_alone() {
     let engine = Engine::start_with(EngineOptions {
-        prefix_snapshot_bytes: 1,
+        prefix_snapshot_bytes: Some(1),
         ..Default::default()
     })
     .unwrap();

@@ -715,6 +715,8 @@ pub struct ModelCacheMetrics {
     pub prefix_cache_hits: u64,
     pub prefix_cache_misses: u64,
     pub prefix_cache_evictions: u64,
+    /// Bytes the prefix cache keeps for this model (KV entries and snapshots).
+    pub prefix_cache_bytes: u64,
     pub kv_cache_bytes: u64,
     pub active_memory_bytes: u64,
     pub peak_memory_bytes: u64,
@@ -762,6 +764,12 @@ pub struct CacheMetrics {
     pub prefix_cache_bytes: u64,
     pub prefix_snapshots: usize,
     pub prefix_snapshot_bytes: u64,
+    /// The prefix cache's budgets: as set (`--prefix-cache-mb`, `--prefix-snapshot-mb`), or
+    /// sized for agent sessions from the machine's memory and the loaded model.
+    pub prefix_cache_budget_bytes: u64,
+    pub prefix_snapshot_budget_bytes: u64,
+    /// KV entries stored shorter than they came, to fit the budget.
+    pub prefix_cache_trimmed: u64,
     pub active_memory_bytes: u64,
     pub peak_memory_bytes: u64,
     pub cache_memory_bytes: u64,

@@ -63,10 +63,12 @@ pub struct ServerConfig {
     /// Requests decoding together at most (continuous batching).
     pub max_batch: usize,
     pub max_body_mb: usize,
-    /// Bytes the prefix cache keeps of finished requests' KV.
-    pub prefix_cache_bytes: u64,
-    /// Bytes of recurrent-model snapshots (Qwen3.5 / 3.6) the prefix cache keeps.
-    pub prefix_snapshot_bytes: u64,
+    /// Bytes the prefix cache keeps of finished requests' KV (None: sized for agent sessions
+    /// from the machine's memory and the loaded model, `prefix_cache::auto_budgets`).
+    pub prefix_cache_bytes: Option<u64>,
+    /// Bytes of recurrent-model snapshots (Qwen3.5 / 3.6) the prefix cache keeps (None: sized
+    /// the same way).
+    pub prefix_snapshot_bytes: Option<u64>,
     /// A built web UI to serve at `/` (no API key needed for its files; its API calls still
     /// send one).
     pub ui_dir: Option<PathBuf>,

@@ -76,6 +76,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         hub_url: args.hub_url,
         hf_cache: args.hf_cache,
         max_ctx: args.max_ctx,
+        heartbeat: rmlx_server::DEFAULT_HEARTBEAT,
         max_loaded: args.max_loaded,
         api_key: args.api_key,
         cors_origins: args.cors_origins,

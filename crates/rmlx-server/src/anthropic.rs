@@ -600,6 +600,7 @@ impl EventSource for MessageStream {
         }
         let mut events = Vec::new();
         match self.generation.next().await? {
+            Step::Idle => events.push(event(MessageStreamEvent::Ping)),
             Step::Delta { text, .. } => {
                 let pieces = self.parser.push(&text);
                 self.pieces(pieces, &mut events);

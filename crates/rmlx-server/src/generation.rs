@@ -25,6 +25,10 @@ use crate::{
 const DISCONNECT_POLL: Duration = Duration::from_millis(50);
 
 pub enum Step {
+    /// Nothing yet after the stream's heartbeat interval (the prompt is still queued or
+    /// prefilling): streams send their format's keep-alive event, so clients with idle timeouts
+    /// (Codex: 300 s) wait, and a gone client is noticed when it is written to.
+    Idle,
     /// Text (maybe empty while the engine holds a partial character or stop string) and the
     /// token's log-probs when the request asked for them.
     Delta {
@@ -40,6 +44,8 @@ pub struct Generation {
     pub prompt_tokens: usize,
     pub max_ctx: usize,
     finished: bool,
+    /// Until the first token: how long `next` waits before it says `Idle`.
+    heartbeat: Option<Duration>,
 }
 
 impl Generation {
@@ -67,6 +73,7 @@ impl Generation {
             prompt_tokens: 0,
             max_ctx: 0,
             finished: false,
+            heartbeat: Some(state.config.heartbeat).filter(|interval| !interval.is_zero()),
         };
         match generation.events.recv().await {
             Some(Event::Started {
@@ -93,16 +100,33 @@ impl Generation {
             prompt_tokens,
             max_ctx: 2048,
             finished: false,
+            heartbeat: None,
         }
     }
 
-    /// The next piece of the answer; after `Done` or `Failed`, always `None`.
+    /// The same, saying `Idle` after `heartbeat` without a first token.
+    #[cfg(test)]
+    pub fn with_heartbeat(mut self, heartbeat: Duration) -> Self {
+        self.heartbeat = Some(heartbeat);
+        self
+    }
+
+    /// The next piece of the answer (or `Idle` while the first token is late); after `Done` or
+    /// `Failed`, always `None`.
     pub async fn next(&mut self) -> Option<Step> {
         if self.finished {
             return None;
         }
         loop {
-            let step = match self.events.recv().await {
+            let event = match self.heartbeat {
+                // `recv` is cancel-safe: a timed-out wait loses no event.
+                Some(interval) => match tokio::time::timeout(interval, self.events.recv()).await {
+                    Ok(event) => event,
+                    Err(_) => return Some(Step::Idle),
+                },
+                None => self.events.recv().await,
+            };
+            let step = match event {
                 Some(Event::Delta { text, logprob, .. }) => Step::Delta { text, logprob },
                 Some(Event::Done(completion)) => Step::Done(completion),
                 Some(Event::Error(error)) => Step::Failed(ApiError::from_engine(error)),
@@ -110,6 +134,8 @@ impl Generation {
                 None => Step::Failed(EngineError::EngineStopped.into()),
             };
             self.finished = !matches!(step, Step::Delta { .. });
+            // Decoding answers at its own pace: only a prompt's wait is filled.
+            self.heartbeat = None;
             return Some(step);
         }
     }
@@ -118,7 +144,7 @@ impl Generation {
     pub async fn complete(mut self) -> Result<Completion, ApiError> {
         while let Some(step) = self.next().await {
             match step {
-                Step::Delta { .. } => {}
+                Step::Idle | Step::Delta { .. } => {}
                 Step::Done(completion) => return Ok(completion),
                 Step::Failed(error) => return Err(error),
             }
@@ -205,4 +231,31 @@ pub async fn inspect_prompt(
     })
     .await
     .map_err(|error| ApiError::Internal(error.to_string()))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sse::testing::{delta, done};
+    use rmlx_engine::generate::FinishReason;
+
+    /// `Idle` while the first token is late, then never again: events come as they were sent.
+    #[tokio::test]
+    async fn idle_until_the_first_token_then_the_events_in_order() {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let mut generation =
+            Generation::from_events(receiver, 3).with_heartbeat(Duration::from_millis(5));
+        assert!(matches!(generation.next().await, Some(Step::Idle)));
+        assert!(matches!(generation.next().await, Some(Step::Idle)));
+        sender.send(delta("a")).unwrap();
+        assert!(matches!(generation.next().await, Some(Step::Delta { text, .. }) if text == "a"));
+        let late = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            sender.send(done("a", 2, FinishReason::Stop)).unwrap();
+        });
+        // Decoding is not padded: the wait for the second token is the engine's own.
+        assert!(matches!(generation.next().await, Some(Step::Done(_))));
+        assert!(generation.next().await.is_none());
+        late.await.unwrap();
+    }
 }

@@ -41,6 +41,9 @@ use rmlx_engine::engine::{Engine, EngineOptions};
 
 use crate::{error::BodyLimitMb, registry::Registry};
 
+/// Keep-alive pace while a prompt waits or prefills: well inside agents' idle timeouts.
+pub const DEFAULT_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// Everything `rmlx serve` takes on its command line.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -56,6 +59,10 @@ pub struct ServerConfig {
     /// `~/.cache/huggingface/hub`.
     pub hf_cache: Option<PathBuf>,
     pub max_ctx: Option<usize>,
+    /// How long a stream waits for its first token before it sends a keep-alive event (and
+    /// again each time): Anthropic `ping`, Responses `response.in_progress`, an SSE comment for
+    /// chat and text completions. Zero sends none.
+    pub heartbeat: std::time::Duration,
     pub max_loaded: usize,
     pub api_key: Option<String>,
     pub cors_origins: Vec<String>,
@@ -87,6 +94,7 @@ impl Default for ServerConfig {
             hub_url: None,
             hf_cache: None,
             max_ctx: None,
+            heartbeat: DEFAULT_HEARTBEAT,
             max_loaded: 1,
             api_key: None,
             cors_origins: Vec::new(),

@@ -496,6 +496,7 @@ impl EventSource for ChatStream {
             })]);
         }
         match self.generation.next().await? {
+            Step::Idle => Some(vec![sse::keep_alive()]),
             Step::Delta { text, logprob } => {
                 self.logprobs.push(logprob);
                 let pieces = self.parser.push(&text);
@@ -854,6 +855,7 @@ impl TextStream {
 impl EventSource for TextStream {
     async fn step(&mut self) -> Option<Vec<Event>> {
         match self.generation.next().await? {
+            Step::Idle => Some(vec![sse::keep_alive()]),
             Step::Delta { text, logprob } => {
                 self.logprobs.push(logprob);
                 if text.is_empty() {

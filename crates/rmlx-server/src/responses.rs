@@ -463,6 +463,7 @@ pub async fn create(
     let mut ignored_events = Vec::new();
     loop {
         match turn.next().await {
+            Step::Idle => {}
             Step::Delta { text, .. } => turn.output.token(&text, &mut ignored_events),
             Step::Done(completion) => {
                 let response = turn.finish(&completion, &mut ignored_events);
@@ -615,6 +616,10 @@ impl EventSource for ResponseStream {
             return Some(self.events(bodies));
         }
         match self.turn.next().await {
+            // The response as it stands, again: still in progress.
+            Step::Idle => bodies.push(ResponseEventBody::InProgress {
+                response: self.turn.head.clone(),
+            }),
             Step::Delta { text, .. } => self.turn.output.token(&text, &mut bodies),
             Step::Done(completion) => {
                 let response = self.turn.finish(&completion, &mut bodies);

@@ -97,6 +97,12 @@ named_events!(
     "OpenAiError"
 );
 
+/// An SSE comment line: clients skip it, the connection sees traffic (chat and text
+/// completions have no event of their own for "still working").
+pub fn keep_alive() -> Event {
+    Event::default().comment("keep-alive")
+}
+
 /// `data: {json}` (OpenAI's chunks carry no event name).
 pub fn data(value: &impl serde::Serialize) -> Event {
     Event::default().data(serde_json::to_string(value).unwrap_or_default())

@@ -376,3 +376,114 @@ async fn a_logit_bias_past_the_vocabulary_fails_only_its_request() {
     assert_eq!(events.last().unwrap().1, "[DONE]", "{text}");
     assert!(!text.contains("\"error\""), "{text}");
 }
+
+/// A long prompt for the 0.6B release fixture (its context is 40k; qwen3-tiny's is 2k).
+fn release_chat(words: usize, max_tokens: usize, stream: bool) -> Value {
+    json!({"model": "qwen3-0.6b", "max_tokens": max_tokens, "stream": stream, "temperature": 0,
+           "messages": [{"role": "user", "content": "lorem ipsum dolor ".repeat(words)}]})
+}
+
+fn with_release(heartbeat: Duration) -> rmlx_server::ServerConfig {
+    ServerConfigExt::with(|c| {
+        c.models.push(fixture().join("../releases/qwen3-0.6b"));
+        c.heartbeat = heartbeat;
+    })
+}
+
+/// While a prompt prefills, each stream sends its keep-alive event (every 1 ms here): an SSE
+/// comment for chat and text completions, Anthropic's `ping`, Responses' `response.in_progress`,
+/// all before the first token (decoding answers at its own pace).
+#[tokio::test]
+async fn streams_keep_alive_while_the_prompt_prefills() {
+    let (app, _) = router(with_release(Duration::from_millis(1)));
+    // Each prompt its own words: none is a prefix-cache hit on another.
+    let text = |word: &str| format!("{word} ").repeat(450);
+    let chat = json!({"model": "qwen3-0.6b", "max_tokens": 3, "stream": true,
+                      "messages": [{"role": "user", "content": text("alpha")}]});
+    let completion = json!({"model": "qwen3-0.6b", "prompt": text("beta"), "max_tokens": 3,
+                            "stream": true});
+    let messages = json!({"model": "qwen3-0.6b", "max_tokens": 3, "stream": true,
+                          "messages": [{"role": "user", "content": text("gamma")}]});
+    let responses = json!({"model": "qwen3-0.6b", "input": text("delta"),
+                           "max_output_tokens": 3, "stream": true});
+    // (route, body, the keep-alive block's start, the block before which every one comes)
+    let cases = [
+        (
+            "/v1/chat/completions",
+            chat,
+            ": keep-alive",
+            "data: {\"id\"",
+        ),
+        (
+            "/v1/completions",
+            completion,
+            ": keep-alive",
+            "data: {\"id\"",
+        ),
+        (
+            "/v1/messages",
+            messages,
+            "event: ping",
+            "event: content_block_start",
+        ),
+        (
+            "/v1/responses",
+            responses,
+            "event: response.in_progress",
+            "event: response.output_item.added",
+        ),
+    ];
+    for (route, body, keep_alive, first_token) in cases {
+        let reply = post(&app, route, &body).await;
+        assert_eq!(reply.status, StatusCode::OK, "{route}: {}", reply.text);
+        let blocks: Vec<&str> = reply.text.split("\n\n").collect();
+        let alive: Vec<usize> = (0..blocks.len())
+            .filter(|&i| blocks[i].starts_with(keep_alive))
+            .collect();
+        // Chat's first chunk (the role) is sent before the prompt is read.
+        let skip = usize::from(route == "/v1/chat/completions");
+        let token = (0..blocks.len())
+            .filter(|&i| blocks[i].starts_with(first_token))
+            .nth(skip)
+            .unwrap_or_else(|| panic!("{route}: no token in {}", reply.text));
+        let before = alive.iter().filter(|&&i| i < token).count();
+        // Responses' own first in_progress, and Anthropic's ping after the first block start.
+        let own = usize::from(route == "/v1/responses");
+        assert!(
+            before > own,
+            "{route}: no keep-alive before the first token: {}",
+            reply.text
+        );
+        let after = alive.iter().filter(|&&i| i > token).count();
+        assert!(
+            after <= usize::from(route == "/v1/messages"),
+            "{route}: {}",
+            reply.text
+        );
+    }
+}
+
+/// A client gone during a long prefill stops it within a chunk: the engine is idle long
+/// before the prompt would have been read.
+#[tokio::test]
+async fn disconnect_during_prefill_stops_it() {
+    let (app, state) = router(with_release(Duration::from_millis(100)));
+    let started = Instant::now();
+    let full = post(&app, "/v1/chat/completions", &release_chat(700, 1, false)).await;
+    assert_eq!(full.status, StatusCode::OK, "{}", full.text);
+    let prefill = started.elapsed();
+
+    let response = start_stream(&app, &release_chat(701, 1, true)).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let first = body.frame().await.unwrap().unwrap();
+    assert!(first.is_data());
+    let dropped_at = Instant::now();
+    drop(body);
+    wait_idle(&state, prefill * 3).await;
+    let cancel = dropped_at.elapsed();
+    assert!(
+        cancel < prefill / 2,
+        "cancel took {cancel:?}, a whole prefill {prefill:?}"
+    );
+}

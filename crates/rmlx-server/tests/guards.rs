@@ -190,6 +190,25 @@ async fn start_stream(app: &axum::Router, body: &Value) -> axum::response::Respo
     app.clone().oneshot(request).await.unwrap()
 }
 
+/// Streams `body`, drops the connection after the first frame and says how long the engine
+/// took to go idle (at most three times `full`, a whole run's time).
+async fn cancel_after_first_frame(
+    app: &axum::Router,
+    state: &rmlx_server::AppState,
+    body: &Value,
+    full: Duration,
+) -> Duration {
+    let response = start_stream(app, body).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut stream = response.into_body();
+    let first = stream.frame().await.unwrap().unwrap();
+    assert!(first.is_data());
+    let dropped_at = Instant::now();
+    drop(stream);
+    wait_idle(state, full * 3).await;
+    dropped_at.elapsed()
+}
+
 async fn wait_idle(state: &rmlx_server::AppState, limit: Duration) -> Duration {
     let started = Instant::now();
     while state.engine.queue_depth() > 0 {
@@ -213,15 +232,8 @@ async fn disconnect_cancels_the_generation() {
     let full_time = started.elapsed();
     assert_eq!(full["usage"]["completion_tokens"], 1500);
 
-    let response = start_stream(&app, &long_chat(1500, true)).await;
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut body = response.into_body();
-    let first = body.frame().await.unwrap().unwrap();
-    assert!(first.is_data());
-    let dropped_at = Instant::now();
-    drop(body);
-    wait_idle(&state, full_time * 3).await;
-    let cancel_time = dropped_at.elapsed();
+    let cancel_time =
+        cancel_after_first_frame(&app, &state, &long_chat(1500, true), full_time).await;
     assert!(
         cancel_time < full_time / 2,
         "cancel took {cancel_time:?}, a full run {full_time:?}"
@@ -473,15 +485,7 @@ async fn disconnect_during_prefill_stops_it() {
     assert_eq!(full.status, StatusCode::OK, "{}", full.text);
     let prefill = started.elapsed();
 
-    let response = start_stream(&app, &release_chat(701, 1, true)).await;
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut body = response.into_body();
-    let first = body.frame().await.unwrap().unwrap();
-    assert!(first.is_data());
-    let dropped_at = Instant::now();
-    drop(body);
-    wait_idle(&state, prefill * 3).await;
-    let cancel = dropped_at.elapsed();
+    let cancel = cancel_after_first_frame(&app, &state, &release_chat(701, 1, true), prefill).await;
     assert!(
         cancel < prefill / 2,
         "cancel took {cancel:?}, a whole prefill {prefill:?}"

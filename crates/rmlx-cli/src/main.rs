@@ -7,6 +7,7 @@ use std::{
 };
 
 mod bench;
+mod launch;
 mod pull;
 mod serve;
 
@@ -44,6 +45,9 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Download a model from the Hugging Face hub into the models folder (reruns resume).
     Pull(pull::PullArgs),
+    /// Run a coding agent (claude, codex, qwen) against rMLX: uses the server listening on the
+    /// port or starts one, and sets the agent up for it.
+    Launch(launch::LaunchArgs),
     /// Print the server's OpenAPI 3.1 document as YAML (what docs/openapi.yaml holds).
     Openapi,
     /// Check the MLX runtime: library, version, device, and a few real operations.
@@ -134,6 +138,7 @@ fn main() -> ExitCode {
         }
         Command::Serve(args) => serve::serve(args),
         Command::Pull(args) => pull::pull(args),
+        Command::Launch(args) => launch::launch(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

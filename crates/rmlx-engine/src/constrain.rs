@@ -93,6 +93,21 @@ impl ToolInputGrammar {
     }
 }
 
+/// A cap on the answer's reasoning: once `tokens` tokens of it are written, `forced` (the
+/// family's end of thinking) is the next text, and the answer follows. Anthropic's
+/// `budget_tokens`, Responses' `reasoning.effort`: a slow Mac is not stuck in minutes of thought.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReasoningBudget {
+    pub tokens: usize,
+    /// The reasoning's opening and closing tags (`<think>`, `</think>`).
+    pub open: String,
+    pub close: String,
+    /// The prompt already opened the reasoning (templates that force thinking).
+    pub starts_open: bool,
+    /// What is written when the budget is spent (e.g. `\n</think>\n\n`).
+    pub forced: String,
+}
+
 /// A grammar that applies once `trigger` appears in the output, until it is complete.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TriggeredGrammar {
@@ -297,6 +312,7 @@ impl ConstraintFactory {
     pub fn tool_grammars(
         &self,
         grammars: &[TriggeredGrammar],
+        budget: Option<&ReasoningBudget>,
     ) -> Result<ToolGrammars, ConstrainError> {
         let mut dormant = Vec::new();
         for grammar in grammars {
@@ -312,7 +328,24 @@ impl ConstraintFactory {
                 fresh,
             });
         }
-        Ok(ToolGrammars::new(dormant))
+        let mut grammars = ToolGrammars::new(dormant);
+        if let Some(budget) = budget {
+            let forced = serde_json::to_string(&budget.forced).expect("a string serializes");
+            let closing = self
+                .compile(TopLevelGrammar::from_lark(format!("start: {forced}\n")))
+                .map_err(ConstrainError::Grammar)?;
+            grammars.reasoning = Some(Reasoning {
+                budget: budget.clone(),
+                closing,
+                spent: None,
+                tail: String::new(),
+                done: false,
+            });
+            if budget.starts_open {
+                grammars.reasoning.as_mut().expect("just set").spent = Some(0);
+            }
+        }
+        Ok(grammars)
     }
 
     fn compile(&self, grammar: TopLevelGrammar) -> Result<Constraint, String> {
@@ -359,12 +392,13 @@ pub fn one_off_tool_grammars(
     tokenizer: &ChatTokenizer,
     model_vocab: usize,
     grammars: &[TriggeredGrammar],
+    budget: Option<&ReasoningBudget>,
 ) -> Result<ToolGrammars, ConstrainError> {
-    if grammars.is_empty() {
+    if grammars.is_empty() && budget.is_none() {
         return Ok(ToolGrammars::default());
     }
     ConstraintFactory::from_tokenizer(tokenizer, model_vocab, tokenizer.eos_token_ids())?
-        .tool_grammars(grammars)
+        .tool_grammars(grammars, budget)
 }
 
 /// A triggered grammar waiting for its trigger.
@@ -383,12 +417,66 @@ struct Active {
     tail: String,
 }
 
+/// The reasoning budget's state.
+struct Reasoning {
+    budget: ReasoningBudget,
+    /// The forced closing's grammar (its literal text).
+    closing: Constraint,
+    /// Tokens of reasoning written, once it is open.
+    spent: Option<usize>,
+    /// The output until the reasoning opens or closes, cut to the tag's length.
+    tail: String,
+    /// Closed (by the model or forced): nothing more to count.
+    done: bool,
+}
+
+impl Reasoning {
+    /// Reads one token's text; true when the budget is spent now.
+    fn read(&mut self, text: &str) -> bool {
+        if self.done {
+            return false;
+        }
+        self.tail.push_str(text);
+        let Some(spent) = self.spent.as_mut() else {
+            if let Some(at) = self.tail.find(&self.budget.open) {
+                self.spent = Some(0);
+                self.tail.drain(..at + self.budget.open.len());
+            } else {
+                keep_end(&mut self.tail, self.budget.open.len());
+            }
+            return false;
+        };
+        *spent += 1;
+        if self.tail.contains(&self.budget.close) {
+            self.done = true;
+            return false;
+        }
+        keep_end(&mut self.tail, self.budget.close.len());
+        if *spent >= self.budget.tokens {
+            self.done = true;
+            return true;
+        }
+        false
+    }
+
+    /// Whether the budget is at most two tokens away: the steps after must not be sampled
+    /// before this one is read (the closing would come a step late).
+    fn is_near(&self) -> bool {
+        !self.done
+            && self
+                .spent
+                .is_some_and(|spent| spent + 2 >= self.budget.tokens)
+    }
+}
+
 /// A request's freeform-tool grammars: each dormant until its trigger shows in the output,
-/// then the one active constraint until the call's input and closing text are complete.
+/// then the one active constraint until the call's input and closing text are complete. Also
+/// the reasoning budget, whose closing is forced as such a constraint.
 #[derive(Default)]
 pub struct ToolGrammars {
     dormant: Vec<Dormant>,
     active: Option<Active>,
+    reasoning: Option<Reasoning>,
     /// The output since the last call closed, cut to what a trigger could still end in.
     tail: String,
     longest_trigger: usize,
@@ -416,7 +504,7 @@ impl ToolGrammars {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.dormant.is_empty()
+        self.dormant.is_empty() && self.reasoning.is_none()
     }
 
     /// The grammar the next token must follow, while one is active.
@@ -429,6 +517,7 @@ impl ToolGrammars {
     /// sampled ahead.
     pub fn is_watching(&self) -> bool {
         self.active.is_some()
+            || self.reasoning.as_ref().is_some_and(Reasoning::is_near)
             || self.dormant.iter().any(|dormant| {
                 let trigger = &dormant.trigger;
                 (1..trigger.len().min(self.tail.len() + 1))
@@ -442,6 +531,19 @@ impl ToolGrammars {
     /// grammar then takes the text after it. A token the grammar cannot take (sampled before
     /// the trigger was read) ends the grammar instead: the answer goes on unconstrained.
     pub fn read(&mut self, tokenizer: &ChatTokenizer, token: u32, text: &str) {
+        if self.active.is_none() {
+            if let Some(reasoning) = self.reasoning.as_mut() {
+                if reasoning.read(text) {
+                    // The budget is spent: the family's end of thinking comes next.
+                    self.active = Some(Active {
+                        constraint: reasoning.closing.fresh(),
+                        closing: String::new(),
+                        tail: String::new(),
+                    });
+                    return;
+                }
+            }
+        }
         if let Some(active) = self.active.as_mut() {
             active.tail.push_str(text);
             keep_end(&mut active.tail, active.closing.len());
@@ -725,7 +827,7 @@ mod tests {
                 closing: "!".into(),
             },
         };
-        let mut tools = factory.tool_grammars(&[grammar]).unwrap();
+        let mut tools = factory.tool_grammars(&[grammar], None).unwrap();
         assert!(!tools.is_empty() && !tools.is_watching());
         tools.read(&tokenizer, 0, "say ");
         assert!(!tools.is_watching());

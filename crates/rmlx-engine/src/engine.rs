@@ -416,7 +416,10 @@ struct Resident {
 impl Resident {
     /// The request's `response_format` constraint and freeform tools' grammars.
     fn grammars(&mut self, params: &GenerateParams) -> Result<Grammars> {
-        if params.response_format.is_text() && params.tool_grammars.is_empty() {
+        if params.response_format.is_text()
+            && params.tool_grammars.is_empty()
+            && params.reasoning_budget.is_none()
+        {
             return Ok(Grammars::default());
         }
         let factory = match &mut self.constraints {
@@ -429,7 +432,8 @@ impl Resident {
         };
         Ok(Grammars {
             format: factory.constraint(&params.response_format)?,
-            tools: factory.tool_grammars(&params.tool_grammars)?,
+            tools: factory
+                .tool_grammars(&params.tool_grammars, params.reasoning_budget.as_ref())?,
         })
     }
 }

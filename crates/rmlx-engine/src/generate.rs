@@ -14,7 +14,9 @@ use mlx_rs::{ops::indexing::IndexOp, Array};
 use crate::{
     cache::KvCache,
     chat::{ChatTokenizer, StopMatcher, StreamDecoder},
-    constrain::{self, Constraint, Grammars, ResponseFormat, ToolGrammars, TriggeredGrammar},
+    constrain::{
+        self, Constraint, Grammars, ReasoningBudget, ResponseFormat, ToolGrammars, TriggeredGrammar,
+    },
     error::{EngineError, Result},
     models::{LanguageModel, Logits},
     multimodal::{self, ImagePrefill},
@@ -52,6 +54,9 @@ pub struct GenerateParams {
     /// Freeform tools' grammars, each switched on when the model opens a call of its tool.
     #[serde(skip)]
     pub tool_grammars: Vec<TriggeredGrammar>,
+    /// A cap on the reasoning, its closing forced once spent.
+    #[serde(skip)]
+    pub reasoning_budget: Option<ReasoningBudget>,
 }
 
 impl Default for GenerateParams {
@@ -67,6 +72,7 @@ impl Default for GenerateParams {
             logprobs: None,
             response_format: ResponseFormat::Text,
             tool_grammars: Vec::new(),
+            reasoning_budget: None,
         }
     }
 }
@@ -509,6 +515,7 @@ impl Prefill {
                 tokenizer,
                 model.vocab_size(),
                 &params.tool_grammars,
+                params.reasoning_budget.as_ref(),
             )?,
         };
         let mut stop_ids: Vec<u32> = params.stop_token_ids.clone();

@@ -8,7 +8,9 @@ use std::{path::PathBuf, sync::atomic::AtomicBool};
 
 use rmlx_engine::{
     chat::ChatTokenizer,
-    constrain::{GrammarSyntax, ResponseFormat, ToolInputGrammar, TriggeredGrammar},
+    constrain::{
+        GrammarSyntax, ReasoningBudget, ResponseFormat, ToolInputGrammar, TriggeredGrammar,
+    },
     engine::{Engine, Event, Prompt, Request},
     generate::{generate, Completion, FinishReason, GenerateParams},
     models::{load_model, LoadedModel},
@@ -310,3 +312,50 @@ fn a_triggered_grammar_holds_only_what_follows_its_trigger() {
 
 /// Whether a tool's input is in its grammar (written out by hand for each test grammar).
 type InputCheck<'a> = &'a dyn Fn(&str) -> bool;
+
+/// A reasoning budget: the prompt opened the reasoning, and after `tokens` of it the family's
+/// end of thinking is written (the random model would never close it), then the answer goes on
+/// free; a budget the model's own closing beats changes nothing.
+#[test]
+fn a_spent_reasoning_budget_closes_the_reasoning() {
+    let model = Fixture::new();
+    let budget = |tokens: usize| ReasoningBudget {
+        tokens,
+        open: "<think>".into(),
+        close: "</think>".into(),
+        starts_open: true,
+        forced: "\n</think>\n\n".into(),
+    };
+    let mut params = params(ResponseFormat::Text, SamplingParams::greedy(), 24);
+    let free = model.run(&params);
+    assert!(!free.text.contains("</think>"), "{:?}", free.text);
+    for tokens in [1, 5] {
+        params.reasoning_budget = Some(budget(tokens));
+        let capped = model.run(&params);
+        assert_eq!(capped.token_ids[..tokens], free.token_ids[..tokens]);
+        let thought = model
+            .tokenizer
+            .decode(&capped.token_ids[..tokens], false)
+            .unwrap();
+        let rest = capped
+            .text
+            .strip_prefix(&thought)
+            .unwrap_or_else(|| panic!("{capped:?}"));
+        assert!(
+            rest.starts_with("\n</think>\n\n"),
+            "{tokens}: {:?}",
+            capped.text
+        );
+        assert!(
+            rest.len() > "\n</think>\n\n".len(),
+            "the answer goes on: {:?}",
+            capped.text
+        );
+    }
+    // Reasoning that never opens is not counted.
+    params.reasoning_budget = Some(ReasoningBudget {
+        starts_open: false,
+        ..budget(1)
+    });
+    assert_eq!(model.run(&params).token_ids, free.token_ids);
+}

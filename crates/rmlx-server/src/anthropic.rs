@@ -60,8 +60,9 @@ pub struct PromptFields {
     /// they need a tool to call, and `tool` names one of `tools`); anything else is `auto`.
     tool_choice: Option<Value>,
     /// The model's thinking switch: `{"type": "enabled", "budget_tokens": N}` or
-    /// `{"type": "adaptive"}` turn it on (`budget_tokens` is not enforced), `{"type":
-    /// "disabled"}` off; absent (or anything else), the chat template's default.
+    /// `{"type": "adaptive"}` turn it on (after N tokens of reasoning its end is written and
+    /// the answer follows; any N >= 1, where Anthropic asks for 1024), `{"type": "disabled"}`
+    /// off; absent (or anything else), the chat template's default.
     thinking: Option<Value>,
     /// Accepted and ignored (Claude Code's `clear_thinking` edits: history is the client's).
     #[allow(dead_code)]
@@ -241,6 +242,18 @@ pub(crate) struct Prompted {
     dropped: convert::Dropped,
 }
 
+impl PromptFields {
+    /// `thinking.budget_tokens` of an enabled thinking (a positive integer; else none).
+    fn budget_tokens(&self) -> Option<usize> {
+        let thinking = self.thinking.as_ref()?;
+        if thinking.get("type").and_then(Value::as_str) != Some("enabled") {
+            return None;
+        }
+        let tokens = thinking.get("budget_tokens")?.as_u64()?;
+        usize::try_from(tokens).ok().filter(|&tokens| tokens > 0)
+    }
+}
+
 fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError> {
     let entry = state.registry.resolve(&fields.model)?;
     let prompt = convert_prompt(fields, &entry.id)?;
@@ -285,7 +298,7 @@ pub(crate) fn convert_prompt(fields: &PromptFields, model_id: &str) -> Result<Pr
         .and_then(|t| t.get("type"))
         .and_then(Value::as_str)
     {
-        // Budgets are not enforced: either asks for the family's thinking.
+        // Either asks for the family's thinking (an enabled one's budget: `budget_tokens`).
         Some("enabled" | "adaptive") => Some(true),
         Some("disabled") => Some(false),
         _ => None,
@@ -384,6 +397,7 @@ pub async fn messages(
     ApiJson(request): ApiJson<MessagesRequest>,
 ) -> Result<Response, ApiError> {
     let prepared = prepare(&state, &request.prompt)?;
+    let budget_tokens = request.prompt.budget_tokens();
     if request.max_tokens == 0 {
         return Err(ApiError::BadRequest("max_tokens must be at least 1".into()));
     }
@@ -418,6 +432,7 @@ pub async fn messages(
             forced.parser(info.tool_format)
         }
         None => {
+            params.reasoning_budget = info.reasoning_budget(budget_tokens);
             OutputParser::for_tools(info.in_reasoning, info.tool_format, options.tools.as_ref())
         }
     };

@@ -7,6 +7,7 @@
 use std::{sync::mpsc::RecvTimeoutError, time::Duration};
 
 use rmlx_engine::{
+    constrain::ReasoningBudget,
     engine::{Event, Request, RequestHandle},
     generate::{Completion, TokenLogprob},
     EngineError,
@@ -15,7 +16,7 @@ use tokio::sync::mpsc;
 
 use crate::{
     error::ApiError,
-    parse::{ToolFormat, THINK_OPEN},
+    parse::{ToolFormat, THINK_CLOSE, THINK_OPEN},
     registry::ModelEntry,
     AppState,
 };
@@ -203,6 +204,23 @@ pub struct PromptInfo {
     pub in_reasoning: bool,
     /// How the model's template writes tool calls.
     pub tool_format: ToolFormat,
+    /// The model reasons in `<think>` … `</think>` (its vocabulary has the closing tag), so a
+    /// reasoning budget can close it.
+    pub thinks: bool,
+}
+
+impl PromptInfo {
+    /// A budget of `tokens` for the model's reasoning, where it has `<think>` reasoning.
+    pub fn reasoning_budget(&self, tokens: Option<usize>) -> Option<ReasoningBudget> {
+        Some(ReasoningBudget {
+            tokens: tokens.filter(|_| self.thinks)?,
+            open: THINK_OPEN.into(),
+            close: THINK_CLOSE.into(),
+            starts_open: self.in_reasoning,
+            // As the templates write a closed think block.
+            forced: format!("\n{THINK_CLOSE}\n\n"),
+        })
+    }
 }
 
 /// Renders the prompt (with `prefill` after it) to see whether it ends inside an open `<think>`,
@@ -227,6 +245,7 @@ pub async fn inspect_prompt(
         Ok(PromptInfo {
             in_reasoning: tail.trim_end().ends_with(THINK_OPEN),
             tool_format: registry.tool_format(&path)?,
+            thinks: tokenizer.inner().token_to_id(THINK_CLOSE).is_some(),
         })
     })
     .await

@@ -201,6 +201,16 @@ impl ResponsesRequest {
     }
 }
 
+/// `reasoning.effort` as a reasoning budget, in tokens: `low` 1024, `medium` 4096 (after them
+/// the family's end of thinking is written and the answer follows); `high` and `xhigh` none.
+fn reasoning_budget(effort: Option<&str>) -> Option<usize> {
+    match effort? {
+        "low" => Some(1024),
+        "medium" => Some(4096),
+        _ => None,
+    }
+}
+
 /// `reasoning.effort` as the template's thinking switch (None: the template's default).
 fn thinking(effort: Option<&str>) -> Option<bool> {
     match effort? {
@@ -405,6 +415,8 @@ pub async fn create(
         }
         None => {
             params.tool_grammars = triggered_grammars(&prepared.grammars, info.tool_format);
+            let effort = request.reasoning.as_ref().and_then(|r| r.effort.as_deref());
+            params.reasoning_budget = info.reasoning_budget(reasoning_budget(effort));
             (
                 OutputParser::for_tools(
                     info.in_reasoning,

@@ -467,3 +467,61 @@ async fn images_in_tool_results_reach_a_vision_model() {
     assert_eq!(refused.status, StatusCode::BAD_REQUEST);
     assert!(anthropic_error(&refused).1.contains("has no vision"));
 }
+
+/// `budget_tokens` is enforced: on Qwen3.6 (its template opens the reasoning) the random model
+/// would think until `max_tokens`; with a budget of 6 its thinking is the first 6 tokens of
+/// that, then the reasoning is closed and a text block follows. Whole and streamed agree.
+#[tokio::test]
+async fn a_thinking_budget_closes_the_reasoning() {
+    let config = ServerConfig {
+        models: vec![fixtures().join("releases").join(QWEN36)],
+        ..config()
+    };
+    let (app, _) = router(config);
+    let ask = |thinking: Value, stream: bool| {
+        json!({"model": QWEN36, "max_tokens": 40, "temperature": 0, "stream": stream,
+               "thinking": thinking, "messages": [{"role": "user", "content": "Think briefly."}]})
+    };
+    let blocks = |reply: &Value, kind: &str| -> Vec<String> {
+        reply["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|block| block["type"] == kind)
+            .map(|block| block[kind].as_str().unwrap_or_default().to_string())
+            .collect()
+    };
+    let free = post(
+        &app,
+        "/v1/messages",
+        &ask(json!({"type": "adaptive"}), false),
+    )
+    .await;
+    assert_eq!(free.status, StatusCode::OK, "{}", free.text);
+    let free = free.json();
+    assert_eq!(free["stop_reason"], "max_tokens", "{free}");
+    assert!(blocks(&free, "text").is_empty(), "never closed: {free}");
+    let budget = json!({"type": "enabled", "budget_tokens": 6});
+    let capped = post(&app, "/v1/messages", &ask(budget.clone(), false))
+        .await
+        .json();
+    let (thought, all) = (
+        &blocks(&capped, "thinking")[0],
+        &blocks(&free, "thinking")[0],
+    );
+    assert!(
+        all.starts_with(thought.trim_end()) && thought.len() < all.len(),
+        "{capped}"
+    );
+    assert_eq!(
+        blocks(&capped, "text").len(),
+        1,
+        "an answer follows: {capped}"
+    );
+    let streamed = post(&app, "/v1/messages", &ask(budget, true)).await;
+    assert!(
+        streamed.text.contains("\"type\":\"text_delta\""),
+        "{}",
+        streamed.text
+    );
+}

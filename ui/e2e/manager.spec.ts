@@ -310,7 +310,15 @@ describe('Models, Dashboard and Settings against a scripted server', () => {
     await page.getByLabel('Server URL').fill(url);
     await page.getByLabel('Server URL').press('Tab');
     expect(JSON.parse((await page.evaluate(() => localStorage.getItem('rmlx.settings'))) ?? '{}')).toMatchObject({ apiKey: 's3cret', baseUrl: url });
-    await page.screenshot({ path: path.join(artifactsDir, 'settings-browser-light.png') });
+    // The coding agents' set-up follows the server and key just set, naming a served model.
+    const port = new URL(url).port;
+    await page.waitForFunction((p) => document.querySelector('[data-testid=launch-claude]')?.textContent?.includes(`--port ${p} --api-key s3cret --model `), port);
+    for (const agent of ['claude', 'codex', 'qwen']) {
+      expect(await page.getByTestId(`launch-${agent}`).innerText()).toMatch(new RegExp(`^rmlx launch ${agent} --port ${port} --api-key s3cret --model \\S+$`));
+    }
+    await page.getByText('Set up by hand').nth(1).click();
+    expect(await page.getByTestId('manual-codex').innerText()).toContain(`base_url = "${new URL(url).origin}/v1"`);
+    await page.screenshot({ path: path.join(artifactsDir, 'settings-browser-light.png'), fullPage: true });
     await page.getByRole('link', { name: 'Models' }).click();
     await page.locator('tbody tr').first().waitFor();
     expect(server.sent.filter((s) => s.path === '/v1/models').at(-1)?.auth).toBe('Bearer s3cret');
@@ -398,6 +406,7 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
         expect(await page.getByLabel(label, { exact: true }).count(), label).toBe(1);
       }
       if (colorScheme === 'dark') {
+        await page.getByTestId('agent-setup').screenshot({ path: path.join(artifactsDir, 'settings-app-agents-dark.png') });
         await page.screenshot({ path: path.join(artifactsDir, 'settings-app-dark.png'), fullPage: true });
         await context.close();
         return;
@@ -407,6 +416,8 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
       await page.getByRole('button', { name: 'Use a free port' }).click();
       await page.waitForFunction(() => document.querySelector('[data-testid=server-status]')?.textContent?.includes('51234'));
       expect(await page.getByLabel('Port').inputValue()).toBe('51234');
+      // The agents' set-up follows the live port.
+      expect(await page.getByTestId('launch-codex').innerText()).toContain('rmlx launch codex --port 51234');
       expect((await calls()).find(([c]) => c === 'server_set')?.[1]).toEqual({ enabled: true, port: 0 });
 
       await page.getByLabel('Hugging Face hub URL').fill('http://127.0.0.1:9999');

@@ -55,6 +55,10 @@ pub struct ServeArgs {
     /// sessions' snapshots, at least 2048, within the same half]
     #[arg(long)]
     prefix_snapshot_mb: Option<u64>,
+    /// Keep Claude Code's `x-anthropic-billing-header` system block in the prompt (left out by
+    /// default: its per-request value would end every prefix-cache hit at the system prompt).
+    #[arg(long)]
+    keep_billing_header: bool,
     /// Hub base URL for the admin download routes [default: $HF_ENDPOINT or
     /// https://huggingface.co]; $HF_TOKEN is sent as a bearer token when set.
     #[arg(long, value_name = "URL")]
@@ -77,6 +81,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         hf_cache: args.hf_cache,
         max_ctx: args.max_ctx,
         heartbeat: rmlx_server::DEFAULT_HEARTBEAT,
+        keep_billing_header: args.keep_billing_header,
         max_loaded: args.max_loaded,
         api_key: args.api_key,
         cors_origins: args.cors_origins,

@@ -256,7 +256,7 @@ impl PromptFields {
 
 fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError> {
     let entry = state.registry.resolve(&fields.model)?;
-    let prompt = convert_prompt(fields, &entry.id)?;
+    let prompt = convert_prompt(fields, &entry.id, state.config.keep_billing_header)?;
     prompt.dropped.log("/v1/messages");
     convert::check_vision(&entry.path, &entry.id, &prompt.images)?;
     Ok(Prepared { entry, prompt })
@@ -264,10 +264,15 @@ fn prepare(state: &AppState, fields: &PromptFields) -> Result<Prepared, ApiError
 
 /// A request's prompt as the engine takes it, before any model is involved (`model_id` names
 /// it in errors): what `prepare` does after resolving the model, and what the request fuzzer
-/// drives.
-pub(crate) fn convert_prompt(fields: &PromptFields, model_id: &str) -> Result<Prompted, ApiError> {
+/// drives. `keep_billing_header`: the server's `--keep-billing-header`.
+pub(crate) fn convert_prompt(
+    fields: &PromptFields,
+    model_id: &str,
+    keep_billing_header: bool,
+) -> Result<Prompted, ApiError> {
     let mut dropped = convert::Dropped::default();
-    let system = convert::anthropic_system(fields.system.as_ref(), &mut dropped)?;
+    let system =
+        convert::anthropic_system(fields.system.as_ref(), keep_billing_header, &mut dropped)?;
     let (turns, prefill) = convert::anthropic_prefill(&fields.messages);
     if turns.is_empty() && prefill.is_some() {
         return Err(ApiError::BadRequest(
@@ -699,7 +704,7 @@ mod tests {
         extra: serde_json::Map<String, Value>,
     ) -> String {
         let fields: PromptFields = serde_json::from_value(body.clone()).unwrap();
-        let prompt = convert_prompt(&fields, "m").unwrap();
+        let prompt = convert_prompt(&fields, "m", false).unwrap();
         let tokenizer = rmlx_engine::chat::ChatTokenizer::from_dir(&fixture(model)).unwrap();
         let options = TemplateOptions {
             add_generation_prompt: generation_prompt,
@@ -827,7 +832,7 @@ mod tests {
                 body["thinking"] = thinking;
             }
             let fields: PromptFields = serde_json::from_value(body).unwrap();
-            convert_prompt(&fields, "m")
+            convert_prompt(&fields, "m", false)
                 .unwrap()
                 .options
                 .enable_thinking

@@ -53,13 +53,13 @@ pub fn request_json(data: &[u8]) {
         let _ = openai::completion_parts(&request, Some(4096));
     }
     if let Ok(request) = serde_json::from_value::<MessagesRequest>(body.clone()) {
-        let _ = anthropic::convert_prompt(&request.prompt, "fuzz");
+        let _ = anthropic::convert_prompt(&request.prompt, "fuzz", false);
     }
     if let Ok(request) = serde_json::from_value::<ResponsesRequest>(body.clone()) {
         let _ = responses::prepare(&request, Vec::new());
     }
     if let Ok(fields) = serde_json::from_value::<PromptFields>(body) {
-        let _ = anthropic::convert_prompt(&fields, "fuzz");
+        let _ = anthropic::convert_prompt(&fields, "fuzz", false);
     }
 }
 

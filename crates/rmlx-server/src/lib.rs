@@ -63,6 +63,10 @@ pub struct ServerConfig {
     /// again each time): Anthropic `ping`, Responses `response.in_progress`, an SSE comment for
     /// chat and text completions. Zero sends none.
     pub heartbeat: std::time::Duration,
+    /// Keep Claude Code's `x-anthropic-billing-header:` system block in the prompt (left out by
+    /// default: it means nothing to the model and its `cch=` changes every request, which would
+    /// end every prefix-cache hit at the system prompt).
+    pub keep_billing_header: bool,
     pub max_loaded: usize,
     pub api_key: Option<String>,
     pub cors_origins: Vec<String>,
@@ -95,6 +99,7 @@ impl Default for ServerConfig {
             hf_cache: None,
             max_ctx: None,
             heartbeat: DEFAULT_HEARTBEAT,
+            keep_billing_header: false,
             max_loaded: 1,
             api_key: None,
             cors_origins: Vec::new(),

@@ -357,6 +357,23 @@ async fn the_billing_header_does_not_change_the_prompt() {
             >= usage["input_tokens"].as_u64().unwrap(),
         "{usage}"
     );
+
+    // `--keep-billing-header`: the block is in the prompt, so its value changes the count.
+    let (kept, _) = router(ServerConfig {
+        keep_billing_header: true,
+        ..config()
+    });
+    let reply = post(
+        &kept,
+        "/v1/messages/count_tokens",
+        &claude_code(MODEL, false),
+    )
+    .await;
+    let with_header = reply.json()["input_tokens"].as_u64().unwrap();
+    assert!(
+        with_header > first.as_u64().unwrap(),
+        "{with_header} vs {first}"
+    );
 }
 
 /// A prompt over the context is refused in Anthropic's words, which Claude Code answers by

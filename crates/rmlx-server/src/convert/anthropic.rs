@@ -21,10 +21,12 @@ fn block_type(block: &Value) -> Option<&str> {
 }
 
 /// The text of a system prompt (`what` = "`system`") or of a system message: a string, or
-/// text blocks joined by newlines, without the billing header; None when nothing is left.
+/// text blocks joined by newlines, without the billing header unless `keep_billing_header`;
+/// None when nothing is left.
 fn system_text(
     content: &Value,
     what: &str,
+    keep_billing_header: bool,
     dropped: &mut Dropped,
 ) -> Result<Option<String>, ApiError> {
     let blocks = match content {
@@ -40,7 +42,9 @@ fn system_text(
     let mut texts = Vec::new();
     for block in blocks {
         match (block_type(block), block.get("text").and_then(Value::as_str)) {
-            (Some("text") | None, Some(text)) if !text.starts_with(BILLING_HEADER) => {
+            (Some("text") | None, Some(text))
+                if keep_billing_header || !text.starts_with(BILLING_HEADER) =>
+            {
                 texts.push(text)
             }
             (Some("text") | None, Some(_)) => {}
@@ -53,12 +57,16 @@ fn system_text(
     Ok((!texts.is_empty()).then(|| texts.join("\n")))
 }
 
-/// Anthropic `system`: a string or text blocks.
+/// Anthropic `system`: a string or text blocks (the billing header left out unless
+/// `keep_billing_header`, the server's `--keep-billing-header`).
 pub fn anthropic_system(
     system: Option<&Value>,
+    keep_billing_header: bool,
     dropped: &mut Dropped,
 ) -> Result<Option<String>, ApiError> {
-    system.map_or(Ok(None), |system| system_text(system, "`system`", dropped))
+    system.map_or(Ok(None), |system| {
+        system_text(system, "`system`", keep_billing_header, dropped)
+    })
 }
 
 /// A `tool_result`'s content: a string, or its `text` and `image` blocks in order (Claude
@@ -250,7 +258,8 @@ pub fn anthropic_messages(
             .ok_or_else(|| bad("each message needs a string `role`"))?;
         if role == "system" {
             let content = message.get("content").unwrap_or(&Value::Null);
-            if let Some(text) = system_text(content, "a system message's `content`", dropped)? {
+            let what = "a system message's `content`";
+            if let Some(text) = system_text(content, what, false, dropped)? {
                 out.push(json!({"role": "system", "content": text}));
             }
             continue;
@@ -500,16 +509,19 @@ mod tests {
             {"type": "text", "text": "Be brief."},
         ]);
         assert_eq!(
-            anthropic_system(Some(&system), &mut dropped)
+            anthropic_system(Some(&system), false, &mut dropped)
                 .unwrap()
                 .as_deref(),
             Some("You are Claude Code.\nBe brief.")
         );
         let only = json!([{"type": "text", "text": "x-anthropic-billing-header: cc_version=1;"}]);
-        assert_eq!(anthropic_system(Some(&only), &mut dropped).unwrap(), None);
+        assert_eq!(
+            anthropic_system(Some(&only), false, &mut dropped).unwrap(),
+            None
+        );
         // Only a block that starts with it.
         let quoted = json!("see x-anthropic-billing-header: in the docs");
-        assert!(anthropic_system(Some(&quoted), &mut dropped)
+        assert!(anthropic_system(Some(&quoted), false, &mut dropped)
             .unwrap()
             .is_some());
         assert!(dropped.kinds().is_empty());

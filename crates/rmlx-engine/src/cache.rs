@@ -15,6 +15,10 @@ use crate::error::{EngineError, Result};
 /// Positions added per growth step (mlx-lm uses the same).
 pub const GROWTH_STEP: i32 = 256;
 
+/// `(position, delta)` pairs: from `position` on, rotary positions were cache positions plus
+/// `delta` (see `KvCache::rope_history`).
+type RopeHistory = Vec<(i32, i32)>;
+
 /// Clones share the arrays; MLX copies on the next write to a shared buffer, so a clone taken
 /// from the prefix cache never changes the stored entry.
 #[derive(Clone)]
@@ -26,6 +30,10 @@ pub struct KvCache {
     /// MRoPE models (Qwen3-VL): rotary position minus cache position for tokens after an
     /// image prompt (image blocks use fewer positions than tokens). 0 for text models.
     rope_delta: i32,
+    /// `(position, delta)`: from `position` on the delta was `delta` (one entry per image chunk,
+    /// whose piece of prefill ends at its block's end), so a cut back to a shorter prefix
+    /// restores the delta of the position it keeps.
+    rope_history: RopeHistory,
     /// A linear-attention layer's state after `offset` tokens (None for attention layers).
     recurrent: Option<RecurrentState>,
     /// None for one request's cache; Some when this cache holds a batch's rows.
@@ -38,6 +46,8 @@ struct Rows {
     left_padding: Vec<i32>,
     /// Each row's `rope_delta`.
     rope_deltas: Vec<i32>,
+    /// Each row's `rope_history`.
+    rope_histories: Vec<RopeHistory>,
 }
 
 /// Where rotary positions start: one number for a single sequence (or rows that agree), one
@@ -63,6 +73,7 @@ impl KvCache {
             offset: 0,
             max_ctx: max_ctx.min(i32::MAX as usize) as i32,
             rope_delta: 0,
+            rope_history: Vec::new(),
             recurrent: None,
             rows: None,
         }
@@ -201,14 +212,16 @@ impl KvCache {
             };
             self.recurrent = Some(state);
         }
-        let (mut pads, mut deltas) = self.row_layout();
-        let (their_pads, their_deltas) = other.row_layout();
+        let (mut pads, mut deltas, mut histories) = self.row_layout();
+        let (their_pads, their_deltas, their_histories) = other.row_layout();
         pads.iter_mut().for_each(|pad| *pad += pad_mine);
         pads.extend(their_pads.iter().map(|pad| pad + pad_theirs));
         deltas.extend(their_deltas);
+        histories.extend(their_histories);
         self.rows = Some(Rows {
             left_padding: pads,
             rope_deltas: deltas,
+            rope_histories: histories,
         });
         self.offset = end;
         // Each row's own context is enforced by its request (its token budget).
@@ -216,16 +229,24 @@ impl KvCache {
         Ok(())
     }
 
-    fn row_layout(&self) -> (Vec<i32>, Vec<i32>) {
+    fn row_layout(&self) -> (Vec<i32>, Vec<i32>, Vec<RopeHistory>) {
         match &self.rows {
-            Some(rows) => (rows.left_padding.clone(), rows.rope_deltas.clone()),
-            None => (vec![0], vec![self.rope_delta]),
+            Some(rows) => (
+                rows.left_padding.clone(),
+                rows.rope_deltas.clone(),
+                rows.rope_histories.clone(),
+            ),
+            None => (
+                vec![0],
+                vec![self.rope_delta],
+                vec![self.rope_history.clone()],
+            ),
         }
     }
 
     /// Keeps only rows `keep` (in that order), then drops the leading columns no row uses.
     pub fn retain_rows(&mut self, keep: &[usize]) -> Result<()> {
-        let (pads, deltas) = self.row_layout();
+        let (pads, deltas, histories) = self.row_layout();
         if keep.len() == pads.len() && keep.iter().enumerate().all(|(i, &row)| i == row) {
             return Ok(());
         }
@@ -257,17 +278,19 @@ impl KvCache {
         self.rows = Some(Rows {
             left_padding: keep.iter().map(|&row| pads[row] - trim).collect(),
             rope_deltas: keep.iter().map(|&row| deltas[row]).collect(),
+            rope_histories: keep.iter().map(|&row| histories[row].clone()).collect(),
         });
         self.offset -= trim;
         if let [only] = keep {
             self.rope_delta = deltas[*only];
+            self.rope_history = histories[*only].clone();
         }
         Ok(())
     }
 
     /// Row `row` as one request's cache of its own (its columns copied out, no padding).
     pub fn row(&self, row: usize) -> Result<KvCache> {
-        let (pads, deltas) = self.row_layout();
+        let (pads, deltas, histories) = self.row_layout();
         let (pad, b) = (pads[row], row as i32);
         let own = |array: &Array, columns: bool| -> Result<Array> {
             let rows = array.index(b..b + 1);
@@ -282,6 +305,7 @@ impl KvCache {
         cache.offset = self.offset - pad;
         cache.max_ctx = cache.offset;
         cache.rope_delta = deltas[row];
+        cache.rope_history = histories[row].clone();
         if let (Some(keys), Some(values)) = (&self.keys, &self.values) {
             cache.keys = Some(own(keys, true)?);
             cache.values = Some(own(values, true)?);
@@ -335,6 +359,7 @@ impl KvCache {
 
     pub fn set_rope_delta(&mut self, delta: i32) {
         self.rope_delta = delta;
+        self.rope_history.push((self.offset, delta));
     }
 
     /// Forgets every position from `len` on (the arrays stay; later writes overwrite them).
@@ -345,6 +370,11 @@ impl KvCache {
             "a recurrent state cannot be rewound"
         );
         self.offset = self.offset.min(len.max(0));
+        let offset = self.offset;
+        if self.rope_history.last().is_some_and(|&(at, _)| at > offset) {
+            self.rope_history.retain(|&(at, _)| at <= offset);
+            self.rope_delta = self.rope_history.last().map_or(0, |&(_, delta)| delta);
+        }
     }
 
     /// Frees the positions past the offset: the arrays become copies of exactly what is held
@@ -542,6 +572,32 @@ mod tests {
 
     fn kv(len: i32, fill: f32) -> Array {
         ops::full::<f32>(&[1, 2, len, 4], Array::from_f32(fill)).unwrap()
+    }
+
+    /// A cut back restores the rotary delta of the position it keeps (set at each image
+    /// chunk's end), through a batch row too.
+    #[test]
+    fn truncating_restores_the_rope_delta_of_the_kept_prefix() {
+        let kv = |n: i32| Array::from_slice(&vec![1.0f32; (n * 4) as usize], &[1, 1, n, 4]);
+        let mut cache = KvCache::new(100);
+        cache.update_and_fetch(&kv(10), &kv(10)).unwrap();
+        cache.set_rope_delta(-6); // an image in the first 10 tokens
+        cache.update_and_fetch(&kv(10), &kv(10)).unwrap();
+        cache.set_rope_delta(-9); // another ending at 20
+        cache.update_and_fetch(&kv(5), &kv(5)).unwrap();
+        let row = {
+            let mut batch = cache.clone();
+            batch.join(&KvCache::new(100)).unwrap();
+            batch.row(0).unwrap()
+        };
+        for mut cut in [cache, row] {
+            cut.truncate(22);
+            assert_eq!(cut.rope_delta(), -9);
+            cut.truncate(15);
+            assert_eq!(cut.rope_delta(), -6);
+            cut.truncate(4);
+            assert_eq!(cut.rope_delta(), 0);
+        }
     }
 
     #[test]

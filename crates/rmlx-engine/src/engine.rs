@@ -491,8 +491,11 @@ struct Ticket {
     cancel: Arc<AtomicBool>,
     model_id: String,
     request_id: Option<String>,
-    /// Image soft tokens are one id for every image: such a request's KV is not reusable.
-    has_images: bool,
+    /// Whether its KV goes to the prefix cache when it ends (not when cancelled).
+    keep_kv: bool,
+    /// With images: the prompt as the prefix cache keys it, each image's soft tokens (one id for
+    /// every image) replaced by ids drawn from a digest of its pixels.
+    image_key: Option<Vec<u32>>,
     /// The engine's count of unfinished requests, settled when this one ends.
     queued: Arc<AtomicUsize>,
     metrics: Arc<Metrics>,
@@ -698,12 +701,13 @@ impl EngineThread {
                         settle(&self.queued);
                         continue;
                     }
-                    let ticket = Ticket {
+                    let mut ticket = Ticket {
                         events,
                         cancel,
                         model_id: request.metrics_id(),
                         request_id: request.request_id.clone(),
-                        has_images: !request.images.is_empty(),
+                        keep_kv: true,
+                        image_key: None,
                         queued: self.queued.clone(),
                         metrics: self.metrics.clone(),
                         closed: false,
@@ -711,7 +715,8 @@ impl EngineThread {
                     };
                     injected_panic(ticket.panic_at, Step::Admit);
                     match self.start(&request) {
-                        Ok((key, prefill, constraint)) => {
+                        Ok((key, prefill, constraint, image_key)) => {
+                            ticket.image_key = image_key;
                             let _ = ticket.events.send(Event::Started {
                                 prompt_tokens: prefill.prompt_tokens(),
                                 max_ctx: prefill.max_ctx(),
@@ -879,7 +884,7 @@ impl EngineThread {
         let mut finished = Vec::new();
         for (index, row) in ended {
             // Only a request whose KV can be reused takes its row out of the batch.
-            let reusable = !row.ticket.has_images && !row.ticket.cancel.load(Ordering::Relaxed);
+            let reusable = row.ticket.keep_kv && !row.ticket.cancel.load(Ordering::Relaxed);
             let caches = if !reusable {
                 Ok(Vec::new())
             } else if single && !batch.caches.iter().any(KvCache::is_batched) {
@@ -898,7 +903,7 @@ impl EngineThread {
                 Ok(caches) => {
                     let mut emit = |delta: generate::Delta| send_delta(&ticket.events, delta);
                     let (completion, cached) = sequence.finish(tokenizer, caches, &mut emit);
-                    ticket.has_images |= !reusable;
+                    ticket.keep_kv &= reusable;
                     finished.push((ticket, completion, cached));
                 }
                 Err(error) => self.fail(ticket, error),
@@ -937,13 +942,18 @@ impl EngineThread {
     ) {
         self.metrics
             .record_completion(&ticket.model_id, ticket.request_id.as_deref(), &completion);
-        let reusable = completion.finish_reason != FinishReason::Cancelled && !ticket.has_images;
+        let reusable = completion.finish_reason != FinishReason::Cancelled && ticket.keep_kv;
         if let (true, Some(sequence)) = (reusable, cached) {
+            let keyed = |tokens: Vec<u32>| image_keyed(tokens, ticket.image_key.as_deref());
             let mut evicted = 0;
             for snapshot in sequence.snapshots {
-                evicted += self.prefix.insert(key, snapshot.tokens, snapshot.caches);
+                evicted += self
+                    .prefix
+                    .insert(key, keyed(snapshot.tokens), snapshot.caches);
             }
-            evicted += self.prefix.insert(key, sequence.tokens, sequence.caches);
+            evicted += self
+                .prefix
+                .insert(key, keyed(sequence.tokens), sequence.caches);
             self.metrics
                 .record_prefix_evictions(&ticket.model_id, evicted);
             self.prefix_ids
@@ -1056,7 +1066,10 @@ impl EngineThread {
 
     /// Everything before the first prefill chunk: the model resident, the prompt rendered
     /// and checked against the context, the images encoded, the prefix cache consulted.
-    fn start(&mut self, request: &Request) -> Result<(PathBuf, Prefill, Grammars)> {
+    fn start(
+        &mut self,
+        request: &Request,
+    ) -> Result<(PathBuf, Prefill, Grammars, Option<Vec<u32>>)> {
         let model_id = request.metrics_id();
         self.resident(&request.model)?;
         let key = self.lru.last().expect("just made resident").clone();
@@ -1129,15 +1142,19 @@ impl EngineThread {
             (prepared.0, Some(prepared.1))
         };
         generate::effective_context(model, &request.params, prompt_ids.len())?;
-        // Image soft tokens are one id for every image: their KV is not reusable by ids.
-        let reuse = match images {
-            Some(_) => None,
-            None => self.prefix.lookup(&key, &prompt_ids),
+        // Image soft tokens are one id for every image: the cache keys them by their pixels.
+        let image_key = images
+            .as_ref()
+            .map(|pending| image_key(&prompt_ids, &pending.spans, &request.images));
+        let reuse = match (&images, &image_key) {
+            (Some(pending), Some(keyed)) => {
+                let reuse = self.prefix.lookup(&key, keyed);
+                reuse.and_then(|reuse| outside_blocks(reuse, &pending.blocks))
+            }
+            _ => self.prefix.lookup(&key, &prompt_ids),
         };
-        if images.is_none() {
-            self.metrics
-                .record_prefix_lookup(&model_id, reuse.is_some());
-        }
+        self.metrics
+            .record_prefix_lookup(&model_id, reuse.is_some());
         let images = images.map(|pending| pending.encode()).transpose()?;
         let resident = &self.models[&key];
         let prefill = Prefill::new(
@@ -1148,8 +1165,71 @@ impl EngineThread {
             reuse,
             images,
         )?;
-        Ok((key, prefill, constraint))
+        Ok((key, prefill, constraint, image_key))
     }
+}
+
+/// The prompt as the prefix cache keys it: each image's soft tokens (`spans`, in image order)
+/// replaced by ids no vocabulary uses (the top bit set), drawn from a digest of the image's
+/// size and pixels and the token's place in it. Two prompts then share a key prefix exactly as
+/// far as their text and their images agree.
+fn image_key(
+    prompt: &[u32],
+    spans: &[std::ops::Range<usize>],
+    images: &[image::RgbImage],
+) -> Vec<u32> {
+    use std::hash::{Hash, Hasher};
+    let mut key = prompt.to_vec();
+    for (span, image) in spans.iter().zip(images) {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (image.width(), image.height(), span.len()).hash(&mut hasher);
+        image.as_raw().hash(&mut hasher);
+        let digest = hasher.finish();
+        let seed = (digest ^ (digest >> 32)) as u32;
+        for (k, slot) in key[span.clone()].iter_mut().enumerate() {
+            *slot = 0x8000_0000 | (seed.wrapping_add(k as u32) & 0x7fff_ffff);
+        }
+    }
+    key
+}
+
+/// A reused prefix that ends inside an image block is cut back to the block's start: the block
+/// is prefilled whole (its positions come from its opener, and its tokens may see each other).
+fn outside_blocks(
+    mut reuse: crate::prefix_cache::Reuse,
+    blocks: &[std::ops::Range<usize>],
+) -> Option<crate::prefix_cache::Reuse> {
+    let cut = reuse.cached_tokens;
+    let Some(block) = blocks
+        .iter()
+        .find(|block| block.start < cut && cut < block.end)
+    else {
+        return Some(reuse);
+    };
+    let start = block.start as i32;
+    if start == 0
+        || !reuse
+            .caches
+            .iter()
+            .all(|cache| cache.can_truncate_to(start))
+    {
+        return None;
+    }
+    reuse
+        .caches
+        .iter_mut()
+        .for_each(|cache| cache.truncate(start));
+    reuse.cached_tokens = block.start;
+    Some(reuse)
+}
+
+/// A finished request's tokens as the prefix cache keys them (see [`image_key`]).
+fn image_keyed(mut tokens: Vec<u32>, key: Option<&[u32]>) -> Vec<u32> {
+    if let Some(key) = key {
+        let shared = key.len().min(tokens.len());
+        tokens[..shared].copy_from_slice(&key[..shared]);
+    }
+    tokens
 }
 
 /// Images preprocessed and placed, waiting for the vision tower (which runs only after the

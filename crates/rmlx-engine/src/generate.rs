@@ -406,10 +406,21 @@ impl Prefill {
                     ));
                 }
                 multimodal::check_blocks(images, body.clone())?;
-                (
-                    multimodal::plan_chunks(body, chunk, &images.blocks),
-                    Vec::new(),
-                )
+                let pieces = multimodal::plan_chunks(body.clone(), chunk, &images.blocks);
+                // A recurrent model snapshots at message boundaries here too (see below);
+                // they fall between image blocks, never inside one.
+                let cuts = match model.rewindable() || body.is_empty() {
+                    true => Vec::new(),
+                    false => snapshot_points(prompt_ids, body, tokenizer.token_id(MESSAGE_START)),
+                };
+                let pieces = pieces
+                    .into_iter()
+                    .flat_map(|piece| {
+                        let len = piece.len();
+                        split_at_cuts(piece, len, &cuts)
+                    })
+                    .collect::<Vec<_>>();
+                (pieces, cuts)
             }
             // A recurrent state cannot be cut back to a shorter prefix, so it is snapshotted
             // where a later prompt is likely to diverge: before each message of the rendered

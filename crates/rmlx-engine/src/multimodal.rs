@@ -34,12 +34,20 @@ pub struct ImagePrefill {
 
 /// Chunks of at most `chunk` positions covering `range`, except that a boundary that would
 /// cut an image span moves back to the span's start (or, when the span starts the chunk, on
-/// to its end: an image larger than a chunk goes in whole).
+/// to its end: an image larger than a chunk goes in whole). A chunk also ends where an image
+/// block does: the rotary delta an image leaves is then recorded at the block's end, so a
+/// prefix-cache entry cut back after it keeps the right one.
 pub fn plan_chunks(range: Range<usize>, chunk: usize, spans: &[Range<usize>]) -> Vec<Range<usize>> {
     let mut chunks = Vec::new();
     let mut start = range.start;
     while start < range.end {
         let mut end = (start + chunk.max(1)).min(range.end);
+        if let Some(span) = spans
+            .iter()
+            .find(|span| span.start >= start && span.end > start && span.end < end)
+        {
+            end = span.end;
+        }
         if let Some(span) = spans.iter().find(|span| span.start < end && end < span.end) {
             end = if span.start > start {
                 span.start
@@ -293,6 +301,7 @@ mod tests {
                 .any(|c| c.start <= span.start && span.end <= c.end));
         }
         assert_eq!(plan_chunks(3..10, 1, &[]).len(), 7);
-        assert_eq!(plan_chunks(0..30, 100, &spans), vec![0..30]);
+        // A chunk ends where an image block ends.
+        assert_eq!(plan_chunks(0..30, 100, &spans), vec![0..15, 15..22, 22..30]);
     }
 }

@@ -456,7 +456,7 @@ fn assert_same_answer(what: &str, solo: &Completion, batched: &Completion, toler
 /// Continuous batching in every family: four requests of different prompt lengths and token
 /// budgets (so rows join mid-decode, padded, and leave while others go on; with an image
 /// where the family sees) each equal their solo runs, and the same batch again is served from
-/// the prefix cache with the same answers.
+/// the prefix cache (pictures too) with the same answers.
 #[test]
 fn batched_requests_equal_their_solo_runs_in_every_family() {
     // (fixture, sees images, log-prob tolerance): 1e-4 in fp32; the 4-bit checkpoint computes
@@ -542,12 +542,10 @@ fn batched_requests_equal_their_solo_runs_in_every_family() {
             }
             if round == "repeated" {
                 for (completion, (_, image, _)) in batched.iter().zip(&turns) {
-                    // Image soft tokens are not reusable by ids; text prompts are.
-                    assert_eq!(
+                    // Every prompt again, with a picture too (keyed by its pixels).
+                    assert!(
                         completion.cached_tokens > 0,
-                        image.is_none(),
-                        "{dir}: cached {}",
-                        completion.cached_tokens
+                        "{dir} (image: {image:?}): nothing cached"
                     );
                 }
             }
@@ -707,4 +705,72 @@ fn a_long_prefill_does_not_stall_running_streams() {
         during >= 10,
         "{during} tokens of the running stream during the prefill"
     );
+}
+
+/// A conversation whose first user turn holds `image`, greedy with top-2 log-probs: turn 1 is
+/// that message; turn 2 adds turn 1's answer and a question.
+fn image_turn(dir: &str, image: &str, answer: Option<&str>) -> Request {
+    let mut request = batch_request(dir, "What is in this picture?", Some(image), 6);
+    if let (Some(answer), Prompt::Chat { messages, .. }) = (answer, &mut request.prompt) {
+        messages.push(serde_json::json!({"role": "assistant", "content": answer}));
+        messages.push(serde_json::json!({"role": "user", "content": "And its colours?"}));
+    }
+    request
+}
+
+/// Images keep the prefix cache: in each vision family, turn 2 of a conversation with a
+/// picture reuses turn 1's KV past the picture, and its answer equals an engine without the
+/// cache (ids, and log-probs within 1e-4). The same turn with the picture mirrored (same size, so the same
+/// tokens) shares only the text before it.
+#[test]
+fn images_in_the_history_keep_the_prefix_cache() {
+    for dir in ["qwen3-vl-tiny", "gemma4-tiny", "releases/qwen3.6-35b-a3b"] {
+        let cached = Engine::start(4).unwrap();
+        let uncached = Engine::start_with(EngineOptions {
+            prefix_cache_bytes: Some(0),
+            prefix_snapshot_bytes: Some(0),
+            ..EngineOptions::default()
+        })
+        .unwrap();
+        let first = cached
+            .submit(image_turn(dir, "gradient_64x48.png", None))
+            .unwrap()
+            .wait()
+            .unwrap();
+        let answer = first.text.clone();
+        for (image, past_the_picture) in [
+            ("gradient_64x48.png", true),
+            ("gradient_64x48_mirror.png", false),
+        ] {
+            let second = cached
+                .submit(image_turn(dir, image, Some(&answer)))
+                .unwrap()
+                .wait()
+                .unwrap();
+            let reference = uncached
+                .submit(image_turn(dir, image, Some(&answer)))
+                .unwrap()
+                .wait()
+                .unwrap();
+            assert_eq!(reference.cached_tokens, 0);
+            eprintln!(
+                "{dir} {image}: {} of {} prompt tokens cached",
+                second.cached_tokens, second.prompt_tokens
+            );
+            match past_the_picture {
+                true => assert!(
+                    second.cached_tokens * 2 > second.prompt_tokens,
+                    "{dir}: only {} of {} cached",
+                    second.cached_tokens,
+                    second.prompt_tokens
+                ),
+                false => assert!(
+                    second.cached_tokens < first.prompt_tokens / 2,
+                    "{dir}: {} cached across another picture",
+                    second.cached_tokens
+                ),
+            }
+            assert_same_answer(&format!("{dir} {image}"), &reference, &second, 1e-4);
+        }
+    }
 }

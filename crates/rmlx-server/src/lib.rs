@@ -25,6 +25,7 @@ pub mod parse;
 pub mod registry;
 pub mod responses;
 mod sse;
+mod turn_prefix;
 pub mod ui;
 pub mod xml_calls;
 

@@ -15,6 +15,9 @@ as the only route out but loopback:
      agent's final answer holds the nonce, and on the server side (a byte-for-byte tee in front
      of the server records what arrived) the request after the call carries the nonce, with the
      number of requests each turn took.
+  3. turns 2-6 of that session (`claude --continue`, `codex exec resume --last`,
+     `qwen --continue`), each asking again: answered from the history, with at least 90 % of
+     every turn's prompt served from the prefix cache.
 Then `rmlx launch codex --model FOLDER` with nothing listening: it starts its own server.
 Only the standard library: the harness must not depend on what it tests.
 """
@@ -216,12 +219,14 @@ def launched(agent, port, args):
     return [str(binary), "launch", agent, "--port", str(port), "--api-key", KEY, "--", *args]
 
 
-def claude(home, port, prompt, cwd, launch):
+def claude(home, port, prompt, cwd, launch, resume=False):
     env = base_env(home, port) | {
         "CLAUDE_CODE_MAX_RETRIES": "0",
         "API_TIMEOUT_MS": str(TIMEOUT_S * 1000),
     }
     args = ["-p", prompt, "--output-format", "json", "--max-turns", "4"]
+    if resume:
+        args.append("--continue")  # the most recent session in this folder
     if launch:
         command = launched("claude", port, args)
     else:
@@ -252,7 +257,7 @@ def claude(home, port, prompt, cwd, launch):
     return ok, answer, run
 
 
-def codex(home, port, prompt, cwd, launch):
+def codex(home, port, prompt, cwd, launch, resume=False):
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
     provider = (
@@ -273,7 +278,8 @@ def codex(home, port, prompt, cwd, launch):
     last = home / "codex-last-message.txt"
     last.unlink(missing_ok=True)
     args = ["exec", "--skip-git-repo-check", "--color", "never",
-            "--dangerously-bypass-approvals-and-sandbox", "--output-last-message", str(last), prompt]
+            "--dangerously-bypass-approvals-and-sandbox", "--output-last-message", str(last),
+            *(["resume", "--last"] if resume else []), prompt]
     if launch:
         command = launched("codex", port, args)
     else:
@@ -285,7 +291,7 @@ def codex(home, port, prompt, cwd, launch):
     return run.returncode == 0 and bool(answer), answer, run
 
 
-def qwen(home, port, prompt, cwd, launch):
+def qwen(home, port, prompt, cwd, launch, resume=False):
     settings = home / ".qwen"
     settings.mkdir(parents=True, exist_ok=True)
     (settings / "settings.json").write_text(json.dumps({
@@ -298,6 +304,8 @@ def qwen(home, port, prompt, cwd, launch):
     }))
     env = base_env(home, port)
     args = ["-p", prompt, "--output-format", "json", "--approval-mode", "yolo"]
+    if resume:
+        args.append("--continue")  # the most recent session of this project
     if launch:
         command = launched("qwen", port, args)
     else:
@@ -322,6 +330,30 @@ AGENTS = {"claude": claude, "codex": codex, "qwen": qwen}
 
 def show(run):
     return f"exit {run.returncode}\n--- stdout\n{run.stdout[-4000:]}\n--- stderr\n{run.stderr[-4000:]}"
+
+
+# Agents whose session a later run continues (`claude --continue`, `codex exec resume --last`,
+# `qwen --continue`).
+SESSION_TURNS = {"claude", "codex", "qwen"}
+# Share of prompt tokens the prefix cache must serve on turns 2-6 of a session (a KV family).
+SESSION_FLOOR = 0.90
+
+
+def check_session(name, tee, home, folder, nonce, prompt):
+    """Turns 2-6 of the round trip's session, each continuing it with the same question: the
+    fixture answers from the tool result in the history, and the server serves at least
+    SESSION_FLOOR of every turn's prompt from the prefix cache (turn N+1 re-sends turn N)."""
+    rates = []
+    for turn in range(2, 7):
+        done = len(served(tee.upstream_port))
+        ok, answer, run = AGENTS[name](home, tee.port, prompt, folder, launch=False, resume=True)
+        assert ok and nonce.strip() in answer, f"{name}: session turn {turn} answered {answer!r}\n{show(run)}"
+        records = served(tee.upstream_port)[done:]
+        assert records, f"{name}: session turn {turn} sent nothing"
+        rates.append(sum(r["cached_tokens"] for r in records) / sum(r["tokens_in"] for r in records))
+        assert rates[-1] >= SESSION_FLOOR, \
+            f"{name}: session turn {turn}: {rates[-1]:.1%} cached ({describe(records)})"
+    return f"{name}: session turns 2-6 cached " + ", ".join(f"{rate:.1%}" for rate in rates)
 
 
 def check_agent(name, tee, work):
@@ -371,9 +403,12 @@ def check_agent(name, tee, work):
         first = carrying[0]
         assert first >= 1 and b"nonce.txt" in sent[first - 1][3] + sent[first][3], \
             f"{name}: the nonce arrived without the call before it"
-        return (f"{name}: plain turn {plain_s:.1f} s ({plain_requests} requests: {describe(plain_served)}); "
-                f"tool round trip {tool_s:.1f} s ({len(sent)} requests: {describe(tool_served)}; "
-                f"the nonce arrived in request {first + 1})")
+        report = (f"{name}: plain turn {plain_s:.1f} s ({plain_requests} requests: {describe(plain_served)}); "
+                  f"tool round trip {tool_s:.1f} s ({len(sent)} requests: {describe(tool_served)}; "
+                  f"the nonce arrived in request {first + 1})")
+        if name in SESSION_TURNS:
+            report += "\n" + check_session(name, tee, home, folder, nonce, prompt)
+        return report
     finally:
         fcntl.flock(lock, fcntl.LOCK_UN)
         lock.close()

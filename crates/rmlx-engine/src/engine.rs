@@ -1155,7 +1155,19 @@ impl EngineThread {
         };
         self.metrics
             .record_prefix_lookup(&model_id, reuse.is_some());
-        let images = images.map(|pending| pending.encode()).transpose()?;
+        // Images wholly inside the reused prefix need no vision tower.
+        let cached = reuse.as_ref().map_or(0, |reuse| reuse.cached_tokens);
+        let images = match images {
+            Some(pending) => {
+                let first = pending
+                    .blocks
+                    .iter()
+                    .take_while(|b| b.end <= cached)
+                    .count();
+                pending.encode(first)?
+            }
+            None => None,
+        };
         let resident = &self.models[&key];
         let prefill = Prefill::new(
             resident.loaded.model.as_ref(),
@@ -1244,13 +1256,23 @@ struct PendingImages<'a> {
 }
 
 impl<'a> PendingImages<'a> {
-    fn encode(self) -> Result<crate::multimodal::ImagePrefill> {
-        Ok(crate::multimodal::ImagePrefill {
-            features: self.model.encode_images(&self.input)?,
+    /// Runs the vision tower on images `first..` (those before are in the reused KV); None when
+    /// every image is.
+    fn encode(self, first: usize) -> Result<Option<crate::multimodal::ImagePrefill>> {
+        if first >= self.blocks.len() {
+            return Ok(None);
+        }
+        let input = match first {
+            0 => self.input,
+            _ => self.input.from_image(first),
+        };
+        Ok(Some(crate::multimodal::ImagePrefill {
+            features: self.model.encode_images(&input)?,
+            first_image: first,
             spans: self.spans,
             blocks: self.blocks,
             started: Some(self.started),
-        })
+        }))
     }
 }
 

@@ -21,7 +21,9 @@ use crate::{
 
 /// A prompt's images, ready for prefill.
 pub struct ImagePrefill {
+    /// The features of images `first_image..` (those before are in the reused KV cache).
     pub features: VisionFeatures,
+    pub first_image: usize,
     /// Where each image's soft tokens sit in the prompt, in image order.
     pub spans: Vec<Range<usize>>,
     /// Each image's whole block (open token, soft tokens, close token): the unit chunking keeps
@@ -109,7 +111,10 @@ pub fn prefill_piece(
     let input = Array::from_slice(&ids, &[1, ids.len() as i32]);
     match (inside.first(), inside.last()) {
         (Some(&first), Some(&last)) => {
-            let rows = row_starts[first] as i32..row_starts[last + 1] as i32;
+            // Features start at the first image that was encoded.
+            let base = row_starts[images.first_image];
+            let rows = (row_starts[first] - base) as i32..(row_starts[last + 1] - base) as i32;
+            let (first, last) = (first - images.first_image, last - images.first_image);
             let features = VisionFeatures {
                 embeds: images.features.embeds.index(rows.clone()),
                 deepstack: images

@@ -708,12 +708,22 @@ fn a_long_prefill_does_not_stall_running_streams() {
 }
 
 /// A conversation whose first user turn holds `image`, greedy with top-2 log-probs: turn 1 is
-/// that message; turn 2 adds turn 1's answer and a question.
-fn image_turn(dir: &str, image: &str, answer: Option<&str>) -> Request {
+/// that message; turn 2 adds turn 1's answer and a question, with a second picture when given.
+fn image_turn(dir: &str, image: &str, answer: Option<&str>, second: Option<&str>) -> Request {
     let mut request = batch_request(dir, "What is in this picture?", Some(image), 6);
     if let (Some(answer), Prompt::Chat { messages, .. }) = (answer, &mut request.prompt) {
         messages.push(serde_json::json!({"role": "assistant", "content": answer}));
-        messages.push(serde_json::json!({"role": "user", "content": "And its colours?"}));
+        let question = match second {
+            Some(_) => {
+                serde_json::json!([{"type": "image"}, {"type": "text", "text": "And this one?"}])
+            }
+            None => serde_json::json!("And its colours?"),
+        };
+        messages.push(serde_json::json!({"role": "user", "content": question}));
+    }
+    if let Some(name) = second {
+        let picture = image::open(fixture("vision-images").join(name)).unwrap();
+        request.images.push(picture.to_rgb8());
     }
     request
 }
@@ -733,28 +743,32 @@ fn images_in_the_history_keep_the_prefix_cache() {
         })
         .unwrap();
         let first = cached
-            .submit(image_turn(dir, "gradient_64x48.png", None))
+            .submit(image_turn(dir, "gradient_64x48.png", None, None))
             .unwrap()
             .wait()
             .unwrap();
         let answer = first.text.clone();
-        for (image, past_the_picture) in [
-            ("gradient_64x48.png", true),
-            ("gradient_64x48_mirror.png", false),
-        ] {
+        // The same picture (reused whole: no vision tower for it), the same picture and a new
+        // one (only the new one is encoded), the picture mirrored.
+        let cases = [
+            ("gradient_64x48.png", None, true),
+            ("gradient_64x48.png", Some("noise_80x100.png"), true),
+            ("gradient_64x48_mirror.png", None, false),
+        ];
+        for (image, new_picture, past_the_picture) in cases {
             let second = cached
-                .submit(image_turn(dir, image, Some(&answer)))
+                .submit(image_turn(dir, image, Some(&answer), new_picture))
                 .unwrap()
                 .wait()
                 .unwrap();
             let reference = uncached
-                .submit(image_turn(dir, image, Some(&answer)))
+                .submit(image_turn(dir, image, Some(&answer), new_picture))
                 .unwrap()
                 .wait()
                 .unwrap();
             assert_eq!(reference.cached_tokens, 0);
             eprintln!(
-                "{dir} {image}: {} of {} prompt tokens cached",
+                "{dir} {image} then {new_picture:?}: {} of {} prompt tokens cached",
                 second.cached_tokens, second.prompt_tokens
             );
             match past_the_picture {
@@ -770,7 +784,8 @@ fn images_in_the_history_keep_the_prefix_cache() {
                     second.cached_tokens
                 ),
             }
-            assert_same_answer(&format!("{dir} {image}"), &reference, &second, 1e-4);
+            let what = format!("{dir} {image} then {new_picture:?}");
+            assert_same_answer(&what, &reference, &second, 1e-4);
         }
     }
 }

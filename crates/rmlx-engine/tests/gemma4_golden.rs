@@ -197,6 +197,7 @@ fn cached_decode(
             let (spans, blocks) = spans_and_blocks(prompt);
             let images = ImagePrefill {
                 features,
+                first_image: 0,
                 spans,
                 blocks,
                 started: None,

@@ -62,6 +62,21 @@ pub struct ImageInput {
     pub grid_thw: Vec<[i32; 3]>,
 }
 
+impl ImageInput {
+    /// Images `first..` alone (those before it are already in a reused KV cache): each image's
+    /// patch rows are `t * h * w` of its grid.
+    pub fn from_image(&self, first: usize) -> ImageInput {
+        let rows: i32 = self.grid_thw[..first]
+            .iter()
+            .map(|[t, h, w]| t * h * w)
+            .sum();
+        ImageInput {
+            pixel_values: mlx_rs::ops::indexing::IndexOp::index(&self.pixel_values, rows..),
+            grid_thw: self.grid_thw[first..].to_vec(),
+        }
+    }
+}
+
 /// What a vision tower hands the language model.
 pub struct VisionFeatures {
     /// `[image tokens, hidden]`, one row per image soft token, images in order.

@@ -219,6 +219,18 @@ def launched(agent, port, args):
     return [str(binary), "launch", agent, "--port", str(port), "--api-key", KEY, "--", *args]
 
 
+def run_command(agent, port, args, env, cwd, launch, manual_env, manual_args=()):
+    """Runs `agent` with `args`: through `rmlx launch` (set up by it alone), or with the set-up
+    written out here (`manual_env`, `manual_args` before `args`)."""
+    if launch:
+        command = launched(agent, port, args)
+    else:
+        env = env | manual_env
+        command = [str(BIN / agent), *manual_args, *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+
+
 def claude(home, port, prompt, cwd, launch, resume=False):
     env = base_env(home, port) | {
         "CLAUDE_CODE_MAX_RETRIES": "0",
@@ -227,26 +239,20 @@ def claude(home, port, prompt, cwd, launch, resume=False):
     args = ["-p", prompt, "--output-format", "json", "--max-turns", "4"]
     if resume:
         args.append("--continue")  # the most recent session in this folder
-    if launch:
-        command = launched("claude", port, args)
-    else:
-        env |= {
-            "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}",
-            "ANTHROPIC_API_KEY": KEY,
-            "ANTHROPIC_MODEL": MODEL,
-            "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
-            "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL,
-            "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL,
-            "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
-            "CLAUDE_CODE_SUBAGENT_MODEL": MODEL,
-            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-            "DISABLE_AUTOUPDATER": "1",
-            "DISABLE_TELEMETRY": "1",
-            "DISABLE_ERROR_REPORTING": "1",
-        }
-        command = [str(BIN / "claude"), *args]
-    run = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
-                         timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    run = run_command("claude", port, args, env, cwd, launch, {
+        "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}",
+        "ANTHROPIC_API_KEY": KEY,
+        "ANTHROPIC_MODEL": MODEL,
+        "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL,
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
+        "CLAUDE_CODE_SUBAGENT_MODEL": MODEL,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+    })
     result = None
     try:
         result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -280,13 +286,7 @@ def codex(home, port, prompt, cwd, launch, resume=False):
     args = ["exec", "--skip-git-repo-check", "--color", "never",
             "--dangerously-bypass-approvals-and-sandbox", "--output-last-message", str(last),
             *(["resume", "--last"] if resume else []), prompt]
-    if launch:
-        command = launched("codex", port, args)
-    else:
-        env["RMLX_API_KEY"] = KEY
-        command = [str(BIN / "codex"), *args]
-    run = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
-                         timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    run = run_command("codex", port, args, env, cwd, launch, {"RMLX_API_KEY": KEY})
     answer = last.read_text() if last.exists() else ""
     return run.returncode == 0 and bool(answer), answer, run
 
@@ -306,13 +306,9 @@ def qwen(home, port, prompt, cwd, launch, resume=False):
     args = ["-p", prompt, "--output-format", "json", "--approval-mode", "yolo"]
     if resume:
         args.append("--continue")  # the most recent session of this project
-    if launch:
-        command = launched("qwen", port, args)
-    else:
-        env |= {"OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1", "OPENAI_API_KEY": KEY}
-        command = [str(BIN / "qwen"), "--auth-type", "openai", "--model", MODEL, *args]
-    run = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
-                         timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    run = run_command("qwen", port, args, env, cwd, launch,
+                      {"OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1", "OPENAI_API_KEY": KEY},
+                      ["--auth-type", "openai", "--model", MODEL])
     result = None
     try:
         events = json.loads(run.stdout)

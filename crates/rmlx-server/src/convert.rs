@@ -61,7 +61,10 @@ pub fn refuse_image(reference: &str, model: &str) -> ApiError {
                 )
             }
         }
-    } else if lower.starts_with("file:") || reference.starts_with('/') || reference.starts_with('.')
+    } else if lower.starts_with("file:")
+        // Bare base64 of a JPEG begins `/9j/` (its FF D8 FF bytes): the picture, not a path.
+        || (reference.starts_with('/') && !reference.starts_with("/9j/"))
+        || reference.starts_with('.')
     {
         return bad("image file paths are not supported: send the image inline as a data URI (data:image/png;base64,...)");
     } else {
@@ -73,18 +76,28 @@ pub fn refuse_image(reference: &str, model: &str) -> ApiError {
     no_vision(model)
 }
 
-/// Whether `payload` is standard, padded base64, checked piece by piece into a stack buffer: a
-/// whole decode would allocate the image's size only to throw it away.
+/// Standard base64, padded or not: what the engine's image decoder takes (browsers and SDKs send
+/// both, and line-wrapped text, whose whitespace is skipped).
+const LENIENT_BASE64: base64::engine::GeneralPurpose = base64::engine::GeneralPurpose::new(
+    &base64::alphabet::STANDARD,
+    base64::engine::GeneralPurposeConfig::new()
+        .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+);
+
+/// Whether `payload` is base64 as [`LENIENT_BASE64`] reads it (whitespace skipped), checked piece
+/// by piece into a stack buffer: a whole decode would allocate the image's size only to throw it
+/// away.
 fn is_base64(payload: &str) -> bool {
+    let compact: std::borrow::Cow<str> = match payload.bytes().any(|b| b.is_ascii_whitespace()) {
+        true => payload.split_ascii_whitespace().collect::<String>().into(),
+        false => payload.into(),
+    };
     let mut out = [0u8; 3 * 1024];
-    let mut pieces = payload.as_bytes().chunks(4 * 1024).peekable();
+    let mut pieces = compact.as_bytes().chunks(4 * 1024).peekable();
     while let Some(piece) = pieces.next() {
         // Padding may only end the whole payload, never a piece of it.
         let last = pieces.peek().is_none();
-        if (!last && piece.contains(&b'='))
-            || base64::engine::general_purpose::STANDARD
-                .decode_slice(piece, &mut out)
-                .is_err()
+        if (!last && piece.contains(&b'=')) || LENIENT_BASE64.decode_slice(piece, &mut out).is_err()
         {
             return false;
         }
@@ -442,14 +455,26 @@ fn add_text(message: &mut Value, text: &str, at_end: bool) {
 mod tests {
     use super::*;
 
-    /// The piecewise check answers as a whole decode does, across piece boundaries.
+    /// The piecewise check answers as a whole decode does, across piece boundaries, padded,
+    /// unpadded and line-wrapped.
     #[test]
     fn base64_check_in_pieces_equals_a_whole_decode() {
         let engine = base64::engine::general_purpose::STANDARD;
-        let mut cases: Vec<String> = ["", "QQ==", "QUI=", "QUJD", "QQ", "Q===", "QQ==QQ==", "@@@@"]
-            .into_iter()
-            .map(String::from)
-            .collect();
+        let mut cases: Vec<String> = [
+            "",
+            "QQ==",
+            "QUI=",
+            "QUJD",
+            "QQ",
+            "Q===",
+            "QQ==QQ==",
+            "@@@@",
+            "QU\nJD",
+            "QUJD\r\nQQ",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
         for len in [3070usize, 3071, 3072, 3073, 6144, 6145] {
             let data: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
             let text = engine.encode(&data);
@@ -462,11 +487,19 @@ mod tests {
             bad[at] = b'*';
             cases.push(String::from_utf8(bad).unwrap());
             cases.push(text[..text.len() - 1].to_string());
+            cases.push(text.trim_end_matches('=').to_string());
+            let wrapped: Vec<String> = text
+                .as_bytes()
+                .chunks(76)
+                .map(|l| String::from_utf8_lossy(l).into())
+                .collect();
+            cases.push(wrapped.join("\n"));
         }
         for case in &cases {
+            let compact: String = case.split_ascii_whitespace().collect();
             assert_eq!(
                 is_base64(case),
-                engine.decode(case).is_ok(),
+                LENIENT_BASE64.decode(&compact).is_ok(),
                 "{} chars",
                 case.len()
             );
@@ -501,6 +534,9 @@ mod tests {
         assert!(msg("/tmp/cat.png").contains("file paths"));
         assert!(msg("data:image/png;base64,@@@").contains("not valid base64"));
         assert!(msg("data:image/png;base64,iVBORw0KGgo=").contains("has no vision"));
+        // Unpadded, and a bare JPEG's base64 (it starts with `/9j/`, not a path).
+        assert!(msg("data:image/png;base64,iVBORw0KGgo").contains("has no vision"));
+        assert!(msg("/9j/4AAQSkZJRg==").contains("has no vision"));
     }
 
     #[test]

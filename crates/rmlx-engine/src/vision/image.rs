@@ -214,8 +214,12 @@ pub fn decode_image_source(
     decode_image(&decode_base64(source, limits)?, limits)
 }
 
+/// Bare base64 of a JPEG: its first bytes `FF D8 FF` encode as `/9j/`, which would otherwise
+/// read as an absolute path.
+const JPEG_BASE64: &str = "/9j/";
+
 fn looks_like_path(source: &str) -> bool {
-    source.starts_with('/')
+    (source.starts_with('/') && !source.starts_with(JPEG_BASE64))
         || source.starts_with("./")
         || source.starts_with("file:")
         || source.starts_with('~')
@@ -365,6 +369,12 @@ mod tests {
             decode_image_source("/etc/passwd", SourcePolicy::InlineOnly, &limits),
             Err(ImageError::FilePath)
         );
+        // Bare base64 of a JPEG starts with `/`: it is the picture, not a path.
+        let jpeg =
+            base64::engine::general_purpose::STANDARD.encode(encode(&sample(), ImageFormat::Jpeg));
+        assert!(jpeg.starts_with("/9j/"));
+        let decoded = decode_image_source(&jpeg, SourcePolicy::InlineOnly, &limits).unwrap();
+        assert_eq!(decoded.dimensions(), sample().dimensions());
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("x.png");
         std::fs::write(&path, &png).unwrap();

@@ -38,23 +38,28 @@ macro_rules! space {
     };
 }
 
-/// Standard base64, padded, with the unused bits of its last quantum zero (what
-/// `convert::is_base64` takes).
+/// Standard base64 with the unused bits of its last quantum zero, its padding optional (all of
+/// it, some or none) and ASCII whitespace anywhere in it (line-wrapped): what
+/// `convert::is_base64` and the engine's decoder take.
 macro_rules! base64 {
     () => {
-        r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/][AQgw]==|[A-Za-z0-9+/]{2}[AEIMQUYcgkosw048]=)?"
+        concat!(
+            r"(?:(?:[A-Za-z0-9+/][\t\n\x0C\r ]*){4})*",
+            r"(?:[A-Za-z0-9+/][\t\n\x0C\r ]*[AQgw][\t\n\x0C\r ]*(?:=[\t\n\x0C\r ]*){0,2}",
+            r"|(?:[A-Za-z0-9+/][\t\n\x0C\r ]*){2}[AEIMQUYcgkosw048][\t\n\x0C\r ]*(?:=[\t\n\x0C\r ]*)?)?"
+        )
     };
 }
 
 /// An inline image as `convert::refuse_image` and the engine's decoder let it through: a
 /// `data:` URI whose header (before its first comma) ends in `;base64` and whose payload is
 /// base64 (ASCII whitespace before it), or bare base64 that does not start with `/` (taken for
-/// a file path). Remote URLs and file paths are refused. Whether the bytes are an image is the
-/// decoder's call (a 400 the document cannot state).
+/// a file path) unless with `/9j/` (a JPEG's). Remote URLs and file paths are refused. Whether
+/// the bytes are an image is the decoder's call (a 400 the document cannot state).
 pub const IMAGE_REF_PATTERN: &str = concat!(
     "^",
     space!(),
-    r"(?:data:[^,]*;base64,[\t\n\x0C\r ]*|(?!/))",
+    r"(?:data:[^,]*;base64,[\t\n\x0C\r ]*|(?!/(?!9j/)))",
     base64!(),
     space!(),
     "$"
@@ -345,6 +350,8 @@ mod tests {
             "QQ==",
             "QR==",
             "QUI=",
+            "QQ",
+            "QQ=",
             "/9j/",
             " ",
             "\u{a0}",

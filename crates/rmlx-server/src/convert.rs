@@ -9,6 +9,7 @@ mod anthropic;
 use base64::Engine as _;
 use std::collections::BTreeMap;
 
+use rmlx_engine::vision::{JPEG_BASE64, LENIENT_BASE64};
 use serde_json::{json, Value};
 
 pub use self::anthropic::{
@@ -63,7 +64,7 @@ pub fn refuse_image(reference: &str, model: &str) -> ApiError {
         }
     } else if lower.starts_with("file:")
         // Bare base64 of a JPEG begins `/9j/` (its FF D8 FF bytes): the picture, not a path.
-        || (reference.starts_with('/') && !reference.starts_with("/9j/"))
+        || (reference.starts_with('/') && !reference.starts_with(JPEG_BASE64))
         || reference.starts_with('.')
     {
         return bad("image file paths are not supported: send the image inline as a data URI (data:image/png;base64,...)");
@@ -76,15 +77,7 @@ pub fn refuse_image(reference: &str, model: &str) -> ApiError {
     no_vision(model)
 }
 
-/// Standard base64, padded or not: what the engine's image decoder takes (browsers and SDKs send
-/// both, and line-wrapped text, whose whitespace is skipped).
-const LENIENT_BASE64: base64::engine::GeneralPurpose = base64::engine::GeneralPurpose::new(
-    &base64::alphabet::STANDARD,
-    base64::engine::GeneralPurposeConfig::new()
-        .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
-);
-
-/// Whether `payload` is base64 as [`LENIENT_BASE64`] reads it (whitespace skipped), checked piece
+/// Whether `payload` is base64 as the engine's decoder reads it ([`LENIENT_BASE64`]) (whitespace skipped), checked piece
 /// by piece into a stack buffer: a whole decode would allocate the image's size only to throw it
 /// away.
 fn is_base64(payload: &str) -> bool {

@@ -216,7 +216,15 @@ pub fn decode_image_source(
 
 /// Bare base64 of a JPEG: its first bytes `FF D8 FF` encode as `/9j/`, which would otherwise
 /// read as an absolute path.
-const JPEG_BASE64: &str = "/9j/";
+pub const JPEG_BASE64: &str = "/9j/";
+
+/// Standard base64, padded or not (clients send both, and line-wrapped text, whose ASCII
+/// whitespace is skipped before decoding).
+pub const LENIENT_BASE64: base64::engine::GeneralPurpose = base64::engine::GeneralPurpose::new(
+    &base64::alphabet::STANDARD,
+    base64::engine::GeneralPurposeConfig::new()
+        .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+);
 
 fn looks_like_path(source: &str) -> bool {
     (source.starts_with('/') && !source.starts_with(JPEG_BASE64))
@@ -234,18 +242,12 @@ fn decode_base64(payload: &str, limits: &ImageLimits) -> Result<Vec<u8>, ImageEr
             max: limits.max_bytes,
         });
     }
-    // Padded or not, and line-wrapped: clients send all three.
-    const LENIENT: base64::engine::GeneralPurpose = base64::engine::GeneralPurpose::new(
-        &base64::alphabet::STANDARD,
-        base64::engine::GeneralPurposeConfig::new()
-            .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
-    );
     let mut compact = Vec::new();
     reserve(&mut compact, payload.len())?;
     compact.extend(payload.bytes().filter(|c| !c.is_ascii_whitespace()));
     let mut decoded = Vec::new();
     reserve(&mut decoded, base64::decoded_len_estimate(compact.len()))?;
-    LENIENT
+    LENIENT_BASE64
         .decode_vec(&compact, &mut decoded)
         .map_err(|error| ImageError::BadEncoding(error.to_string()))?;
     Ok(decoded)

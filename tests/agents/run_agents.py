@@ -2,8 +2,11 @@
 """The coding agents themselves (Claude Code, Codex CLI, Qwen Code: their pinned npm packages)
 against a real `rmlx serve` on loopback, on the scripted-answer fixture.
 
-Run: scripts/agents-deps && RMLX_BIN=target/debug/rmlx python3 tests/agents/run_agents.py [claude codex qwen]
-(`cargo test` runs it through crates/rmlx-cli/tests/agents.rs when the agents are installed.)
+Run: scripts/agents-deps && RMLX_BIN=target/debug/rmlx python3 tests/agents/run_agents.py \
+         [--fixture qwen3|qwen3.6] [claude codex qwen]
+(`cargo test` runs it through crates/rmlx-cli/tests/agents.rs, on both fixtures, when the agents
+are installed.) The fixtures: Qwen3-30B-A3B (a KV family, JSON calls) and Qwen3.6-35B-A3B (Gated
+DeltaNet layers whose state is snapshotted, XML calls, a vision tower).
 
 For each agent, with a throwaway HOME, retries, telemetry and update checks off, and a dead proxy
 as the only route out but loopback:
@@ -17,11 +20,15 @@ as the only route out but loopback:
      number of requests each turn took.
   3. turns 2-6 of that session (`claude --continue`, `codex exec resume --last`,
      `qwen --continue`), each asking again: answered from the history, with at least 90 % of
-     every turn's prompt served from the prefix cache.
-Then `rmlx launch codex --model FOLDER` with nothing listening: it starts its own server.
+     every turn's prompt served from the prefix cache (80 % on Qwen3.6).
+On Qwen3.6 the round trip's question comes with a picture (Claude Code: an image block in its
+stream-json input; Codex: `exec -i`; Qwen Code: `@picture.png`), so every later turn carries it
+in its history: checked in the requests that arrived, and the floors hold with it.
+Then (on Qwen3) `rmlx launch codex --model FOLDER` with nothing listening: it starts its own server.
 Only the standard library: the harness must not depend on what it tests.
 """
 
+import base64
 import fcntl
 import json
 import os
@@ -39,11 +46,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS_DIR = ROOT / "tests" / "agents"
 BIN = AGENTS_DIR / "node_modules" / ".bin"
-FIXTURE = ROOT / "tests" / "fixtures" / "agents" / "qwen3-30b-a3b-scripted"
-MODEL = FIXTURE.name
 KEY = "agents-test-key"
-GOLDEN = json.loads((FIXTURE / "golden.json").read_text())
-PLAIN_ANSWER = GOLDEN["scripts"]["plain"]
+# name: (folder in tests/fixtures/agents, session floor, a picture in the history)
+FIXTURES = {
+    "qwen3": ("qwen3-30b-a3b-scripted", 0.90, False),
+    "qwen3.6": ("qwen3.6-35b-a3b-scripted", 0.80, True),
+}
+PICTURE = ROOT / "tests" / "fixtures" / "vision-images" / "gradient_64x48.png"
+# How the picture's base64 begins: a PNG's signature, or a JPEG's (Qwen Code re-encodes it).
+PICTURE_BASE64 = (b"iVBORw0KGgo", b"/9j/")
+
+
+def carries_picture(body):
+    return any(start in body for start in PICTURE_BASE64)
+
+
+def use_fixture(name):
+    """Points the run at one fixture (the module's globals, read by everything below)."""
+    global FIXTURE, MODEL, PLAIN_ANSWER, SESSION_FLOOR, WITH_PICTURE
+    folder, SESSION_FLOOR, WITH_PICTURE = FIXTURES[name]
+    FIXTURE = ROOT / "tests" / "fixtures" / "agents" / folder
+    MODEL = FIXTURE.name
+    PLAIN_ANSWER = json.loads((FIXTURE / "golden.json").read_text())["scripts"]["plain"]
+
+
+use_fixture("qwen3")
 ALPHABET = [f" qx{c}" for c in "abcdefghij"]
 MARKER = {"claude": " qxclaude", "codex": " qxcodex", "qwen": " qxqwen"}
 TIMEOUT_S = 600
@@ -219,24 +246,36 @@ def launched(agent, port, args):
     return [str(binary), "launch", agent, "--port", str(port), "--api-key", KEY, "--", *args]
 
 
-def run_command(agent, port, args, env, cwd, launch, manual_env, manual_args=()):
-    """Runs `agent` with `args`: through `rmlx launch` (set up by it alone), or with the set-up
-    written out here (`manual_env`, `manual_args` before `args`)."""
+def run_command(agent, port, args, env, cwd, launch, manual_env, manual_args=(), stdin=None):
+    """Runs `agent` with `args` (and `stdin`, else none): through `rmlx launch` (set up by it
+    alone), or with the set-up written out here (`manual_env`, `manual_args` before `args`)."""
     if launch:
         command = launched(agent, port, args)
     else:
         env = env | manual_env
         command = [str(BIN / agent), *manual_args, *args]
+    feed = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+                          timeout=TIMEOUT_S, **feed)
 
 
-def claude(home, port, prompt, cwd, launch, resume=False):
+def claude(home, port, prompt, cwd, launch, resume=False, picture=None):
     env = base_env(home, port) | {
         "CLAUDE_CODE_MAX_RETRIES": "0",
         "API_TIMEOUT_MS": str(TIMEOUT_S * 1000),
     }
     args = ["-p", prompt, "--output-format", "json", "--max-turns", "4"]
+    stdin = None
+    if WITH_PICTURE and not resume:
+        # The SDK's streaming input: one user message (with an image block when there is a
+        # picture); the output is then stream-json, whose last line is the same result object.
+        # Both first turns take it: its tool list differs from the text input's.
+        images = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                   "data": base64.b64encode(picture.read_bytes()).decode()}}] if picture else []
+        stdin = json.dumps({"type": "user", "message": {"role": "user", "content": [
+            *images, {"type": "text", "text": prompt}]}}) + "\n"
+        args = ["-p", "--input-format", "stream-json", "--output-format", "stream-json", "--verbose",
+                "--max-turns", "4"]
     if resume:
         args.append("--continue")  # the most recent session in this folder
     run = run_command("claude", port, args, env, cwd, launch, {
@@ -252,7 +291,7 @@ def claude(home, port, prompt, cwd, launch, resume=False):
         "DISABLE_AUTOUPDATER": "1",
         "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1",
-    })
+    }, stdin=stdin)
     result = None
     try:
         result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -263,7 +302,7 @@ def claude(home, port, prompt, cwd, launch, resume=False):
     return ok, answer, run
 
 
-def codex(home, port, prompt, cwd, launch, resume=False):
+def codex(home, port, prompt, cwd, launch, resume=False, picture=None):
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
     provider = (
@@ -285,13 +324,14 @@ def codex(home, port, prompt, cwd, launch, resume=False):
     last.unlink(missing_ok=True)
     args = ["exec", "--skip-git-repo-check", "--color", "never",
             "--dangerously-bypass-approvals-and-sandbox", "--output-last-message", str(last),
-            *(["resume", "--last"] if resume else []), prompt]
+            *(["resume", "--last"] if resume else []), prompt,
+            *(["--image", str(picture)] if picture else [])]  # last: it takes every value after it
     run = run_command("codex", port, args, env, cwd, launch, {"RMLX_API_KEY": KEY})
     answer = last.read_text() if last.exists() else ""
     return run.returncode == 0 and bool(answer), answer, run
 
 
-def qwen(home, port, prompt, cwd, launch, resume=False):
+def qwen(home, port, prompt, cwd, launch, resume=False, picture=None):
     settings = home / ".qwen"
     settings.mkdir(parents=True, exist_ok=True)
     (settings / "settings.json").write_text(json.dumps({
@@ -303,6 +343,10 @@ def qwen(home, port, prompt, cwd, launch, resume=False):
         "memory": {"enableManagedAutoMemory": False},
     }))
     env = base_env(home, port)
+    if picture:
+        # Its @-reference reads the file in; an image goes to the model as an image part.
+        shutil.copy(picture, Path(cwd) / picture.name)
+        prompt = f"@{picture.name} {prompt}"
     args = ["-p", prompt, "--output-format", "json", "--approval-mode", "yolo"]
     if resume:
         args.append("--continue")  # the most recent session of this project
@@ -331,8 +375,8 @@ def show(run):
 # Agents whose session a later run continues (`claude --continue`, `codex exec resume --last`,
 # `qwen --continue`).
 SESSION_TURNS = {"claude", "codex", "qwen"}
-# Share of prompt tokens the prefix cache must serve on turns 2-6 of a session (a KV family).
-SESSION_FLOOR = 0.90
+# SESSION_FLOOR (use_fixture): the share of prompt tokens the prefix cache must serve on turns
+# 2-6 of a session.
 
 
 def check_session(name, tee, home, folder, nonce, prompt):
@@ -344,8 +388,12 @@ def check_session(name, tee, home, folder, nonce, prompt):
         done = len(served(tee.upstream_port))
         ok, answer, run = AGENTS[name](home, tee.port, prompt, folder, launch=False, resume=True)
         assert ok and nonce.strip() in answer, f"{name}: session turn {turn} answered {answer!r}\n{show(run)}"
+        dump(tee, name)
         records = served(tee.upstream_port)[done:]
         assert records, f"{name}: session turn {turn} sent nothing"
+        if WITH_PICTURE:
+            last = [r for r in tee.requests() if r[0] == "POST"][-1]
+            assert carries_picture(last[3]), f"{name}: session turn {turn} lost the picture from its history"
         rates.append(sum(r["cached_tokens"] for r in records) / sum(r["tokens_in"] for r in records))
         assert rates[-1] >= SESSION_FLOOR, \
             f"{name}: session turn {turn}: {rates[-1]:.1%} cached ({describe(records)})"
@@ -384,7 +432,8 @@ def check_agent(name, tee, work):
         before, done = len(tee.requests()), len(served(tee.upstream_port))
         started = time.monotonic()
         prompt = f"Please{MARKER[name]} read the file nonce.txt and tell me its nonce."
-        ok, answer, run = run_agent(home, tee.port, prompt, folder, launch=False)
+        picture = PICTURE if WITH_PICTURE else None
+        ok, answer, run = run_agent(home, tee.port, prompt, folder, launch=False, picture=picture)
         tool_s = time.monotonic() - started
         dump(tee, name)
         tool_served = served(tee.upstream_port)[done:]
@@ -399,7 +448,9 @@ def check_agent(name, tee, work):
         first = carrying[0]
         assert first >= 1 and b"nonce.txt" in sent[first - 1][3] + sent[first][3], \
             f"{name}: the nonce arrived without the call before it"
-        report = (f"{name}: plain turn {plain_s:.1f} s ({plain_requests} requests: {describe(plain_served)}); "
+        if picture:
+            assert all(carries_picture(r[3]) for r in sent), f"{name}: the picture did not reach the server"
+        report = (f"{name} on {MODEL}{' with a picture' if picture else ''}: plain turn {plain_s:.1f} s ({plain_requests} requests: {describe(plain_served)}); "
                   f"tool round trip {tool_s:.1f} s ({len(sent)} requests: {describe(tool_served)}; "
                   f"the nonce arrived in request {first + 1})")
         if name in SESSION_TURNS:
@@ -441,7 +492,12 @@ def check_launch_starts_a_server(work):
 
 
 def main():
-    names = sys.argv[1:] or list(AGENTS)
+    args = sys.argv[1:]
+    fixture = "qwen3"
+    if args[:1] == ["--fixture"]:
+        fixture, args = args[1], args[2:]
+    use_fixture(fixture)
+    names = args or list(AGENTS)
     missing = [n for n in names if not (BIN / n).exists()]
     if missing:
         raise SystemExit(f"not installed: {missing} (run scripts/agents-deps)")
@@ -457,7 +513,7 @@ def main():
             except AssertionError as error:
                 failures.append(str(error))
                 print(f"FAILED {error}", flush=True)
-        if "codex" in names:
+        if "codex" in names and fixture == "qwen3":
             try:
                 print(check_launch_starts_a_server(work), flush=True)
             except AssertionError as error:

@@ -1,9 +1,11 @@
-//! The scripted-answer fixture the coding-agent tests run on (tests/fixtures/agents, made by
-//! scripts/fixtures/make_agents.py): rMLX's forward gives mlx-lm's greedy ids exactly, teacher
-//! forced, on every short case (plain turn, each agent's tool call, the answer that copies the
-//! tool's nonce). The scripts' margins are wide by construction, so exact ids are the right
-//! check. The long cases (7.5k-token prompts) are checked by make_agents.py against mlx-lm and
-//! run through rMLX by the agents themselves (tests/agents).
+//! The scripted-answer fixtures the coding-agent tests run on (tests/fixtures/agents, made by
+//! scripts/fixtures/make_agents.py for Qwen3-30B-A3B and make_agents_qwen3_6.py for
+//! Qwen3.6-35B-A3B): rMLX's forward gives the reference's greedy ids exactly (mlx-lm's, and
+//! mlx-vlm's for Qwen3.6), teacher forced, on every short case (plain turn, each agent's tool
+//! call, the answer that copies the tool's nonce). The scripts' margins are wide by
+//! construction, so exact ids are the right check. The long cases (7.5k-token prompts) and the
+//! cases with a picture are checked by the scripts against the reference and run through rMLX
+//! by the agents themselves (tests/agents).
 
 use std::path::PathBuf;
 
@@ -13,9 +15,10 @@ use rmlx_engine::{
     models::{load_model, Logits},
 };
 
-fn fixture() -> PathBuf {
+fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/agents/qwen3-30b-a3b-scripted")
+        .join("../../tests/fixtures/agents")
+        .join(name)
 }
 
 #[derive(serde::Deserialize)]
@@ -37,8 +40,17 @@ fn ids_array(ids: &[u32]) -> Array {
 }
 
 #[test]
-fn scripted_fixture_answers_as_mlx_lm() {
-    let dir = fixture();
+fn scripted_qwen3_moe_answers_as_mlx_lm() {
+    answers_as_reference("qwen3-30b-a3b-scripted");
+}
+
+#[test]
+fn scripted_qwen3_6_answers_as_mlx_vlm() {
+    answers_as_reference("qwen3.6-35b-a3b-scripted");
+}
+
+fn answers_as_reference(name: &str) {
+    let dir = fixture(name);
     let golden: Golden =
         serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
     let loaded = load_model(&dir).unwrap();

@@ -5,8 +5,12 @@
 //! Several requests decoding together share one cache per layer (`join`, `retain_rows`,
 //! `row`): rows are left-padded so every row's next token lands in the same column, and the
 //! padding is masked out of attention.
-//! Reference: mlx-lm `models/cache.py` (`KVCache.update_and_fetch`, `ArraysCache`,
-//! `BatchKVCache`: `extend`, `filter`, `extract`).
+//! A sliding-window layer's cache (`windowed`) keeps only the positions its next queries can
+//! see: before growing it drops the columns older than the window (plus a little slack for a
+//! speculative rollback), so its memory is bounded by the window and a prefill chunk, not the
+//! context. Positions stay absolute (`offset`, paddings); the arrays start at `base`.
+//! Reference: mlx-lm `models/cache.py` (`KVCache.update_and_fetch`, `RotatingKVCache`,
+//! `ArraysCache`, `BatchKVCache`: `extend`, `filter`, `extract`).
 
 use mlx_rs::{ops, ops::indexing::IndexOp, Array, Stream};
 
@@ -14,6 +18,10 @@ use crate::error::{EngineError, Result};
 
 /// Positions added per growth step (mlx-lm uses the same).
 pub const GROWTH_STEP: i32 = 256;
+
+/// Positions a windowed cache keeps beyond what its next query sees, so a rejected draft of up
+/// to this many tokens can be cut back without a snapshot.
+pub const WINDOW_SLACK: i32 = 32;
 
 /// `(position, delta)` pairs: from `position` on, rotary positions were cache positions plus
 /// `delta` (see `KvCache::rope_history`).
@@ -38,6 +46,11 @@ pub struct KvCache {
     recurrent: Option<RecurrentState>,
     /// None for one request's cache; Some when this cache holds a batch's rows.
     rows: Option<Rows>,
+    /// A sliding-window layer's window: a query at position p sees keys p - window + 1 ..= p.
+    window: Option<i32>,
+    /// First position the arrays hold (column 0); positions before it were dropped (windowed
+    /// caches only).
+    base: i32,
 }
 
 /// The rows of a batched cache. Row `b` holds its tokens in columns `left_padding[b]..offset`.
@@ -76,7 +89,29 @@ impl KvCache {
             rope_history: Vec::new(),
             recurrent: None,
             rows: None,
+            window: None,
+            base: 0,
         }
+    }
+
+    /// A sliding-window layer's cache: it holds the last `window - 1 + WINDOW_SLACK` positions
+    /// (plus the chunk being prefilled and one growth step), whatever the context.
+    pub fn windowed(max_ctx: usize, window: usize) -> Self {
+        Self {
+            window: Some(window.clamp(1, i32::MAX as usize) as i32),
+            ..Self::new(max_ctx)
+        }
+    }
+
+    /// First position the arrays returned by `update_and_fetch` hold (0 unless a windowed
+    /// cache dropped older ones).
+    pub fn base(&self) -> i32 {
+        self.base
+    }
+
+    /// Positions before the next token a windowed cache must keep.
+    fn keep(&self) -> Option<i32> {
+        self.window.map(|window| window - 1 + WINDOW_SLACK)
     }
 
     /// Rows this cache holds (1 for a single request's cache).
@@ -171,13 +206,31 @@ impl KvCache {
         let (mine, theirs) = (self.batch_size() as i32, other.batch_size() as i32);
         let end = self.offset.max(other.offset);
         let (pad_mine, pad_theirs) = (end - self.offset, end - other.offset);
+        // The joined arrays start where both sides still hold data (or padding): a side that
+        // dropped old positions cannot give them back, and no query sees them any more.
+        let start = |cache: &KvCache, pad: i32| if cache.base > 0 { cache.base + pad } else { 0 };
+        let base = start(self, pad_mine).max(start(other, pad_theirs));
         if self.keys.is_some() || other.keys.is_some() {
             let stack = |mine_kv: Option<&Array>, theirs_kv: Option<&Array>| -> Result<Array> {
                 let like = mine_kv.or(theirs_kv).expect("one side holds keys");
                 Ok(ops::concatenate(
                     &[
-                        left_padded(mine_kv, like, mine, self.offset, pad_mine)?,
-                        left_padded(theirs_kv, like, theirs, other.offset, pad_theirs)?,
+                        aligned(
+                            mine_kv,
+                            like,
+                            mine,
+                            (self.base, self.offset),
+                            pad_mine,
+                            base,
+                        )?,
+                        aligned(
+                            theirs_kv,
+                            like,
+                            theirs,
+                            (other.base, other.offset),
+                            pad_theirs,
+                            base,
+                        )?,
                     ],
                     0,
                 )?)
@@ -187,6 +240,7 @@ impl KvCache {
             self.keys = Some(keys);
             self.values = Some(values);
         }
+        self.base = base;
         if let Some(like) = self.recurrent.as_ref().or(other.recurrent.as_ref()) {
             // A row with nothing prefilled yet starts from the zero state, as a new cache does.
             let stack = |mine_state: Option<&Array>, theirs_state: Option<&Array>, like: &Array| {
@@ -258,9 +312,11 @@ impl KvCache {
         let index = Array::from_slice(&index, &[index.len() as i32]);
         let take = |array: &Array| array.take_axis(&index, 0);
         let trim = keep.iter().map(|&row| pads[row]).min().unwrap_or(0);
+        // Positions shift down by `trim`; the columns before it that the arrays still hold go.
+        let dropped = (trim - self.base).max(0);
         let drop_columns = |array: Array| -> Array {
-            if trim > 0 {
-                array.index((.., .., trim.., ..))
+            if dropped > 0 {
+                array.index((.., .., dropped.., ..))
             } else {
                 array
             }
@@ -281,6 +337,7 @@ impl KvCache {
             rope_histories: keep.iter().map(|&row| histories[row].clone()).collect(),
         });
         self.offset -= trim;
+        self.base = (self.base - trim).max(0);
         if let [only] = keep {
             self.rope_delta = deltas[*only];
             self.rope_history = histories[*only].clone();
@@ -292,16 +349,20 @@ impl KvCache {
     pub fn row(&self, row: usize) -> Result<KvCache> {
         let (pads, deltas, histories) = self.row_layout();
         let (pad, b) = (pads[row], row as i32);
+        // The row's tokens are positions pad.. of the batch; the arrays hold them from `first`.
+        let first = pad.max(self.base);
         let own = |array: &Array, columns: bool| -> Result<Array> {
             let rows = array.index(b..b + 1);
             let rows = if columns {
-                rows.index((.., .., pad..self.offset, ..))
+                rows.index((.., .., (first - self.base)..(self.offset - self.base), ..))
             } else {
                 rows
             };
             contiguous(&rows)
         };
         let mut cache = KvCache::new(0);
+        cache.window = self.window;
+        cache.base = first - pad;
         cache.offset = self.offset - pad;
         cache.max_ctx = cache.offset;
         cache.rope_delta = deltas[row];
@@ -344,7 +405,16 @@ impl KvCache {
     /// Whether the cache can be cut back to `len` positions: a KV cache always can, a recurrent
     /// state only to the length it was taken at.
     pub fn can_truncate_to(&self, len: i32) -> bool {
-        self.recurrent.is_none() || len >= self.offset
+        if len >= self.offset {
+            return true;
+        }
+        // A windowed cache that dropped positions still serves a cut whose next query sees
+        // only what it kept.
+        let window_held = match self.window {
+            Some(window) => self.base == 0 || len - window + 1 >= self.base,
+            None => true,
+        };
+        self.recurrent.is_none() && window_held
     }
 
     /// Positions already stored (the next token's position).
@@ -380,7 +450,7 @@ impl KvCache {
     /// Frees the positions past the offset: the arrays become copies of exactly what is held
     /// (a prefix-cache entry cut to fit its budget must not keep the whole buffers alive).
     pub fn compact(&mut self) -> Result<()> {
-        let end = self.offset;
+        let end = self.offset - self.base;
         for array in [&mut self.keys, &mut self.values].into_iter().flatten() {
             if array.shape()[2] == end {
                 continue;
@@ -408,7 +478,9 @@ impl KvCache {
 
     /// Positions allocated (what the cache holds in memory).
     pub fn capacity(&self) -> i32 {
-        self.keys.as_ref().map_or(0, |keys| keys.shape()[2])
+        self.keys
+            .as_ref()
+            .map_or(0, |keys| self.base + keys.shape()[2])
     }
 
     /// Appends `[B, heads, L, dim]` keys/values and returns everything stored so far.
@@ -422,23 +494,41 @@ impl KvCache {
             });
         }
         if end > self.capacity() {
+            self.drop_outside_window();
             self.grow(keys, values, end)?;
         }
-        let start = self.offset;
-        let stored_keys = slice_update_seq(self.keys.as_ref().unwrap(), keys, start, end)?;
-        let stored_values = slice_update_seq(self.values.as_ref().unwrap(), values, start, end)?;
+        let (start, stop) = (self.offset - self.base, end - self.base);
+        let stored_keys = slice_update_seq(self.keys.as_ref().unwrap(), keys, start, stop)?;
+        let stored_values = slice_update_seq(self.values.as_ref().unwrap(), values, start, stop)?;
         self.offset = end;
-        let fetched = if end == stored_keys.shape()[2] {
+        let fetched = if stop == stored_keys.shape()[2] {
             (stored_keys.clone(), stored_values.clone())
         } else {
             (
-                stored_keys.index((.., .., ..end, ..)),
-                stored_values.index((.., .., ..end, ..)),
+                stored_keys.index((.., .., ..stop, ..)),
+                stored_values.index((.., .., ..stop, ..)),
             )
         };
         self.keys = Some(stored_keys);
         self.values = Some(stored_values);
         Ok(fetched)
+    }
+
+    /// A windowed cache lets go of the positions no later query can see (the next growth
+    /// copies only what is left).
+    fn drop_outside_window(&mut self) {
+        let Some(keep) = self.keep() else {
+            return;
+        };
+        let first = (self.offset - keep).max(0);
+        if first <= self.base {
+            return;
+        }
+        let skip = first - self.base;
+        for array in [&mut self.keys, &mut self.values].into_iter().flatten() {
+            *array = array.index((.., .., skip.., ..));
+        }
+        self.base = first;
     }
 
     /// Grows to hold `needed` positions, rounded up to whole steps, capped at `max_ctx`.
@@ -450,13 +540,11 @@ impl KvCache {
         let extra = target - self.offset;
         let new_keys = ops::zeros_dtype(&[batch, heads, extra, key_dim], keys.dtype())?;
         let new_values = ops::zeros_dtype(&[batch, heads, extra, value_dim], values.dtype())?;
+        let held = self.offset - self.base;
         let (keys, values) = match (self.keys.take(), self.values.take()) {
             (Some(old_keys), Some(old_values)) => (
-                ops::concatenate(&[old_keys.index((.., .., ..self.offset, ..)), new_keys], 2)?,
-                ops::concatenate(
-                    &[old_values.index((.., .., ..self.offset, ..)), new_values],
-                    2,
-                )?,
+                ops::concatenate(&[old_keys.index((.., .., ..held, ..)), new_keys], 2)?,
+                ops::concatenate(&[old_values.index((.., .., ..held, ..)), new_values], 2)?,
             ),
             _ => (new_keys, new_values),
         };
@@ -501,25 +589,33 @@ thread_local! {
     static STEP_ARRAYS: std::cell::RefCell<StepArrays> = std::cell::RefCell::default();
 }
 
-/// `[rows, heads, pad + len, dim]`: `pad` zero columns, then the first `len` columns of
-/// `array` (zeros shaped like `like` when there is none).
-fn left_padded(
+/// One side of a join, `[rows, heads, end - first, dim]` for joined positions `first..end`
+/// (end = pad + offset): the side's arrays hold its positions `held.0..held.1`, which land
+/// `pad` later; joined positions before them are zero padding (zeros shaped like `like` when
+/// the side holds nothing).
+fn aligned(
     array: Option<&Array>,
     like: &Array,
     rows: i32,
-    len: i32,
+    held: (i32, i32),
     pad: i32,
+    first: i32,
 ) -> Result<Array> {
     let [_, heads, _, dim] = dims4(like);
+    let (base, offset) = held;
     let zeros = |columns: i32| ops::zeros_dtype(&[rows, heads, columns, dim], like.dtype());
-    let Some(array) = array.filter(|_| len > 0) else {
-        return Ok(zeros(pad + len)?);
+    let end = pad + offset;
+    let Some(array) = array.filter(|_| offset > base) else {
+        return Ok(zeros(end - first)?);
     };
-    let held = array.index((.., .., ..len, ..));
-    if pad == 0 {
-        return Ok(held);
+    // Joined position p is the side's position p - pad, its column p - pad - base.
+    let from = (first - pad - base).max(0);
+    let taken = array.index((.., .., from..(offset - base), ..));
+    let zeros_before = (pad + base + from) - first;
+    if zeros_before == 0 {
+        return Ok(taken);
     }
-    Ok(ops::concatenate(&[zeros(pad)?, held], 2)?)
+    Ok(ops::concatenate(&[zeros(zeros_before)?, taken], 2)?)
 }
 
 /// A copy of `array` in its own buffer: a row taken out of a batch must not keep the batch's
@@ -598,6 +694,71 @@ mod tests {
             cut.truncate(4);
             assert_eq!(cut.rope_delta(), 0);
         }
+    }
+
+    /// `[1, 1, n, 1]` holding the positions `from..from + n` (plus `tag`) as values.
+    fn positions(from: i32, n: i32, tag: f32) -> Array {
+        let values: Vec<f32> = (from..from + n).map(|p| p as f32 + tag).collect();
+        Array::from_slice(&values, &[1, 1, n, 1])
+    }
+
+    /// The values a cache's arrays hold for row `row`, positions `base..offset`.
+    fn held(cache: &KvCache, row: i32) -> Vec<f32> {
+        let keys = cache.keys.as_ref().unwrap();
+        let used = keys.index((row..row + 1, .., ..(cache.offset - cache.base), ..));
+        let used = contiguous(&used).unwrap();
+        used.as_slice::<f32>().to_vec()
+    }
+
+    /// A windowed cache drops what its next query cannot see and stays bounded; joined with a
+    /// cache at another offset, decoded, and taken apart again (`row`, `retain_rows`), each
+    /// row still holds its own latest positions in order; a cut is allowed only where the
+    /// window it needs is still held.
+    #[test]
+    fn windowed_cache_keeps_its_window_through_joins_and_rows() {
+        let (window, keep) = (8, 8 - 1 + WINDOW_SLACK);
+        let mut long = KvCache::windowed(10_000, window as usize);
+        for start in (0..600).step_by(50) {
+            let chunk = positions(start, 50, 0.0);
+            let (keys, _) = long.update_and_fetch(&chunk, &chunk).unwrap();
+            // What comes back starts at the base and ends at the new tokens.
+            assert_eq!(keys.shape()[2], start + 50 - long.base());
+        }
+        assert!(long.base() > 0 && long.base() <= 600 - keep);
+        assert!(long.capacity() - long.base() <= keep + 50 + GROWTH_STEP);
+        let want: Vec<f32> = (long.base()..600).map(|p| p as f32).collect();
+        assert_eq!(held(&long, 0), want);
+        assert!(long.can_truncate_to(600 - 8) && !long.can_truncate_to(long.base()));
+        assert!(KvCache::new(100).can_truncate_to(0));
+
+        let mut short = KvCache::windowed(10_000, window as usize);
+        let chunk = positions(0, 100, 0.5);
+        short.update_and_fetch(&chunk, &chunk).unwrap();
+        let mut batch = long.clone();
+        batch.join(&short).unwrap();
+        // A decode step past another growth: both rows write their next position.
+        for step in 0..300 {
+            let next = ops::concatenate(
+                &[positions(600 + step, 1, 0.0), positions(100 + step, 1, 0.5)],
+                0,
+            )
+            .unwrap();
+            batch.update_and_fetch(&next, &next).unwrap();
+        }
+        assert!(batch.capacity() - batch.base() <= keep + 1 + GROWTH_STEP);
+        let (first, second) = (batch.row(0).unwrap(), batch.row(1).unwrap());
+        assert_eq!((first.offset(), second.offset()), (900, 400));
+        for (row, tag, offset) in [(first, 0.0, 900), (second, 0.5, 400)] {
+            // At least the window before the next token, in order.
+            assert!(offset - row.base() >= keep);
+            let want: Vec<f32> = (row.base()..offset).map(|p| p as f32 + tag).collect();
+            assert_eq!(held(&row, 0), want);
+        }
+        batch.retain_rows(&[1]).unwrap();
+        assert_eq!(batch.row_offsets(), vec![400]);
+        let last = held(&batch, 0);
+        assert_eq!(last.last(), Some(&399.5));
+        assert!(last.len() as i32 >= keep);
     }
 
     #[test]

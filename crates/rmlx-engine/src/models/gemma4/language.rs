@@ -315,7 +315,8 @@ impl Attention {
                 })?;
                 let (keys, values) = cache.update_and_fetch(&keys, &values)?;
                 if self.sliding && masks.sliding_start > 0 {
-                    let start = masks.sliding_start;
+                    // The cache's arrays begin at its base (a windowed cache dropped the rest).
+                    let start = masks.sliding_start - cache.base();
                     (
                         keys.index((.., .., start.., ..)),
                         values.index((.., .., start.., ..)),
@@ -736,6 +737,19 @@ impl LanguageModel {
     /// Layers that keep a KV cache (the KV-shared ones keep none).
     pub fn cached_layers(&self) -> usize {
         self.first_shared
+    }
+
+    /// One cache per cached layer: a sliding layer's keeps only its window (mlx-lm's
+    /// `RotatingKVCache`), a full layer's the whole context.
+    pub fn new_caches(&self, max_ctx: usize) -> Vec<KvCache> {
+        let window = self.args.sliding_window.max(1) as usize;
+        self.layers[..self.first_shared]
+            .iter()
+            .map(|layer| match layer.self_attn.sliding {
+                true => KvCache::windowed(max_ctx, window),
+                false => KvCache::new(max_ctx),
+            })
+            .collect()
     }
 
     /// `embed_tokens(ids) * sqrt(hidden)`, the scale in the table's dtype.

@@ -128,9 +128,7 @@ impl LanguageModel for Model {
 
     /// KV-shared layers keep no cache of their own.
     fn new_cache(&self, max_ctx: usize) -> Vec<KvCache> {
-        (0..self.language.cached_layers())
-            .map(|_| KvCache::new(max_ctx))
-            .collect()
+        self.language.new_caches(max_ctx)
     }
 
     fn as_vision(&self) -> Option<&dyn VisionLanguageModel> {

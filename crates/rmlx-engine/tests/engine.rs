@@ -555,6 +555,66 @@ fn batched_requests_equal_their_solo_runs_in_every_family() {
     }
 }
 
+/// Gemma 4's windowed sliding layers in a batch: prompts several windows long and answers long
+/// enough for every window to drop old positions many times, rows joining mid-decode at
+/// different offsets and leaving at others; each equals its solo run.
+#[test]
+fn windowed_rows_join_and_leave_as_their_solo_runs() {
+    let dir = "gemma4-tiny";
+    let words = [
+        "river", "stone", "maple", "quiet", "lantern", "harbor", "copper", "meadow", "signal",
+    ];
+    let text = |count: usize, shift: usize| {
+        (0..count)
+            .map(|i| words[(i * 7 + shift) % words.len()])
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    // (prompt words, answer tokens): the 64-token window wraps in every prompt.
+    let turns = [(300, 260), (60, 300), (500, 40), (150, 150)];
+    let requests = |round: &str| -> Vec<Request> {
+        turns
+            .iter()
+            .enumerate()
+            .map(|(index, &(count, max))| {
+                let mut request = batch_request(dir, &text(count, index), None, max);
+                request.request_id = Some(format!("{round}-{index}"));
+                request
+            })
+            .collect()
+    };
+    let alone = Engine::start_with(EngineOptions {
+        max_batch: 1,
+        prefix_cache_bytes: Some(0),
+        prefix_snapshot_bytes: Some(0),
+        ..EngineOptions::default()
+    })
+    .unwrap();
+    let solo: Vec<Completion> = requests("solo")
+        .into_iter()
+        .map(|request| alone.submit(request).unwrap().wait().unwrap())
+        .collect();
+    drop(alone);
+    assert!(solo.iter().all(|completion| completion.prompt_tokens > 100));
+    let engine = Engine::start_with(EngineOptions {
+        max_batch: 4,
+        prefix_cache_bytes: Some(0),
+        prefix_snapshot_bytes: Some(0),
+        ..EngineOptions::default()
+    })
+    .unwrap();
+    let handles: Vec<_> = requests("batch")
+        .into_iter()
+        .map(|request| engine.submit(request).unwrap())
+        .collect();
+    let batched: Vec<Completion> = handles.into_iter().map(|h| h.wait().unwrap()).collect();
+    let widest = batched.iter().map(|c| c.batched_with).max().unwrap();
+    assert!(widest >= 3, "at most {widest} rows decoded together");
+    for (index, (solo, batched)) in solo.iter().zip(&batched).enumerate() {
+        assert_same_answer(&format!("{dir} #{index}"), solo, batched, 1e-4);
+    }
+}
+
 /// What each request of a batch keeps to itself: a seeded sampler, penalties with a logit
 /// bias, a stop string, a JSON constraint (which turns pipelining off for the whole batch) and
 /// a cancel flag. Run together, each gives what it gives alone; the cancelled one ends

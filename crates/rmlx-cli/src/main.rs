@@ -304,11 +304,16 @@ fn info(model: &Path, json: bool) -> anyhow::Result<()> {
             info.recurrent_state_bytes as f64 / 1e6
         );
     }
+    if info.window_state_bytes > 0 {
+        println!(
+            "windows:       {:.1} MB per sequence (sliding-window layers keep only their window)",
+            info.window_state_bytes as f64 / 1e6
+        );
+    }
+    let fixed = info.recurrent_state_bytes + info.window_state_bytes;
     println!(
         "memory:        {:.1} MB to serve the full context (weights + a tenth + KV + state)",
-        (info.weight_bytes + info.weight_bytes / 10 + kv_at_context + info.recurrent_state_bytes)
-            as f64
-            / 1e6
+        (info.weight_bytes + info.weight_bytes / 10 + kv_at_context + fixed) as f64 / 1e6
     );
     Ok(())
 }

@@ -103,6 +103,11 @@ impl KvCache {
         }
     }
 
+    /// Whether this is a sliding-window layer's cache.
+    pub fn is_windowed(&self) -> bool {
+        self.window.is_some()
+    }
+
     /// First position the arrays returned by `update_and_fetch` hold (0 unless a windowed
     /// cache dropped older ones).
     pub fn base(&self) -> i32 {

@@ -453,7 +453,9 @@ fn footprint(dir: &Path) -> Result<ModelFootprint> {
     Ok(ModelFootprint {
         weights: crate::runtime::memory_needed(dir).map_err(io)?,
         kv_per_token: models::structure::kv_bytes_per_token(&config),
-        recurrent_state: models::structure::recurrent_state_bytes(&config),
+        // Sliding windows count with the recurrent state: past the window the prefix cache
+        // keeps them as snapshots.
+        recurrent_state: models::structure::fixed_state_bytes(&config),
     })
 }
 
@@ -945,6 +947,8 @@ impl EngineThread {
         let reusable = completion.finish_reason != FinishReason::Cancelled && ticket.keep_kv;
         if let (true, Some(sequence)) = (reusable, cached) {
             let keyed = |tokens: Vec<u32>| image_keyed(tokens, ticket.image_key.as_deref());
+            self.prefix
+                .retire_windowed_prefixes(key, &keyed(sequence.tokens.clone()));
             let mut evicted = 0;
             for snapshot in sequence.snapshots {
                 evicted += self

@@ -407,12 +407,9 @@ impl Prefill {
                 }
                 multimodal::check_blocks(images, body.clone())?;
                 let pieces = multimodal::plan_chunks(body.clone(), chunk, &images.blocks);
-                // A recurrent model snapshots at message boundaries here too (see below);
-                // they fall between image blocks, never inside one.
-                let cuts = match model.rewindable() || body.is_empty() {
-                    true => Vec::new(),
-                    false => snapshot_points(prompt_ids, body, tokenizer.token_id(MESSAGE_START)),
-                };
+                // Snapshots at message boundaries here too (see below); they fall between
+                // image blocks, never inside one.
+                let cuts = snapshot_cuts(model, tokenizer, prompt_ids, body);
                 let pieces = pieces
                     .into_iter()
                     .flat_map(|piece| {
@@ -422,16 +419,10 @@ impl Prefill {
                     .collect::<Vec<_>>();
                 (pieces, cuts)
             }
-            // A recurrent state cannot be cut back to a shorter prefix, so it is snapshotted
-            // where a later prompt is likely to diverge: before each message of the rendered
-            // prompt and at the end of the prompt (turn N+1 of a chat re-renders everything
-            // after its last unchanged message).
-            None if !model.rewindable() && !body.is_empty() => {
-                let cuts =
-                    snapshot_points(prompt_ids, body.clone(), tokenizer.token_id(MESSAGE_START));
+            None => {
+                let cuts = snapshot_cuts(model, tokenizer, prompt_ids, body.clone());
                 (split_at_cuts(body, chunk, &cuts), cuts)
             }
-            None => (split_at_cuts(body, chunk, &[]), Vec::new()),
         };
         Ok(Self {
             prompt_ids: prompt_ids.to_vec(),
@@ -1005,8 +996,28 @@ fn read_all<R: DecodeRow>(
     Ok(())
 }
 
-/// The token each chat message of the rendered prompt starts with (Qwen's ChatML opener).
-const MESSAGE_START: &str = "<|im_start|>";
+/// Where a prefill snapshots its caches for the prefix cache. A recurrent state cannot be cut
+/// back to a shorter prefix, so it is snapshotted where a later prompt is likely to diverge:
+/// before each message of the rendered prompt and at the end of the prompt (turn N+1 of a chat
+/// re-renders everything after its last unchanged message). A windowed model's caches can be
+/// cut back only within their windows, which are large: it snapshots before the last message
+/// and at the end. Models whose caches always cut back need none.
+fn snapshot_cuts(
+    model: &dyn LanguageModel,
+    tokenizer: &ChatTokenizer,
+    prompt: &[u32],
+    body: std::ops::Range<usize>,
+) -> Vec<usize> {
+    if body.is_empty() || (model.rewindable() && !model.windowed()) {
+        return Vec::new();
+    }
+    let mut cuts = snapshot_points(prompt, body, tokenizer.token_id(model.message_opener()));
+    if model.rewindable() {
+        let end = cuts.pop();
+        cuts = cuts.pop().into_iter().chain(end).collect();
+    }
+    cuts
+}
 
 /// Prompt lengths to snapshot a recurrent model's state at, within `range` (the positions to
 /// prefill): before every `message_start` token, and the end of the range.

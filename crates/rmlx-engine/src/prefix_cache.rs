@@ -282,6 +282,17 @@ impl PrefixCache {
         self.evict_to_fit(snapshot)
     }
 
+    /// Drops `model`'s windowed snapshots that a finished request's `tokens` extend: that
+    /// conversation moved on, and its windows (the largest snapshots: a Gemma 4 31B window is
+    /// ~0.86 GB) would otherwise evict each other. Call before inserting the request's own.
+    pub fn retire_windowed_prefixes(&mut self, model: &Path, tokens: &[u32]) {
+        self.entries.retain(|entry| {
+            let older = entry.tokens.len() < tokens.len() && tokens.starts_with(&entry.tokens);
+            let windowed = entry.snapshot && entry.caches.iter().any(KvCache::is_windowed);
+            !(entry.model == model && windowed && older)
+        });
+    }
+
     /// Evicts the least recently used entries of one kind until it is within its budget.
     fn evict_to_fit(&mut self, snapshot: bool) -> u64 {
         let budget = if snapshot {
@@ -314,7 +325,7 @@ impl PrefixCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::structure::{kv_bytes_per_token, recurrent_state_bytes};
+    use crate::models::structure::{fixed_state_bytes, kv_bytes_per_token};
     use mlx_rs::{ops, Array};
 
     const GIB: u64 = 1 << 30;
@@ -345,7 +356,7 @@ mod tests {
             let model = ModelFootprint {
                 weights: 20 * GIB,
                 kv_per_token: kv_bytes_per_token(&config),
-                recurrent_state: recurrent_state_bytes(&config),
+                recurrent_state: fixed_state_bytes(&config),
             };
             assert!(model.kv_per_token > 0, "{name}");
             let session = 100_000 * model.kv_per_token;
@@ -422,6 +433,46 @@ mod tests {
                 cache
             })
             .collect()
+    }
+
+    /// A sliding-window layer's cache that has dropped its oldest positions.
+    fn windowed(tokens: i32) -> Vec<KvCache> {
+        let mut cache = KvCache::windowed(4096, 8);
+        for _ in 0..tokens / 50 {
+            let keys = Array::from_slice(&[0.5f32; 50], &[1, 1, 50, 1]);
+            cache.update_and_fetch(&keys, &keys).unwrap();
+        }
+        assert!(cache.base() > 0 && cache.offset() == tokens);
+        vec![cache]
+    }
+
+    /// Windowed snapshots a later request of the same conversation extends go when its own
+    /// arrive; another conversation's, KV entries and other models' stay. A windowed entry
+    /// serves a shorter prompt only where its window is still held.
+    #[test]
+    fn a_conversation_keeps_only_its_newest_windowed_snapshots() {
+        let (model, other) = (Path::new("/models/gemma"), Path::new("/models/other"));
+        let mut prefix = PrefixCache::new(1 << 30, 1 << 30);
+        let turn1: Vec<u32> = (0..600).collect();
+        let elsewhere: Vec<u32> = (10_000..10_600).collect();
+        prefix.insert(model, turn1[..400].to_vec(), windowed(400));
+        prefix.insert(model, turn1.clone(), windowed(600));
+        prefix.insert(model, elsewhere.clone(), windowed(600));
+        prefix.insert(other, turn1.clone(), windowed(600));
+        prefix.insert(model, turn1[..300].to_vec(), caches(1, 300));
+        assert_eq!(prefix.usage().snapshots, 4);
+        // Cut back only within the window it holds (the next query sees 7 positions back).
+        let reuse = prefix.lookup(model, &(0..595).chain(7000..7010).collect::<Vec<u32>>());
+        assert_eq!(reuse.map(|r| r.cached_tokens), Some(595));
+        let far = prefix.lookup(model, &(0..450).chain(7000..7010).collect::<Vec<u32>>());
+        assert_eq!(far.map(|r| r.cached_tokens), Some(400));
+
+        let turn2: Vec<u32> = (0..900).collect();
+        prefix.retire_windowed_prefixes(model, &turn2);
+        let usage = prefix.usage();
+        assert_eq!((usage.snapshots, usage.entries), (2, 1));
+        assert!(prefix.lookup(model, &elsewhere).is_some());
+        assert!(prefix.lookup(other, &turn2).is_some());
     }
 
     #[test]

@@ -214,7 +214,7 @@ pub fn memory_needed_at(
             .map(|n| n as usize)
     });
     let kv = crate::models::structure::kv_bytes_per_token(config) * context.unwrap_or(0) as u64;
-    let state = crate::models::structure::recurrent_state_bytes(config) * rows.max(1) as u64;
+    let state = crate::models::structure::fixed_state_bytes(config) * rows.max(1) as u64;
     Ok(weights + kv + state)
 }
 

@@ -48,6 +48,19 @@ pub trait LanguageModel {
         true
     }
 
+    /// Whether some layer keeps only a window of positions (`KvCache::windowed`): past the
+    /// window its cache cannot be cut back far, so the prefix cache snapshots the start of the
+    /// prompt's last message.
+    fn windowed(&self) -> bool {
+        false
+    }
+
+    /// The token each message of the rendered chat prompt starts with (where snapshots are
+    /// taken): ChatML's, unless the family's template opens turns otherwise.
+    fn message_opener(&self) -> &'static str {
+        "<|im_start|>"
+    }
+
     /// The image entry points of a vision-language model; None for text-only families.
     fn as_vision(&self) -> Option<&dyn VisionLanguageModel> {
         None
@@ -184,6 +197,8 @@ pub struct ModelInfo {
     pub kv_bytes_per_token: u64,
     /// Fixed per-sequence state of linear-attention layers (0 for attention-only models).
     pub recurrent_state_bytes: u64,
+    /// What sliding-window layers keep per sequence (their window; 0 without such layers).
+    pub window_state_bytes: u64,
 }
 
 /// A model ready to run, with its facts.
@@ -248,6 +263,7 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
         structure: structure::describe(&config.json),
         kv_bytes_per_token: structure::kv_bytes_per_token(&config.json),
         recurrent_state_bytes: structure::recurrent_state_bytes(&config.json),
+        window_state_bytes: structure::window_state_bytes(&config.json),
     };
     Ok(LoadedModel { model, info })
 }

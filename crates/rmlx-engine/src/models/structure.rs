@@ -84,9 +84,33 @@ pub fn describe(config: &Value) -> String {
 }
 
 /// Bytes the KV cache takes per position of context: a K and a V row for every layer that keeps
-/// its own cache, in the activations' dtype (float32 checkpoints compute in float32, the rest in
-/// their 16-bit type).
+/// its own full-length cache, in the activations' dtype (float32 checkpoints compute in float32,
+/// the rest in their 16-bit type). Sliding-window layers keep only their window
+/// ([`window_state_bytes`]).
 pub fn kv_bytes_per_token(config: &Value) -> u64 {
+    cached_layer_rows(config, false)
+}
+
+/// Bytes Gemma 4's sliding-window layers keep per sequence whatever the context: their window
+/// (`sliding_window - 1` positions plus the rollback slack, `KvCache::windowed`). Between
+/// chunks a prefill holds a chunk and a growth step more.
+pub fn window_state_bytes(config: &Value) -> u64 {
+    let window = int(text(config), "sliding_window").unwrap_or(0);
+    if window == 0 {
+        return 0;
+    }
+    let kept = window - 1 + crate::cache::WINDOW_SLACK as u64;
+    cached_layer_rows(config, true) * kept
+}
+
+/// What a sequence holds whatever its length: recurrent states and sliding windows.
+pub fn fixed_state_bytes(config: &Value) -> u64 {
+    recurrent_state_bytes(config) + window_state_bytes(config)
+}
+
+/// Bytes of one position's K and V over the cached layers: the sliding-window ones (`sliding`)
+/// or the full-length ones.
+fn cached_layer_rows(config: &Value, sliding: bool) -> u64 {
     let text = text(config);
     let layers = int(text, "num_hidden_layers").unwrap_or(0);
     let heads = int(text, "num_attention_heads").unwrap_or(1);
@@ -112,7 +136,7 @@ pub fn kv_bytes_per_token(config: &Value) -> u64 {
                 .and_then(|types| types.get(layer as usize))
                 .and_then(Value::as_str);
             // Linear-attention layers (Qwen3.5) keep a fixed state instead of a KV.
-            if kind == Some("linear_attention") {
+            if kind == Some("linear_attention") || (kind == Some("sliding_attention")) != sliding {
                 return 0;
             }
             let full = kind == Some("full_attention");
@@ -214,16 +238,21 @@ mod tests {
             kv_bytes_per_token(&real("Qwen__Qwen3-4B")),
             36 * 2 * 8 * 128 * 2
         );
-        // Gemma 4 31B: 50 sliding layers (16 KV heads × 256) and 10 full k_eq_v layers
-        // (4 global KV heads × 512).
+        // Gemma 4 31B: 10 full k_eq_v layers (4 global KV heads × 512) grow with the context;
+        // the 50 sliding layers (16 KV heads × 256) keep their 1024-token window (1023 + 32).
+        let gemma_31b = real("google__gemma-4-31B-it");
+        assert_eq!(kv_bytes_per_token(&gemma_31b), 10 * 2 * 4 * 512 * 2);
+        assert_eq!(window_state_bytes(&gemma_31b), 50 * 2 * 16 * 256 * 2 * 1055);
+        // ~0.86 GB of windows, ~80 KiB per token after.
         assert_eq!(
-            kv_bytes_per_token(&real("google__gemma-4-31B-it")),
-            50 * 2 * 16 * 256 * 2 + 10 * 2 * 4 * 512 * 2
+            fixed_state_bytes(&gemma_31b),
+            window_state_bytes(&gemma_31b)
         );
-        // Gemma 4 E2B: only the first 15 layers keep a cache (12 sliding, 3 full; 1 KV head).
-        assert_eq!(
-            kv_bytes_per_token(&real("google__gemma-4-E2B-it")),
-            12 * 2 * 256 * 2 + 3 * 2 * 512 * 2
-        );
+        // Gemma 4 E2B: only the first 15 layers keep a cache (12 sliding of a 512 window, 3
+        // full; 1 KV head).
+        let e2b = real("google__gemma-4-E2B-it");
+        assert_eq!(kv_bytes_per_token(&e2b), 3 * 2 * 512 * 2);
+        assert_eq!(window_state_bytes(&e2b), 12 * 2 * 256 * 2 * (512 - 1 + 32));
+        assert_eq!(window_state_bytes(&real("Qwen__Qwen3-4B")), 0);
     }
 }

@@ -131,6 +131,16 @@ impl LanguageModel for Model {
         self.language.new_caches(max_ctx)
     }
 
+    /// Its sliding layers keep their window only.
+    fn windowed(&self) -> bool {
+        true
+    }
+
+    /// Gemma 4's template opens every turn with `<|turn>` (`<|turn>user`, `<|turn>model`).
+    fn message_opener(&self) -> &'static str {
+        "<|turn>"
+    }
+
     fn as_vision(&self) -> Option<&dyn VisionLanguageModel> {
         Some(self)
     }

@@ -87,6 +87,9 @@ struct GenerateArgs {
     /// Prompt tokens per prefill chunk.
     #[arg(long)]
     prefill_chunk: Option<usize>,
+    /// Store the full-attention layers' KV cache quantized, 8 or 4 bits [default: dense]
+    #[arg(long, value_name = "8|4")]
+    kv_bits: Option<i32>,
     /// Keep going through end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
@@ -227,7 +230,11 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         },
         ..Request::default()
     };
-    let engine = Engine::start(1)?;
+    let engine = Engine::start_with(rmlx_engine::engine::EngineOptions {
+        max_queue: 1,
+        kv_bits: args.kv_bits,
+        ..Default::default()
+    })?;
     let handle = engine.submit(request)?;
     let mut stdout = std::io::stdout().lock();
     for event in handle.events.iter() {

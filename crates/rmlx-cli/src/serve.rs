@@ -55,6 +55,10 @@ pub struct ServeArgs {
     /// sessions' snapshots, at least 2048, within the same half]
     #[arg(long)]
     prefix_snapshot_mb: Option<u64>,
+    /// Store the full-attention layers' KV cache quantized, 8 or 4 bits (affine, groups of 64
+    /// along the head): about half or a quarter of bf16 [default: dense]
+    #[arg(long, value_name = "8|4")]
+    kv_bits: Option<i32>,
     /// Keep Claude Code's `x-anthropic-billing-header` system block in the prompt (left out by
     /// default: its per-request value would end every prefix-cache hit at the system prompt).
     #[arg(long)]
@@ -90,6 +94,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         max_body_mb: args.max_body_mb,
         prefix_cache_bytes: args.prefix_cache_mb.map(|mb| mb << 20),
         prefix_snapshot_bytes: args.prefix_snapshot_mb.map(|mb| mb << 20),
+        kv_bits: args.kv_bits,
         ui_dir: args.ui_dir,
         embedded_ui: !args.no_ui,
     };

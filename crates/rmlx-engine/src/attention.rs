@@ -13,7 +13,7 @@ use mlx_rs::{
 };
 
 use crate::{
-    cache::KvCache,
+    cache::{Fetched, KvCache},
     error::{EngineError, Result},
 };
 
@@ -51,24 +51,107 @@ pub(crate) fn cached_mask(cache: &KvCache, len: i32, start: i32) -> Result<Mask>
     })
 }
 
-/// Scaled dot-product attention of `queries` `[B, heads, L, dim]` against the keys and values
-/// just fetched from `cache`, under [`cached_mask`].
-pub(crate) fn attend_cached(
+/// Appends this step's `keys` / `values` to `cache` and attends `queries` `[B, heads, L, dim]`
+/// to everything it holds, under [`cached_mask`] (see [`attend_fetched`] for a quantized cache).
+pub(crate) fn attend_update(
     queries: &Array,
     keys: &Array,
     values: &Array,
     scale: f32,
-    cache: &KvCache,
+    cache: &mut KvCache,
 ) -> Result<Array> {
+    let fetched = cache.update_and_fetch_stored(keys, values)?;
     let mask = cached_mask(cache, queries.shape()[2], 0)?;
-    Ok(fast::scaled_dot_product_attention(
-        queries,
-        keys,
-        values,
-        scale,
-        mask.as_sdpa(),
-        None,
-    )?)
+    attend_fetched(queries, &fetched, scale, &mask)
+}
+
+/// Attention over keys and values as a cache stores them. Dense: the fused SDPA. Quantized:
+/// one query reads them through quantized matmuls (its scores are one row per head); a prompt
+/// chunk gets this layer's keys and values dequantized into the fused SDPA, one layer's dense
+/// copy at a time, since the quantized form would materialise the chunk's whole score matrix
+/// (mlx-lm's `quantized_scaled_dot_product_attention` does, and peaks above a bf16 cache).
+pub(crate) fn attend_fetched(
+    queries: &Array,
+    fetched: &Fetched,
+    scale: f32,
+    mask: &Mask,
+) -> Result<Array> {
+    let (keys, values, bits, group_size) = match fetched {
+        Fetched::Dense { keys, values } => {
+            return Ok(fast::scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                scale,
+                mask.as_sdpa(),
+                None,
+            )?)
+        }
+        Fetched::Quantized {
+            keys,
+            values,
+            bits,
+            group_size,
+        } => (keys, values, *bits, *group_size),
+    };
+    if queries.shape()[2] > 1 {
+        let dense = |[packed, scales, biases]: &[Array; 3]| {
+            ops::dequantize(packed, scales, biases, group_size, bits)
+        };
+        return Ok(fast::scaled_dot_product_attention(
+            queries,
+            dense(keys)?,
+            dense(values)?,
+            scale,
+            mask.as_sdpa(),
+            None,
+        )?);
+    }
+    quantized_attention(queries, keys, values, scale, mask, (bits, group_size))
+}
+
+/// `softmax(q kᵀ · scale) v` with `k`, `v` quantized (mlx-lm `base.py`
+/// `quantized_scaled_dot_product_attention`): query heads grouped over their KV head.
+fn quantized_attention(
+    queries: &Array,
+    keys: &[Array; 3],
+    values: &[Array; 3],
+    scale: f32,
+    mask: &Mask,
+    (bits, group_size): (i32, i32),
+) -> Result<Array> {
+    let shape = queries.shape().to_vec();
+    let (batch, heads, len, dim) = (shape[0], shape[1], shape[2], shape[3]);
+    let kv_heads = keys[0].shape()[1];
+    let repeats = heads / kv_heads.max(1);
+    let mut queries = ops::multiply(queries, crate::nn::scalar(scale as f64, queries)?)?;
+    let grouped = |part: &Array| -> Result<Array> {
+        Ok(match repeats > 1 {
+            true => ops::expand_dims(part, 2)?,
+            false => part.clone(),
+        })
+    };
+    if repeats > 1 {
+        queries = queries.reshape(&[batch, kv_heads, repeats, len, dim])?;
+    }
+    let [kw, ks, kb] = [grouped(&keys[0])?, grouped(&keys[1])?, grouped(&keys[2])?];
+    let [vw, vs, vb] = [
+        grouped(&values[0])?,
+        grouped(&values[1])?,
+        grouped(&values[2])?,
+    ];
+    let mut scores = ops::quantized_matmul(&queries, &kw, &ks, &kb, true, group_size, bits)?;
+    if let Mask::Array(visible) = mask {
+        let visible = match repeats > 1 {
+            true => ops::expand_dims(visible, 2)?,
+            false => visible.clone(),
+        };
+        let hidden = crate::nn::scalar(f64::NEG_INFINITY, &scores)?;
+        scores = ops::select(&visible, &scores, &hidden)?;
+    }
+    let weights = ops::softmax_axis(&scores, -1, true)?;
+    let out = ops::quantized_matmul(&weights, &vw, &vs, &vb, false, group_size, bits)?;
+    Ok(out.reshape(&[batch, heads, len, -1])?)
 }
 
 /// When and how to tile: tiling starts above `threshold` query positions.

@@ -9,6 +9,9 @@
 //! see: before growing it drops the columns older than the window (plus a little slack for a
 //! speculative rollback), so its memory is bounded by the window and a prefill chunk, not the
 //! context. Positions stay absolute (`offset`, paddings); the arrays start at `base`.
+//! A quantized cache (`--kv-bits 8|4`) stores keys and values as MLX affine-quantized triples
+//! (packed words, scales, biases; groups along the head dim) and attention reads them through
+//! quantized matmuls (`attention::attend_update`); every column operation applies to each part.
 //! Reference: mlx-lm `models/cache.py` (`KVCache.update_and_fetch`, `RotatingKVCache`,
 //! `ArraysCache`, `BatchKVCache`: `extend`, `filter`, `extract`).
 
@@ -27,12 +30,87 @@ pub const WINDOW_SLACK: i32 = 32;
 /// `delta` (see `KvCache::rope_history`).
 type RopeHistory = Vec<(i32, i32)>;
 
+/// How a cache stores keys and values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvStorage {
+    /// As computed (the activations' dtype).
+    #[default]
+    Dense,
+    /// MLX affine quantization along the head dim: `bits` per value, groups of `group_size`.
+    Quantized { bits: i32, group_size: i32 },
+}
+
+impl KvStorage {
+    /// `--kv-bits`: 8 or 4 bits, in groups of 64 or of the head size where that is smaller
+    /// (chosen at the first write; MLX groups are 32, 64 or 128 wide).
+    pub fn quantized(bits: i32) -> Result<Self> {
+        if bits != 8 && bits != 4 {
+            return Err(EngineError::InvalidRequest(format!(
+                "KV bits must be 8 or 4, not {bits}"
+            )));
+        }
+        Ok(Self::Quantized {
+            bits,
+            group_size: 0,
+        })
+    }
+
+    /// The group for heads of `dim` (keys and values alike); None where MLX cannot group
+    /// them (heads under 32 wide: only tiny test checkpoints have them).
+    fn group_for(dim: i32) -> Option<i32> {
+        let group_size = 64.min(dim);
+        (group_size >= 32 && dim % group_size == 0).then_some(group_size)
+    }
+}
+
+/// What attention reads after an update: the keys and values as stored.
+#[derive(Clone)]
+pub enum Fetched {
+    Dense {
+        keys: Array,
+        values: Array,
+    },
+    /// `[packed, scales, biases]` each, `[B, heads, positions, ..]`.
+    Quantized {
+        keys: [Array; 3],
+        values: [Array; 3],
+        bits: i32,
+        group_size: i32,
+    },
+}
+
+impl Fetched {
+    /// The columns from `start` on (what a sliding layer's queries see of them).
+    pub fn columns_from(self, start: i32) -> Fetched {
+        let cut = |array: Array| array.index((.., .., start.., ..));
+        match self {
+            Fetched::Dense { keys, values } => Fetched::Dense {
+                keys: cut(keys),
+                values: cut(values),
+            },
+            Fetched::Quantized {
+                keys,
+                values,
+                bits,
+                group_size,
+            } => Fetched::Quantized {
+                keys: keys.map(cut),
+                values: values.map(cut),
+                bits,
+                group_size,
+            },
+        }
+    }
+}
+
 /// Clones share the arrays; MLX copies on the next write to a shared buffer, so a clone taken
 /// from the prefix cache never changes the stored entry.
 #[derive(Clone)]
 pub struct KvCache {
-    keys: Option<Array>,
-    values: Option<Array>,
+    /// The stored columns: `[keys, values]`, or the keys' and the values' quantized triples;
+    /// empty before the first token.
+    parts: Vec<Array>,
+    storage: KvStorage,
     offset: i32,
     max_ctx: i32,
     /// MRoPE models (Qwen3-VL): rotary position minus cache position for tokens after an
@@ -81,8 +159,8 @@ pub struct RecurrentState {
 impl KvCache {
     pub fn new(max_ctx: usize) -> Self {
         Self {
-            keys: None,
-            values: None,
+            parts: Vec::new(),
+            storage: KvStorage::Dense,
             offset: 0,
             max_ctx: max_ctx.min(i32::MAX as usize) as i32,
             rope_delta: 0,
@@ -101,6 +179,18 @@ impl KvCache {
             window: Some(window.clamp(1, i32::MAX as usize) as i32),
             ..Self::new(max_ctx)
         }
+    }
+
+    /// Stores keys and values as `storage` from now on. Only before the first token: stored
+    /// columns are not converted.
+    pub fn set_storage(&mut self, storage: KvStorage) {
+        if self.parts.is_empty() {
+            self.storage = storage;
+        }
+    }
+
+    pub fn storage(&self) -> KvStorage {
+        self.storage
     }
 
     /// Whether this is a sliding-window layer's cache.
@@ -215,10 +305,18 @@ impl KvCache {
         // dropped old positions cannot give them back, and no query sees them any more.
         let start = |cache: &KvCache, pad: i32| if cache.base > 0 { cache.base + pad } else { 0 };
         let base = start(self, pad_mine).max(start(other, pad_theirs));
-        if self.keys.is_some() || other.keys.is_some() {
-            let stack = |mine_kv: Option<&Array>, theirs_kv: Option<&Array>| -> Result<Array> {
+        if !self.parts.is_empty() || !other.parts.is_empty() {
+            if !self.parts.is_empty() && !other.parts.is_empty() && self.storage != other.storage {
+                return Err(EngineError::InvalidRequest(
+                    "caches stored differently cannot decode together".into(),
+                ));
+            }
+            let count = self.parts.len().max(other.parts.len());
+            let mut parts = Vec::with_capacity(count);
+            for index in 0..count {
+                let (mine_kv, theirs_kv) = (self.parts.get(index), other.parts.get(index));
                 let like = mine_kv.or(theirs_kv).expect("one side holds keys");
-                Ok(ops::concatenate(
+                parts.push(ops::concatenate(
                     &[
                         aligned(
                             mine_kv,
@@ -238,12 +336,12 @@ impl KvCache {
                         )?,
                     ],
                     0,
-                )?)
-            };
-            let keys = stack(self.keys.as_ref(), other.keys.as_ref())?;
-            let values = stack(self.values.as_ref(), other.values.as_ref())?;
-            self.keys = Some(keys);
-            self.values = Some(values);
+                )?);
+            }
+            if self.parts.is_empty() {
+                self.storage = other.storage;
+            }
+            self.parts = parts;
         }
         self.base = base;
         if let Some(like) = self.recurrent.as_ref().or(other.recurrent.as_ref()) {
@@ -326,10 +424,11 @@ impl KvCache {
                 array
             }
         };
-        if let (Some(keys), Some(values)) = (&self.keys, &self.values) {
-            self.keys = Some(drop_columns(take(keys)?));
-            self.values = Some(drop_columns(take(values)?));
-        }
+        self.parts = self
+            .parts
+            .iter()
+            .map(|part| Ok(drop_columns(take(part)?)))
+            .collect::<Result<_>>()?;
         if let Some(state) = &self.recurrent {
             self.recurrent = Some(RecurrentState {
                 conv: take(&state.conv)?,
@@ -366,16 +465,18 @@ impl KvCache {
             contiguous(&rows)
         };
         let mut cache = KvCache::new(0);
+        cache.storage = self.storage;
         cache.window = self.window;
         cache.base = first - pad;
         cache.offset = self.offset - pad;
         cache.max_ctx = cache.offset;
         cache.rope_delta = deltas[row];
         cache.rope_history = histories[row].clone();
-        if let (Some(keys), Some(values)) = (&self.keys, &self.values) {
-            cache.keys = Some(own(keys, true)?);
-            cache.values = Some(own(values, true)?);
-        }
+        cache.parts = self
+            .parts
+            .iter()
+            .map(|part| own(part, true))
+            .collect::<Result<_>>()?;
         if let Some(state) = &self.recurrent {
             cache.recurrent = Some(RecurrentState {
                 conv: own(&state.conv, false)?,
@@ -456,7 +557,7 @@ impl KvCache {
     /// (a prefix-cache entry cut to fit its budget must not keep the whole buffers alive).
     pub fn compact(&mut self) -> Result<()> {
         let end = self.offset - self.base;
-        for array in [&mut self.keys, &mut self.values].into_iter().flatten() {
+        for array in &mut self.parts {
             if array.shape()[2] == end {
                 continue;
             }
@@ -483,13 +584,25 @@ impl KvCache {
 
     /// Positions allocated (what the cache holds in memory).
     pub fn capacity(&self) -> i32 {
-        self.keys
-            .as_ref()
+        self.parts
+            .first()
             .map_or(0, |keys| self.base + keys.shape()[2])
     }
 
-    /// Appends `[B, heads, L, dim]` keys/values and returns everything stored so far.
+    /// Appends `[B, heads, L, dim]` keys/values and returns everything stored so far (a dense
+    /// cache's; see [`Self::update_and_fetch_stored`]).
     pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        match self.update_and_fetch_stored(keys, values)? {
+            Fetched::Dense { keys, values } => Ok((keys, values)),
+            Fetched::Quantized { .. } => Err(EngineError::InvalidRequest(
+                "this layer's attention cannot read a quantized KV cache".into(),
+            )),
+        }
+    }
+
+    /// Appends `[B, heads, L, dim]` keys/values (quantized first when the cache stores them
+    /// so) and returns every stored column as stored.
+    pub fn update_and_fetch_stored(&mut self, keys: &Array, values: &Array) -> Result<Fetched> {
         let new = keys.shape()[2];
         let end = self.offset + new;
         if end > self.max_ctx {
@@ -498,25 +611,62 @@ impl KvCache {
                 max_ctx: self.max_ctx as usize,
             });
         }
+        if let KvStorage::Quantized {
+            bits,
+            group_size: 0,
+        } = self.storage
+        {
+            // Heads MLX cannot group stay dense.
+            let dim = keys.shape()[3].min(values.shape()[3]);
+            self.storage = match KvStorage::group_for(dim) {
+                Some(group_size) => KvStorage::Quantized { bits, group_size },
+                None => KvStorage::Dense,
+            };
+        }
+        let incoming = match self.storage {
+            KvStorage::Dense => vec![keys.clone(), values.clone()],
+            KvStorage::Quantized { bits, group_size } => {
+                let (kw, ks, kb) = ops::quantize(keys, group_size, bits)?;
+                let (vw, vs, vb) = ops::quantize(values, group_size, bits)?;
+                vec![kw, ks, kb, vw, vs, vb]
+            }
+        };
         if end > self.capacity() {
             self.drop_outside_window();
-            self.grow(keys, values, end)?;
+            self.grow(&incoming, end)?;
         }
         let (start, stop) = (self.offset - self.base, end - self.base);
-        let stored_keys = slice_update_seq(self.keys.as_ref().unwrap(), keys, start, stop)?;
-        let stored_values = slice_update_seq(self.values.as_ref().unwrap(), values, start, stop)?;
+        let stored = self
+            .parts
+            .iter()
+            .zip(&incoming)
+            .map(|(part, new)| slice_update_seq(part, new, start, stop))
+            .collect::<Result<Vec<_>>>()?;
         self.offset = end;
-        let fetched = if stop == stored_keys.shape()[2] {
-            (stored_keys.clone(), stored_values.clone())
-        } else {
-            (
-                stored_keys.index((.., .., ..stop, ..)),
-                stored_values.index((.., .., ..stop, ..)),
-            )
-        };
-        self.keys = Some(stored_keys);
-        self.values = Some(stored_values);
-        Ok(fetched)
+        let fetched: Vec<Array> = stored
+            .iter()
+            .map(|part| match stop == part.shape()[2] {
+                true => part.clone(),
+                false => part.index((.., .., ..stop, ..)),
+            })
+            .collect();
+        self.parts = stored;
+        Ok(match (self.storage, <[Array; 6]>::try_from(fetched)) {
+            (KvStorage::Quantized { bits, group_size }, Ok([kw, ks, kb, vw, vs, vb])) => {
+                Fetched::Quantized {
+                    keys: [kw, ks, kb],
+                    values: [vw, vs, vb],
+                    bits,
+                    group_size,
+                }
+            }
+            (_, Err(mut dense)) if dense.len() == 2 => {
+                let values = dense.pop().expect("two parts");
+                let keys = dense.pop().expect("two parts");
+                Fetched::Dense { keys, values }
+            }
+            _ => unreachable!("a cache holds two dense or six quantized parts"),
+        })
     }
 
     /// A windowed cache lets go of the positions no later query can see (the next growth
@@ -530,31 +680,28 @@ impl KvCache {
             return;
         }
         let skip = first - self.base;
-        for array in [&mut self.keys, &mut self.values].into_iter().flatten() {
+        for array in &mut self.parts {
             *array = array.index((.., .., skip.., ..));
         }
         self.base = first;
     }
 
-    /// Grows to hold `needed` positions, rounded up to whole steps, capped at `max_ctx`.
-    fn grow(&mut self, keys: &Array, values: &Array, needed: i32) -> Result<()> {
+    /// Grows to hold `needed` positions, rounded up to whole steps, capped at `max_ctx`;
+    /// `incoming` (the parts about to be written) give each part's shape and dtype.
+    fn grow(&mut self, incoming: &[Array], needed: i32) -> Result<()> {
         let steps = (needed - self.offset + GROWTH_STEP - 1) / GROWTH_STEP;
         let target = (self.offset + steps * GROWTH_STEP).min(self.max_ctx);
-        let [batch, heads, _, key_dim] = dims4(keys);
-        let value_dim = values.shape()[3];
         let extra = target - self.offset;
-        let new_keys = ops::zeros_dtype(&[batch, heads, extra, key_dim], keys.dtype())?;
-        let new_values = ops::zeros_dtype(&[batch, heads, extra, value_dim], values.dtype())?;
         let held = self.offset - self.base;
-        let (keys, values) = match (self.keys.take(), self.values.take()) {
-            (Some(old_keys), Some(old_values)) => (
-                ops::concatenate(&[old_keys.index((.., .., ..held, ..)), new_keys], 2)?,
-                ops::concatenate(&[old_values.index((.., .., ..held, ..)), new_values], 2)?,
-            ),
-            _ => (new_keys, new_values),
-        };
-        self.keys = Some(keys);
-        self.values = Some(values);
+        let old = std::mem::take(&mut self.parts);
+        for (index, like) in incoming.iter().enumerate() {
+            let [batch, heads, _, dim] = dims4(like);
+            let fresh = ops::zeros_dtype(&[batch, heads, extra, dim], like.dtype())?;
+            self.parts.push(match old.get(index) {
+                Some(part) => ops::concatenate(&[part.index((.., .., ..held, ..)), fresh], 2)?,
+                None => fresh,
+            });
+        }
         Ok(())
     }
 
@@ -564,11 +711,7 @@ impl KvCache {
             .recurrent
             .iter()
             .flat_map(|state| [&state.conv, &state.state]);
-        self.keys
-            .iter()
-            .chain(self.values.iter())
-            .chain(recurrent)
-            .collect()
+        self.parts.iter().chain(recurrent).collect()
     }
 
     /// Bytes the cache holds (allocated, not just used).
@@ -709,7 +852,7 @@ mod tests {
 
     /// The values a cache's arrays hold for row `row`, positions `base..offset`.
     fn held(cache: &KvCache, row: i32) -> Vec<f32> {
-        let keys = cache.keys.as_ref().unwrap();
+        let keys = &cache.parts[0];
         let used = keys.index((row..row + 1, .., ..(cache.offset - cache.base), ..));
         let used = contiguous(&used).unwrap();
         used.as_slice::<f32>().to_vec()

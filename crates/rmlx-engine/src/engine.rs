@@ -19,7 +19,7 @@ use std::{
 };
 
 use crate::{
-    cache::KvCache,
+    cache::{KvCache, KvStorage},
     chat::{ChatTokenizer, TemplateOptions},
     constrain::{ConstraintFactory, Grammars},
     error::{EngineError, Result},
@@ -200,6 +200,8 @@ pub struct EngineOptions {
     pub prefix_snapshot_bytes: Option<u64>,
     /// Memory a model may take; None = what the OS reports available when it loads.
     pub memory_budget: Option<u64>,
+    /// Bits of the quantized KV cache of full-attention layers (8 or 4); None keeps it dense.
+    pub kv_bits: Option<i32>,
 }
 
 impl Default for EngineOptions {
@@ -211,6 +213,7 @@ impl Default for EngineOptions {
             prefix_cache_bytes: None,
             prefix_snapshot_bytes: None,
             memory_budget: None,
+            kv_bits: None,
         }
     }
 }
@@ -259,6 +262,10 @@ impl Engine {
             eprintln!("rmlx: {warning}");
         }
         let max_queue = options.max_queue.max(1);
+        let kv_storage = match options.kv_bits {
+            Some(bits) => KvStorage::quantized(bits)?,
+            None => KvStorage::Dense,
+        };
         let (jobs, inbox) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
         let waiting = Arc::new(AtomicUsize::new(0));
@@ -289,6 +296,7 @@ impl Engine {
                             .unwrap_or(prefix_cache::MIN_SNAPSHOT_BUDGET),
                     ),
                     prefix_budgets: (options.prefix_cache_bytes, options.prefix_snapshot_bytes),
+                    kv_storage,
                     prefix_ids: HashMap::new(),
                     metrics: worker_metrics,
                     queued: worker_queued,
@@ -468,6 +476,8 @@ struct EngineThread {
     prefix: PrefixCache,
     /// The budgets asked for (None: sized from memory and the resident models).
     prefix_budgets: (Option<u64>, Option<u64>),
+    /// How new requests' caches store keys and values (`EngineOptions::kv_bits`).
+    kv_storage: KvStorage,
     /// The model id metrics know each cached model by.
     prefix_ids: HashMap<PathBuf, String>,
     metrics: Arc<Metrics>,
@@ -1173,11 +1183,13 @@ impl EngineThread {
             None => None,
         };
         let resident = &self.models[&key];
+        let mut params = request.params.clone();
+        params.kv_storage = self.kv_storage;
         let prefill = Prefill::new(
             resident.loaded.model.as_ref(),
             &resident.tokenizer,
             &prompt_ids,
-            &request.params,
+            &params,
             reuse,
             images,
         )?;

@@ -12,7 +12,7 @@ use std::{
 use mlx_rs::{ops::indexing::IndexOp, Array};
 
 use crate::{
-    cache::KvCache,
+    cache::{KvCache, KvStorage},
     chat::{ChatTokenizer, StopMatcher, StreamDecoder},
     constrain::{
         self, Constraint, Grammars, ReasoningBudget, ResponseFormat, ToolGrammars, TriggeredGrammar,
@@ -57,6 +57,10 @@ pub struct GenerateParams {
     /// A cap on the reasoning, its closing forced once spent.
     #[serde(skip)]
     pub reasoning_budget: Option<ReasoningBudget>,
+    /// How new caches store keys and values (the engine's `kv_bits`); sliding-window layers
+    /// stay dense.
+    #[serde(skip)]
+    pub kv_storage: KvStorage,
 }
 
 impl Default for GenerateParams {
@@ -73,6 +77,7 @@ impl Default for GenerateParams {
             response_format: ResponseFormat::Text,
             tool_grammars: Vec::new(),
             reasoning_budget: None,
+            kv_storage: KvStorage::Dense,
         }
     }
 }
@@ -392,7 +397,14 @@ impl Prefill {
                     .for_each(|cache| cache.set_max_ctx(max_ctx));
                 (caches, reuse.cached_tokens)
             }
-            _ => (model.new_cache(max_ctx), 0),
+            _ => {
+                let mut caches = model.new_cache(max_ctx);
+                caches
+                    .iter_mut()
+                    .filter(|cache| !cache.is_windowed())
+                    .for_each(|cache| cache.set_storage(params.kv_storage));
+                (caches, 0)
+            }
         };
         let chunk = params.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK).max(1);
         // Each piece is one bounded graph, evaluated before the next (the Metal watchdog kills

@@ -81,6 +81,8 @@ pub struct ServerConfig {
     /// Bytes of recurrent-model snapshots (Qwen3.5 / 3.6) the prefix cache keeps (None: sized
     /// the same way).
     pub prefix_snapshot_bytes: Option<u64>,
+    /// Bits of the quantized KV cache of full-attention layers (8 or 4; None: dense).
+    pub kv_bits: Option<i32>,
     /// A built web UI to serve at `/` (no API key needed for its files; its API calls still
     /// send one).
     pub ui_dir: Option<PathBuf>,
@@ -108,6 +110,7 @@ impl Default for ServerConfig {
             max_batch: EngineOptions::default().max_batch,
             prefix_cache_bytes: EngineOptions::default().prefix_cache_bytes,
             prefix_snapshot_bytes: EngineOptions::default().prefix_snapshot_bytes,
+            kv_bits: None,
             ui_dir: None,
             embedded_ui: false,
             // A 2560x2560 RGBA PNG is at most ~26 MB, ~35 MB as base64 in a data URI.
@@ -138,6 +141,7 @@ impl AppState {
             max_loaded: config.max_loaded,
             prefix_cache_bytes: config.prefix_cache_bytes,
             prefix_snapshot_bytes: config.prefix_snapshot_bytes,
+            kv_bits: config.kv_bits,
             ..EngineOptions::default()
         })
         .context("cannot start the engine")?;

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{LanguageModel, Logits};
 use crate::{
-    attention::attend_cached,
+    attention::attend_update,
     cache::{KvCache, RopeOffset},
     config::{ConfigFile, QuantizationConfig},
     error::{EngineError, Result},
@@ -199,11 +199,9 @@ impl Attention {
         let offset = cache.rope_offset();
         let queries = rotate(&queries, &offset)?;
         let keys = rotate(&keys, &offset)?;
-        let (keys, values) = cache.update_and_fetch(&keys, &values)?;
-
         // One query needs no mask (but a padded batch's); a chunk is causal against everything
         // cached before it.
-        let output = attend_cached(&queries, &keys, &values, self.scale, cache)?;
+        let output = attend_update(&queries, &keys, &values, self.scale, cache)?;
         let output = output
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[batch, len, -1])?;

@@ -11,8 +11,8 @@ use mlx_rs::{fast, ops, ops::indexing::IndexOp, Array};
 
 use super::config::{Config, LayerRope, TextConfig};
 use crate::{
-    attention::Mask,
-    cache::{KvCache, RopeOffset},
+    attention::{attend_fetched, Mask},
+    cache::{Fetched, KvCache, RopeOffset},
     config::QuantizationConfig,
     error::{EngineError, Result},
     models::{
@@ -283,10 +283,10 @@ impl Attention {
         &self,
         x: &Array,
         cache: Option<&mut KvCache>,
-        shared: Option<&(Array, Array)>,
+        shared: Option<&Fetched>,
         offset: &RopeOffset,
         masks: &ChunkMasks,
-    ) -> Result<(Array, (Array, Array))> {
+    ) -> Result<(Array, Fetched)> {
         let (batch, len) = (x.shape()[0], x.shape()[1]);
         let split =
             |projected: Array, heads: i32| projected.reshape(&[batch, len, heads, self.head_dim]);
@@ -295,7 +295,7 @@ impl Attention {
             .forward(&split(self.q_proj.forward(x)?, self.n_heads)?)?
             .transpose_axes(&[0, 2, 1, 3])?;
         let queries = self.rotary.apply(&queries, offset)?;
-        let (keys, values) = match (shared, &self.kv) {
+        let fetched = match (shared, &self.kv) {
             (Some(shared), _) => shared.clone(),
             (None, Some(own)) => {
                 let raw_keys = split(own.k_proj.forward(x)?, self.n_kv_heads)?;
@@ -313,16 +313,12 @@ impl Attention {
                 let cache = cache.ok_or_else(|| {
                     EngineError::InvalidRequest("a Gemma 4 attention layer has no cache".into())
                 })?;
-                let (keys, values) = cache.update_and_fetch(&keys, &values)?;
+                let fetched = cache.update_and_fetch_stored(&keys, &values)?;
                 if self.sliding && masks.sliding_start > 0 {
                     // The cache's arrays begin at its base (a windowed cache dropped the rest).
-                    let start = masks.sliding_start - cache.base();
-                    (
-                        keys.index((.., .., start.., ..)),
-                        values.index((.., .., start.., ..)),
-                    )
+                    fetched.columns_from(masks.sliding_start - cache.base())
                 } else {
-                    (keys, values)
+                    fetched
                 }
             }
             (None, None) => {
@@ -336,17 +332,10 @@ impl Attention {
         } else {
             &masks.full
         };
-        let output = fast::scaled_dot_product_attention(
-            &queries,
-            &keys,
-            &values,
-            1.0,
-            mask.as_sdpa(),
-            None,
-        )?
-        .transpose_axes(&[0, 2, 1, 3])?
-        .reshape(&[batch, len, -1])?;
-        Ok((self.o_proj.forward(&output)?, (keys, values)))
+        let output = attend_fetched(&queries, &fetched, 1.0, mask)?
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[batch, len, -1])?;
+        Ok((self.o_proj.forward(&output)?, fetched))
     }
 }
 
@@ -592,11 +581,11 @@ impl DecoderLayer {
         &self,
         x: &Array,
         cache: Option<&mut KvCache>,
-        shared: Option<&(Array, Array)>,
+        shared: Option<&Fetched>,
         per_layer_input: Option<&Array>,
         offset: &RopeOffset,
         masks: &ChunkMasks,
-    ) -> Result<(Array, (Array, Array))> {
+    ) -> Result<(Array, Fetched)> {
         let (attended, kv) = self.self_attn.forward(
             &self.input_layernorm.forward(x)?,
             cache,
@@ -809,7 +798,7 @@ impl LanguageModel {
             .ok_or_else(|| EngineError::InvalidRequest("Gemma 4 needs its layer caches".into()))?;
         let offset = first.rope_offset();
         let masks = ChunkMasks::new(first, len, self.args.sliding_window, images)?;
-        let mut shared: Vec<Option<(Array, Array)>> = vec![None; self.layers.len()];
+        let mut shared: Vec<Option<Fetched>> = vec![None; self.layers.len()];
         for (index, layer) in self.layers.iter().enumerate() {
             let source = self.kv_source[index];
             let input = per_layer

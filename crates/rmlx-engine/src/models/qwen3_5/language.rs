@@ -11,7 +11,7 @@ use super::{
     gated_delta,
 };
 use crate::{
-    attention::attend_cached,
+    attention::attend_update,
     cache::{KvCache, RecurrentState},
     config::QuantizationConfig,
     error::Result,
@@ -245,8 +245,7 @@ impl GatedAttention {
             .transpose_axes(&[0, 2, 1, 3])?;
         let queries = rotary.apply(&queries)?;
         let keys = rotary.apply(&keys)?;
-        let (keys, values) = cache.update_and_fetch(&keys, &values)?;
-        let output = attend_cached(&queries, &keys, &values, self.scale, cache)?
+        let output = attend_update(&queries, &keys, &values, self.scale, cache)?
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[batch, len, -1])?;
         self.o_proj

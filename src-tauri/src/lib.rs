@@ -78,6 +78,8 @@ fn server_config(settings: &Settings, data: &Path) -> ServerConfig {
         models_dir: Some(models_dir),
         hub_url: settings.hub_url.clone(),
         max_ctx: settings.default_max_context,
+        // Anything else a hand-edited file holds keeps the cache dense.
+        kv_bits: settings.kv_cache_bits.filter(|bits| [8, 4].contains(bits)),
         api_key: settings.api_key.clone(),
         cors_origins: settings.cors_origins.clone(),
         ..ServerConfig::default()
@@ -341,4 +343,28 @@ pub fn run() {
         .build(tauri::generate_context!())
         .expect("rMLX could not start its window system");
     app.run(|_app, _event| {});
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The KV-cache setting reaches the engine; a value it does not take keeps the cache dense.
+    #[test]
+    fn kv_cache_bits_reach_the_server_config() {
+        let data = std::env::temp_dir();
+        for (saved, engine) in [
+            (Some(8), Some(8)),
+            (Some(4), Some(4)),
+            (Some(5), None),
+            (None, None),
+        ] {
+            let settings = Settings {
+                kv_cache_bits: saved,
+                models_dir: Some(data.clone()),
+                ..Settings::default()
+            };
+            assert_eq!(server_config(&settings, &data).kv_bits, engine, "{saved:?}");
+        }
+    }
 }

@@ -27,6 +27,9 @@ pub struct Settings {
     pub cors_origins: Vec<String>,
     /// Cap on every model's context, in tokens; None: each model's own.
     pub default_max_context: Option<usize>,
+    /// 8 or 4: the full-attention layers' KV cache stored quantized (`--kv-bits`); None:
+    /// dense. The engine takes it when the app starts.
+    pub kv_cache_bits: Option<i32>,
     /// Opt-in: the app never registers itself as a login item on its own.
     pub launch_at_login: bool,
     pub update_channel: UpdateChannel,
@@ -54,6 +57,7 @@ impl Default for Settings {
             api_key: None,
             cors_origins: Vec::new(),
             default_max_context: None,
+            kv_cache_bits: None,
             launch_at_login: false,
             update_channel: UpdateChannel::Stable,
             other: serde_json::Map::new(),
@@ -101,6 +105,7 @@ mod tests {
         let saved = Settings {
             server_enabled: true,
             server_port: 9123,
+            kv_cache_bits: Some(4),
             ..Settings::default()
         };
         saved.save(&path).unwrap();

@@ -402,7 +402,7 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
       const calls = () => page.evaluate(() => (window as unknown as { __calls: [string, Record<string, unknown>][] }).__calls);
       expect(await page.getByLabel('Models folder').inputValue()).toBe('/Users/me/Models');
       expect(await page.getByTestId('server-status').innerText()).toContain('port 8080 is in use; choose another port');
-      for (const label of ['Hugging Face hub URL', 'Default max context (tokens)', 'Host', 'Port', 'API key', 'CORS origins', 'Launch at login', 'Update channel']) {
+      for (const label of ['Hugging Face hub URL', 'Default max context (tokens)', 'KV cache', 'Host', 'Port', 'API key', 'CORS origins', 'Launch at login', 'Update channel']) {
         expect(await page.getByLabel(label, { exact: true }).count(), label).toBe(1);
       }
       if (colorScheme === 'dark') {
@@ -423,6 +423,8 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
       await page.getByLabel('Hugging Face hub URL').fill('http://127.0.0.1:9999');
       await page.getByLabel('Default max context (tokens)').fill('32768');
       await page.getByLabel('Default max context (tokens)').press('Tab');
+      expect(await page.getByLabel('KV cache').inputValue()).toBe('off');
+      await page.getByLabel('KV cache').selectOption('8');
       await page.getByLabel('API key').fill('k3y');
       await page.getByLabel('CORS origins').fill('https://a.example\nhttps://b.example');
       await page.getByLabel('Launch at login').check();
@@ -435,7 +437,7 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
       expect(log.filter(([c]) => c === 'settings_set').at(-1)?.[1]).toEqual({
         settings: {
           models_dir: '/Users/me/Models', hub_url: 'http://127.0.0.1:9999', server_enabled: true, server_host: '127.0.0.1', server_port: 9090,
-          api_key: 'k3y', cors_origins: ['https://a.example', 'https://b.example'], default_max_context: 32768, launch_at_login: true, update_channel: 'beta',
+          api_key: 'k3y', cors_origins: ['https://a.example', 'https://b.example'], default_max_context: 32768, kv_cache_bits: 8, launch_at_login: true, update_channel: 'beta',
         },
       });
       expect(log.filter(([c]) => c === 'server_set').at(-1)?.[1]).toEqual({ enabled: true, port: 9090 });

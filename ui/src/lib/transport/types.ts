@@ -170,6 +170,8 @@ export interface AppConfig {
   api_key: string | null;
   cors_origins: string[];
   default_max_context: number | null;
+  /** 8 or 4: the KV cache quantized (taken when the app starts); null or absent: dense. */
+  kv_cache_bits?: number | null;
   launch_at_login: boolean;
   update_channel: 'stable' | 'beta';
   /** Fields this UI does not know are kept and sent back. */

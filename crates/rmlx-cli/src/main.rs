@@ -276,6 +276,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
 }
 
 fn info(model: &Path, json: bool) -> anyhow::Result<()> {
+    use rmlx_engine::runtime::Serving;
     check_model_dir(model)?;
     let engine = Engine::start(1)?;
     let info = engine.model_info(model).context("cannot load the model")?;
@@ -322,6 +323,33 @@ fn info(model: &Path, json: bool) -> anyhow::Result<()> {
         "memory:        {:.1} MB to serve the full context (weights + a tenth + KV + state)",
         (info.weight_bytes + info.weight_bytes / 10 + kv_at_context + fixed) as f64 / 1e6
     );
+    if let Some(available) = rmlx_engine::runtime::available_memory() {
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(model.join("config.json"))?)?;
+        let serving = rmlx_engine::runtime::Serving {
+            rows: 1,
+            ..Default::default()
+        };
+        let longest = |kv_bits| {
+            rmlx_engine::runtime::largest_context_that_fits(
+                model,
+                &config,
+                &Serving { kv_bits, ..serving },
+                available,
+            )
+        };
+        let shown = |fits: Option<u64>| match fits {
+            Some(tokens) => format!("{tokens} tokens"),
+            None => "nothing (the weights do not fit)".to_string(),
+        };
+        println!(
+            "fits now:      {} of context in the {:.1} GB available ({} with --kv-bits 8, {} with --kv-bits 4)",
+            shown(longest(None)?),
+            available as f64 / 1e9,
+            shown(longest(Some(8))?),
+            shown(longest(Some(4))?)
+        );
+    }
     Ok(())
 }
 

@@ -262,6 +262,9 @@ impl Engine {
             eprintln!("rmlx: {warning}");
         }
         let max_queue = options.max_queue.max(1);
+        // macOS: keep the weights wired up to Metal's recommended working set, as mlx-lm does.
+        #[cfg(target_os = "macos")]
+        crate::runtime::wire_memory();
         let kv_storage = match options.kv_bits {
             Some(bits) => KvStorage::quantized(bits)?,
             None => KvStorage::Dense,

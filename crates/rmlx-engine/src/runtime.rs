@@ -195,27 +195,102 @@ pub fn total_memory() -> Option<u64> {
     }
 }
 
-/// What serving the model at a context of `max_ctx` positions to batches of up to `rows`
-/// requests takes: [`memory_needed`] plus the KV cache filled to that context (the model's own
-/// context when None; a batch's rows share it, the engine admits no more) and each row's
-/// recurrent state, sized from its already-read `config` (config.json).
+/// How a server would hold a model: its context cap, rows decoding together, KV bits and the
+/// memory it reserves beside (explicit prefix-cache budgets).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Serving {
+    /// The context cap (`--max-ctx`); None: the model's own.
+    pub max_ctx: Option<usize>,
+    /// Rows decoding together (`--max-batch`): each has its own fixed state.
+    pub rows: usize,
+    /// `--kv-bits`.
+    pub kv_bits: Option<i32>,
+    /// Bytes set aside for the prefix cache (budgets given explicitly; the automatic ones take
+    /// only what is left).
+    pub reserved: u64,
+}
+
+/// What serving the model in `dir` as `serving` takes: [`memory_needed`] plus the KV cache
+/// filled to the context (a batch's rows share it, the engine admits no more; stored with the
+/// KV bits), each row's fixed state (recurrent states, sliding windows) and the reserve, sized
+/// from its already-read `config` (config.json).
 pub fn memory_needed_at(
     dir: &std::path::Path,
     config: &serde_json::Value,
-    max_ctx: Option<usize>,
-    rows: usize,
+    serving: &Serving,
 ) -> std::io::Result<u64> {
+    let (base, per_token) = serving_costs(dir, config, serving)?;
+    let context = serving.max_ctx.unwrap_or_else(|| model_context(config));
+    Ok(base + per_token * context as u64)
+}
+
+/// The longest context (up to the model's own) that serving the model as `serving` fits in
+/// `available` bytes; None when not even the weights and fixed state fit.
+pub fn largest_context_that_fits(
+    dir: &std::path::Path,
+    config: &serde_json::Value,
+    serving: &Serving,
+    available: u64,
+) -> std::io::Result<Option<u64>> {
+    let (base, per_token) = serving_costs(dir, config, serving)?;
+    let room = available.checked_sub(base);
+    let own = model_context(config) as u64;
+    Ok(room.map(|room| match per_token {
+        0 => own,
+        per_token => (room / per_token).min(own),
+    }))
+}
+
+/// Bytes that do not grow with the context, and KV bytes per position of it.
+fn serving_costs(
+    dir: &std::path::Path,
+    config: &serde_json::Value,
+    serving: &Serving,
+) -> std::io::Result<(u64, u64)> {
+    use crate::models::structure;
     let weights = memory_needed(dir)?;
-    let context = max_ctx.or_else(|| {
-        let text = config.get("text_config").unwrap_or(config);
-        text.get("max_position_embeddings")
-            .or_else(|| config.get("max_position_embeddings"))
-            .and_then(serde_json::Value::as_u64)
-            .map(|n| n as usize)
-    });
-    let kv = crate::models::structure::kv_bytes_per_token(config) * context.unwrap_or(0) as u64;
-    let state = crate::models::structure::fixed_state_bytes(config) * rows.max(1) as u64;
-    Ok(weights + kv + state)
+    let per_token = structure::kv_bytes_per_token_stored(config, serving.kv_bits);
+    let state = structure::fixed_state_bytes(config) * serving.rows.max(1) as u64;
+    Ok((weights + state + serving.reserved, per_token))
+}
+
+fn model_context(config: &serde_json::Value) -> usize {
+    let text = config.get("text_config").unwrap_or(config);
+    text.get("max_position_embeddings")
+        .or_else(|| config.get("max_position_embeddings"))
+        .and_then(serde_json::Value::as_u64)
+        .map_or(0, |n| n as usize)
+}
+
+/// Metal's recommended working set (the GPU's `max_recommended_working_set_size`); None where
+/// the backend has none (the CPU).
+pub fn recommended_working_set() -> Option<u64> {
+    let key = c"max_recommended_working_set_size";
+    // SAFETY: the device and info handles are created and freed here; mlx-c reports failures
+    // (no GPU on this build) as status codes.
+    unsafe {
+        let device = mlx_sys::mlx_device_new_type(mlx_sys::mlx_device_type__MLX_GPU, 0);
+        let mut info = mlx_sys::mlx_device_info_new();
+        let (mut exists, mut value) = (false, 0usize);
+        let found = mlx_sys::mlx_device_info_get(&mut info, device) == 0
+            && mlx_sys::mlx_device_info_has_key(&mut exists, info, key.as_ptr()) == 0
+            && exists
+            && mlx_sys::mlx_device_info_get_size(&mut value, info, key.as_ptr()) == 0;
+        mlx_sys::mlx_device_info_free(info);
+        mlx_sys::mlx_device_free(device);
+        found.then_some(value as u64)
+    }
+}
+
+/// As mlx-lm does around generation: wires memory up to the recommended working set, so a large
+/// model's weights stay resident between requests instead of being paged out (macOS; the CPU
+/// backend has no wired memory). Returns the limit set.
+pub fn wire_memory() -> Option<u64> {
+    let limit = recommended_working_set()?;
+    let mut previous = 0usize;
+    // SAFETY: plain values in and out.
+    let status = unsafe { mlx_sys::mlx_set_wired_limit(&mut previous, limit as usize) };
+    (status == 0).then_some(limit)
 }
 
 /// What loading the model in `dir` needs: its `.safetensors` weights (every expert included)
@@ -268,5 +343,85 @@ mod tests {
         assert!(bytes > 64 << 20, "{bytes}");
         let total = total_memory().expect("Linux and macOS report memory");
         assert!(total >= bytes, "{total} < {bytes}");
+    }
+}
+
+#[cfg(test)]
+mod serving_tests {
+    use super::*;
+
+    fn fixture() -> (std::path::PathBuf, serde_json::Value) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/head-sizes/qwen3-hd128");
+        let config =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        (dir, config)
+    }
+
+    /// The largest context is what the memory left after the weights, the fixed state and the
+    /// reserve holds of KV, up to the model's own; quantized KV holds more; the memory needed at
+    /// that context is within one position of the memory given.
+    #[test]
+    fn the_largest_context_fills_what_is_left() {
+        let (dir, config) = fixture();
+        let serving = Serving {
+            rows: 1,
+            ..Serving::default()
+        };
+        let base = memory_needed_at(
+            &dir,
+            &config,
+            &Serving {
+                max_ctx: Some(0),
+                ..serving
+            },
+        )
+        .unwrap();
+        let per_token = crate::models::structure::kv_bytes_per_token(&config);
+        let available = base + 1000 * per_token + per_token / 2;
+        let fits = largest_context_that_fits(&dir, &config, &serving, available).unwrap();
+        assert_eq!(fits, Some(1000));
+        let needed = memory_needed_at(
+            &dir,
+            &config,
+            &Serving {
+                max_ctx: Some(1000),
+                ..serving
+            },
+        )
+        .unwrap();
+        assert!(needed <= available && available - needed < per_token);
+        let quantized = Serving {
+            kv_bits: Some(8),
+            ..serving
+        };
+        assert!(
+            largest_context_that_fits(&dir, &config, &quantized, available).unwrap() > Some(1800)
+        );
+        assert_eq!(
+            largest_context_that_fits(&dir, &config, &serving, base - 1).unwrap(),
+            None
+        );
+        let reserved = Serving {
+            reserved: 500 * per_token,
+            ..serving
+        };
+        assert_eq!(
+            largest_context_that_fits(&dir, &config, &reserved, available).unwrap(),
+            Some(500)
+        );
+        assert_eq!(
+            largest_context_that_fits(&dir, &config, &serving, u64::MAX / 2).unwrap(),
+            Some(40960)
+        );
+    }
+
+    /// The CPU backend has no recommended working set, so nothing is wired.
+    #[test]
+    fn no_wired_memory_on_the_cpu() {
+        crate::runtime::eval(Vec::<&mlx_rs::Array>::new()).ok();
+        assert_eq!(recommended_working_set(), None);
+        assert_eq!(wire_memory(), None);
     }
 }

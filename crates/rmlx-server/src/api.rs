@@ -623,6 +623,10 @@ pub struct ModelObject {
     pub structure: String,
     /// Unknown when the memory available cannot be read.
     pub fits: Option<Fits>,
+    /// The longest context (up to the model's own) that fits the memory available now, as this
+    /// server would hold it (KV bits, sliding windows, `--max-batch` rows' fixed state, explicit
+    /// prefix-cache budgets); 0 when not even the weights fit; null when the memory is unknown.
+    pub max_context_fits: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

@@ -67,6 +67,17 @@ fn model_object(
         deletable: entry.source != Source::Model,
         structure: rmlx_engine::models::structure::describe(&config),
         fits: available.and_then(|available| fits(&entry.path, &config, &state.config, available)),
+        max_context_fits: available.and_then(|available| {
+            let serving = serving(&state.config);
+            rmlx_engine::runtime::largest_context_that_fits(
+                &entry.path,
+                &config,
+                &serving,
+                available,
+            )
+            .ok()
+            .map(|fits| fits.unwrap_or(0))
+        }),
     }
 }
 
@@ -103,8 +114,21 @@ fn folder_size(dir: &std::path::Path, depth: usize) -> u64 {
         .sum()
 }
 
+/// How this server holds a model (its context cap, batch rows, KV bits, explicit prefix-cache
+/// budgets).
+fn serving(server: &crate::ServerConfig) -> rmlx_engine::runtime::Serving {
+    rmlx_engine::runtime::Serving {
+        max_ctx: server.max_ctx,
+        rows: server.max_batch,
+        kv_bits: server.kv_bits,
+        reserved: server.prefix_cache_bytes.unwrap_or(0)
+            + server.prefix_snapshot_bytes.unwrap_or(0),
+    }
+}
+
 /// Every expert's weights plus a tenth, the KV cache at the server's `--max-ctx` (the model's
-/// context when unset; a batch's rows share it) and a recurrent state per `--max-batch` row
+/// context when unset; a batch's rows share it; stored with its KV bits), the fixed state of
+/// each `--max-batch` row (recurrent states, sliding windows) and explicit prefix-cache budgets
 /// against the memory available now: `no` when it does not fit, `tight` within a quarter of
 /// the limit.
 fn fits(
@@ -113,9 +137,7 @@ fn fits(
     server: &crate::ServerConfig,
     available: u64,
 ) -> Option<Fits> {
-    let needed =
-        rmlx_engine::runtime::memory_needed_at(dir, config, server.max_ctx, server.max_batch)
-            .ok()?;
+    let needed = rmlx_engine::runtime::memory_needed_at(dir, config, &serving(server)).ok()?;
     Some(if needed > available {
         Fits::No
     } else if needed > available / 4 * 3 {

@@ -169,6 +169,8 @@ async fn models_list_shows_the_moe_structure_and_fits_with_the_kv_at_max_ctx() {
             "qwen3_moe, MoE 16 experts top-8, untied lm_head"
         );
         assert!(entry["fits"].is_string(), "{entry}");
+        // The whole 40960-token context fits this tiny checkpoint.
+        assert_eq!(entry["max_context_fits"], 40960, "{entry}");
     }
     // At the model's own context (40960 positions) the KV alone is 40960 × 2 layers × K and V
     // × 1 head × 16 × 2 bytes = 5.2 MB: more than the weights of this tiny checkpoint.
@@ -176,9 +178,17 @@ async fn models_list_shows_the_moe_structure_and_fits_with_the_kv_at_max_ctx() {
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let weights = rmlx_engine::runtime::memory_needed(&dir).unwrap();
-    let full = rmlx_engine::runtime::memory_needed_at(&dir, &config, None, 8).unwrap();
+    let serving = |max_ctx, rows| rmlx_engine::runtime::Serving {
+        max_ctx,
+        rows,
+        ..Default::default()
+    };
+    let needed = |dir: &std::path::Path, config: &Value, max_ctx, rows| {
+        rmlx_engine::runtime::memory_needed_at(dir, config, &serving(max_ctx, rows)).unwrap()
+    };
+    let full = needed(&dir, &config, None, 8);
     assert_eq!(full - weights, 40960 * 2 * 2 * 16 * 2);
-    let capped = rmlx_engine::runtime::memory_needed_at(&dir, &config, Some(1024), 8).unwrap();
+    let capped = needed(&dir, &config, Some(1024), 8);
     assert_eq!(capped - weights, 1024 * 2 * 2 * 16 * 2);
     // Each row of a batch carries its own Gated DeltaNet state; the rows share the KV.
     let dir = release("qwen3.5-0.8b");
@@ -186,8 +196,8 @@ async fn models_list_shows_the_moe_structure_and_fits_with_the_kv_at_max_ctx() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let state = rmlx_engine::models::structure::recurrent_state_bytes(&config);
     assert!(state > 0);
-    let one = rmlx_engine::runtime::memory_needed_at(&dir, &config, Some(1024), 1).unwrap();
-    let eight = rmlx_engine::runtime::memory_needed_at(&dir, &config, Some(1024), 8).unwrap();
+    let one = needed(&dir, &config, Some(1024), 1);
+    let eight = needed(&dir, &config, Some(1024), 8);
     assert_eq!(eight - one, 7 * state);
 }
 

@@ -91,6 +91,34 @@ pub fn kv_bytes_per_token(config: &Value) -> u64 {
     cached_layer_rows(config, false)
 }
 
+/// [`kv_bytes_per_token`] as a cache stores it with `kv_bits` (`--kv-bits`): each group of 64
+/// values of a head takes `bits` per value plus a scale and a bias in the activations' dtype.
+pub fn kv_bytes_per_token_stored(config: &Value, kv_bits: Option<i32>) -> u64 {
+    let dense = kv_bytes_per_token(config);
+    let Some(bits) = kv_bits else {
+        return dense;
+    };
+    let value_bytes = activation_bytes(config);
+    // Per 64 values: 64 * bits / 8 bytes packed, 2 * value_bytes for the scale and the bias.
+    let group_bytes = 8 * bits as u64 + 2 * value_bytes;
+    dense / value_bytes * group_bytes / 64
+}
+
+/// Bytes of one activation value: float32 checkpoints compute in float32, the rest in 16 bits.
+fn activation_bytes(config: &Value) -> u64 {
+    let text = text(config);
+    let dtype = text
+        .get("torch_dtype")
+        .or_else(|| text.get("dtype"))
+        .or_else(|| config.get("torch_dtype"))
+        .and_then(Value::as_str);
+    if dtype == Some("float32") {
+        4
+    } else {
+        2
+    }
+}
+
 /// Bytes Gemma 4's sliding-window layers keep per sequence whatever the context: their window
 /// (`sliding_window - 1` positions plus the rollback slack, `KvCache::windowed`). Between
 /// chunks a prefill holds a chunk and a growth step more.
@@ -123,12 +151,7 @@ fn cached_layer_rows(config: &Value, sliding: bool) -> u64 {
         .filter(|_| text.get("attention_k_eq_v").and_then(Value::as_bool) == Some(true))
         .unwrap_or(kv_heads);
     let shared = int(text, "num_kv_shared_layers").unwrap_or(0);
-    let dtype = text
-        .get("torch_dtype")
-        .or_else(|| text.get("dtype"))
-        .or_else(|| config.get("torch_dtype"))
-        .and_then(Value::as_str);
-    let bytes = if dtype == Some("float32") { 4 } else { 2 };
+    let bytes = activation_bytes(config);
     let types = text.get("layer_types").and_then(Value::as_array);
     (0..layers.saturating_sub(shared))
         .map(|layer| {
@@ -254,5 +277,16 @@ mod tests {
         assert_eq!(kv_bytes_per_token(&e2b), 3 * 2 * 512 * 2);
         assert_eq!(window_state_bytes(&e2b), 12 * 2 * 256 * 2 * (512 - 1 + 32));
         assert_eq!(window_state_bytes(&real("Qwen__Qwen3-4B")), 0);
+        // Stored at 8 / 4 bits: per 64 values 64 or 32 bytes plus a bf16 scale and bias.
+        let qwen = real("Qwen__Qwen3-4B");
+        assert_eq!(kv_bytes_per_token_stored(&qwen, None), 36 * 2 * 8 * 128 * 2);
+        assert_eq!(
+            kv_bytes_per_token_stored(&qwen, Some(8)),
+            36 * 2 * 8 * 2 * 68
+        );
+        assert_eq!(
+            kv_bytes_per_token_stored(&qwen, Some(4)),
+            36 * 2 * 8 * 2 * 36
+        );
     }
 }

@@ -72,6 +72,8 @@ export interface ModelInfo {
   source?: string;
   deletable?: boolean;
   fits?: Fits | null;
+  /** The longest context that fits the memory available now, as the server holds the model. */
+  max_context_fits?: number | null;
   parameters?: number;
   /** The release structure the server recognised, e.g. "gemma4, MoE 128 experts top-8, k_eq_v". */
   structure?: string;

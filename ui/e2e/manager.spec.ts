@@ -11,7 +11,7 @@ import { artifactsDir, withHostedDist } from './browser';
 const GB = 1024 ** 3;
 const modelList: ModelInfo[] = [
   { id: 'qwen3-tiny', object: 'model', loaded: true, vision: false, context_length: 2048, size_bytes: 1_310_720, model_type: 'qwen3', quantization: null, source: 'model', deletable: false, fits: 'yes' },
-  { id: 'mlx-community/Qwen3-4B-4bit', object: 'model', loaded: false, vision: false, context_length: 40960, size_bytes: 2.26 * GB, model_type: 'qwen3', quantization: { bits: 4, group_size: 64, mode: 'affine' }, source: 'models_dir', deletable: true, fits: 'tight' },
+  { id: 'mlx-community/Qwen3-4B-4bit', object: 'model', loaded: false, vision: false, context_length: 40960, size_bytes: 2.26 * GB, model_type: 'qwen3', quantization: { bits: 4, group_size: 64, mode: 'affine' }, source: 'models_dir', deletable: true, fits: 'tight', max_context_fits: 32768 },
   { id: 'mlx-community/Qwen3-VL-32B-Instruct-8bit', object: 'model', loaded: false, vision: true, context_length: 262144, size_bytes: 35.1 * GB, model_type: 'qwen3_vl', quantization: { bits: 8, group_size: 64, mode: 'affine' }, source: 'hf_cache', deletable: true, fits: 'no' },
 ];
 const memory = { total_bytes: 32 * GB, available_bytes: 19.5 * GB };
@@ -163,6 +163,8 @@ describe('Models, Dashboard and Settings against a scripted server', () => {
       expect(await rows.count()).toBe(3);
       expect(await page.getByTestId('memory').innerText()).toBe('Memory: 19.5 GB free of 32.0 GB');
       expect(await page.getByTestId('fits').allInnerTexts()).toEqual(['Fits', 'Tight', 'Too big']);
+      // Only a model whose whole context does not fit says how much does.
+      expect(await page.getByTestId('fit-context').allInnerTexts()).toEqual(['up to 32K context']);
       const big = page.locator('tr[data-model-id="mlx-community/Qwen3-VL-32B-Instruct-8bit"]');
       expect(await big.locator('td').allInnerTexts()).toEqual(['qwen3_vl', '35.1 GB', '8-bit · g64', '256K', 'Yes', 'Too big\nNeeds more memory than is available', 'Not loaded', 'Load Delete']);
       // `--model` folders cannot be deleted.

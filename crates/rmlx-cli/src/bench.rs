@@ -13,8 +13,16 @@ use rmlx_engine::{
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    #[arg(long)]
-    model: PathBuf,
+    #[arg(long, required_unless_present = "kv_table")]
+    model: Option<PathBuf>,
+    /// Store the full-attention layers' KV cache at 8 or 4 bits (as `rmlx serve --kv-bits`).
+    #[arg(long, value_name = "8|4")]
+    kv_bits: Option<i32>,
+    /// Instead of timing: the KV memory of these release folders (their config.json) per token
+    /// and at 32k / 128k of context, sliding layers full-length (before windows) and windowed,
+    /// dense and at 8 / 4 bits, as a Markdown table (docs/PERFORMANCE.md).
+    #[arg(long, num_args = 1.., value_name = "DIR")]
+    kv_table: Vec<PathBuf>,
     #[arg(long, default_value_t = 512)]
     prompt_tokens: usize,
     #[arg(long, default_value_t = 64)]
@@ -75,23 +83,31 @@ impl Run {
 }
 
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    crate::check_model_dir(&args.model)?;
+    if !args.kv_table.is_empty() {
+        return kv_table(&args.kv_table);
+    }
+    let model = args
+        .model
+        .clone()
+        .expect("clap requires --model without --kv-table");
+    crate::check_model_dir(&model)?;
     let concurrency = args.concurrency.max(1);
     let engine = Engine::start_with(EngineOptions {
         max_queue: concurrency,
         max_batch: args.max_batch.max(1),
         prefix_cache_bytes: Some(0),
         prefix_snapshot_bytes: Some(0),
+        kv_bits: args.kv_bits,
         ..EngineOptions::default()
     })?;
-    let vocab = engine.model_info(&args.model)?.vocab_size;
+    let vocab = engine.model_info(&model)?.vocab_size;
     let run = |seeds: Vec<u64>| -> anyhow::Result<Run> {
         let started = Instant::now();
         let waiters = seeds
             .into_iter()
             .map(|seed| {
                 let request = Request {
-                    model: args.model.clone(),
+                    model: model.clone(),
                     prompt: Prompt::Ids(prompt_ids(args.prompt_tokens, vocab, seed)),
                     params: GenerateParams {
                         max_tokens: args.gen_tokens,
@@ -151,7 +167,48 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         .map(|r| run((0..n).map(|s| args.seed + r * n + s).collect()))
         .collect::<anyhow::Result<Vec<Run>>>()?;
     let steps = args.step_profile.then(rmlx_engine::profile::take);
-    report(&args, concurrency, &runs, steps.as_ref());
+    // MLX's peak since the engine started: the warm-up ran the measured shape too.
+    let peak = engine.metrics().mlx_peak_bytes;
+    report(&args, concurrency, &runs, steps.as_ref(), peak);
+    Ok(())
+}
+
+/// `--kv-table`: a Markdown row per release folder (see the flag). "Before" is what every
+/// layer kept before sliding windows (each sliding layer full-length), "after" the windows.
+fn kv_table(dirs: &[PathBuf]) -> anyhow::Result<()> {
+    use rmlx_engine::models::structure;
+    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+    println!("| release | KV per token before / after (KiB) | windows | 32k before | 32k after: 16 / 8 / 4 bits | 128k before | 128k after: 16 / 8 / 4 bits |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for dir in dirs {
+        let text = std::fs::read_to_string(dir.join("config.json"))?;
+        let config: serde_json::Value = serde_json::from_str(&text)?;
+        let windows = structure::window_state_bytes(&config);
+        let full = structure::kv_bytes_per_token(&config);
+        let before = full + structure::sliding_bytes_per_token(&config);
+        let after = |bits: Option<i32>, context: u64| {
+            structure::kv_bytes_per_token_stored(&config, bits) * context + windows
+        };
+        let at = |context: u64| {
+            format!(
+                "{:.2} / {:.2} / {:.2} GiB",
+                gib(after(None, context)),
+                gib(after(Some(8), context)),
+                gib(after(Some(4), context))
+            )
+        };
+        println!(
+            "| {} | {:.0} / {:.0} | {:.2} GiB | {:.2} GiB | {} | {:.2} GiB | {} |",
+            dir.file_name().unwrap_or_default().to_string_lossy(),
+            before as f64 / 1024.0,
+            full as f64 / 1024.0,
+            gib(windows),
+            gib(before * 32 * 1024),
+            at(32 * 1024),
+            gib(before * 128 * 1024),
+            at(128 * 1024),
+        );
+    }
     Ok(())
 }
 
@@ -191,7 +248,13 @@ fn percentile(mut values: Vec<f64>, q: f64) -> f64 {
     values[((q * (values.len() - 1) as f64).round() as usize).min(values.len() - 1)]
 }
 
-fn report(args: &BenchArgs, concurrency: usize, runs: &[Run], steps: Option<&StepProfile>) {
+fn report(
+    args: &BenchArgs,
+    concurrency: usize,
+    runs: &[Run],
+    steps: Option<&StepProfile>,
+    peak: u64,
+) {
     let streams = || runs.iter().flat_map(|run| &run.streams);
     let ttfts: Vec<f64> = streams().map(|s| s.ttft_ms).collect();
     let ttft = median_and_spread(ttfts.clone());
@@ -225,6 +288,8 @@ fn report(args: &BenchArgs, concurrency: usize, runs: &[Run], steps: Option<&Ste
                     "aggregate_tps": triple(aggregate),
                 },
                 "step_profile": steps.map(step_rows),
+                "kv_bits": args.kv_bits,
+                "peak_memory_bytes": peak,
             })
         );
         return;
@@ -243,6 +308,12 @@ fn report(args: &BenchArgs, concurrency: usize, runs: &[Run], steps: Option<&Ste
     println!("  prefill         {} tok/s per stream", cell(prefill));
     println!("  decode          {} tok/s per stream", cell(decode));
     println!("  all streams     {} tok/s", cell(aggregate));
+    println!(
+        "  peak memory     {:.1} MB (MLX, {} KV)",
+        peak as f64 / 1e6,
+        args.kv_bits
+            .map_or("dense".to_string(), |bits| format!("{bits}-bit"))
+    );
     if let Some(profile) = steps {
         step_lines(profile)
             .iter()

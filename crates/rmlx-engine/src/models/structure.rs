@@ -88,20 +88,14 @@ pub fn describe(config: &Value) -> String {
 /// the rest in their 16-bit type). Sliding-window layers keep only their window
 /// ([`window_state_bytes`]).
 pub fn kv_bytes_per_token(config: &Value) -> u64 {
-    cached_layer_rows(config, false)
+    cached_layer_rows(config, false, None)
 }
 
-/// [`kv_bytes_per_token`] as a cache stores it with `kv_bits` (`--kv-bits`): each group of 64
-/// values of a head takes `bits` per value plus a scale and a bias in the activations' dtype.
+/// [`kv_bytes_per_token`] as a cache stores it with `kv_bits` (`--kv-bits`): each group of a
+/// head's values (64, or the head's width where smaller; `KvStorage`) takes `bits` per value
+/// plus a scale and a bias in the activations' dtype; heads MLX cannot group stay dense.
 pub fn kv_bytes_per_token_stored(config: &Value, kv_bits: Option<i32>) -> u64 {
-    let dense = kv_bytes_per_token(config);
-    let Some(bits) = kv_bits else {
-        return dense;
-    };
-    let value_bytes = activation_bytes(config);
-    // Per 64 values: 64 * bits / 8 bytes packed, 2 * value_bytes for the scale and the bias.
-    let group_bytes = 8 * bits as u64 + 2 * value_bytes;
-    dense / value_bytes * group_bytes / 64
+    cached_layer_rows(config, false, kv_bits)
 }
 
 /// Bytes of one activation value: float32 checkpoints compute in float32, the rest in 16 bits.
@@ -128,7 +122,13 @@ pub fn window_state_bytes(config: &Value) -> u64 {
         return 0;
     }
     let kept = window - 1 + crate::cache::WINDOW_SLACK as u64;
-    cached_layer_rows(config, true) * kept
+    cached_layer_rows(config, true, None) * kept
+}
+
+/// Bytes per position the sliding-window layers would take kept full-length (as they were
+/// before windows).
+pub fn sliding_bytes_per_token(config: &Value) -> u64 {
+    cached_layer_rows(config, true, None)
 }
 
 /// What a sequence holds whatever its length: recurrent states and sliding windows.
@@ -137,8 +137,8 @@ pub fn fixed_state_bytes(config: &Value) -> u64 {
 }
 
 /// Bytes of one position's K and V over the cached layers: the sliding-window ones (`sliding`)
-/// or the full-length ones.
-fn cached_layer_rows(config: &Value, sliding: bool) -> u64 {
+/// or the full-length ones, dense or stored at `kv_bits`.
+fn cached_layer_rows(config: &Value, sliding: bool, kv_bits: Option<i32>) -> u64 {
     let text = text(config);
     let layers = int(text, "num_hidden_layers").unwrap_or(0);
     let heads = int(text, "num_attention_heads").unwrap_or(1);
@@ -169,7 +169,14 @@ fn cached_layer_rows(config: &Value, sliding: bool) -> u64 {
             } else {
                 (kv_heads, head_dim)
             };
-            2 * kv * dim * bytes
+            let group = 64.min(dim);
+            match kv_bits {
+                // Per group: `group * bits / 8` packed bytes, a scale and a bias.
+                Some(bits) if group >= 32 && dim % group == 0 => {
+                    2 * kv * (dim / group) * (group * bits as u64 / 8 + 2 * bytes)
+                }
+                _ => 2 * kv * dim * bytes,
+            }
         })
         .sum()
 }

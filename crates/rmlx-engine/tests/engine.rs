@@ -555,6 +555,17 @@ fn batched_requests_equal_their_solo_runs_in_every_family() {
     }
 }
 
+/// An engine decoding up to `max_batch` rows together, with no prefix cache.
+fn without_prefix_cache(max_batch: usize) -> Engine {
+    Engine::start_with(EngineOptions {
+        max_batch,
+        prefix_cache_bytes: Some(0),
+        prefix_snapshot_bytes: Some(0),
+        ..EngineOptions::default()
+    })
+    .unwrap()
+}
+
 /// Gemma 4's windowed sliding layers in a batch: prompts several windows long and answers long
 /// enough for every window to drop old positions many times, rows joining mid-decode at
 /// different offsets and leaving at others; each equals its solo run.
@@ -583,26 +594,14 @@ fn windowed_rows_join_and_leave_as_their_solo_runs() {
             })
             .collect()
     };
-    let alone = Engine::start_with(EngineOptions {
-        max_batch: 1,
-        prefix_cache_bytes: Some(0),
-        prefix_snapshot_bytes: Some(0),
-        ..EngineOptions::default()
-    })
-    .unwrap();
+    let alone = without_prefix_cache(1);
     let solo: Vec<Completion> = requests("solo")
         .into_iter()
         .map(|request| alone.submit(request).unwrap().wait().unwrap())
         .collect();
     drop(alone);
     assert!(solo.iter().all(|completion| completion.prompt_tokens > 100));
-    let engine = Engine::start_with(EngineOptions {
-        max_batch: 4,
-        prefix_cache_bytes: Some(0),
-        prefix_snapshot_bytes: Some(0),
-        ..EngineOptions::default()
-    })
-    .unwrap();
+    let engine = without_prefix_cache(4);
     let handles: Vec<_> = requests("batch")
         .into_iter()
         .map(|request| engine.submit(request).unwrap())

@@ -9,7 +9,7 @@ mod common;
 
 use common::{fixture, ids_array};
 use rmlx_engine::{
-    cache::{KvCache, KvStorage, GROWTH_STEP},
+    cache::{KvCache, GROWTH_STEP},
     models::{load_model, structure, Logits},
 };
 use serde_json::Value;
@@ -42,11 +42,7 @@ fn structure_figures_are_what_the_caches_allocate() {
         for bits in [None, Some(8), Some(4)] {
             let mut caches = model.new_cache(positions);
             if let Some(bits) = bits {
-                let storage = KvStorage::quantized(bits).unwrap();
-                caches
-                    .iter_mut()
-                    .filter(|cache| !cache.is_windowed())
-                    .for_each(|cache| cache.set_storage(storage));
+                common::quantize_caches(&mut caches, bits);
             }
             model
                 .forward(&ids_array(&prompt), &mut caches, Logits::Last)

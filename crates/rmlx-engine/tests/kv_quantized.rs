@@ -18,7 +18,7 @@ use rmlx_engine::{
     cache::{KvCache, KvStorage},
     engine::{Engine, EngineOptions, Prompt, Request},
     generate::{Completion, GenerateParams},
-    models::{load_model, Logits},
+    models::{load_model, LanguageModel, Logits},
 };
 
 const FIXTURES: [&str; 2] = ["head-sizes/qwen3-hd128", "head-sizes/qwen3-hd256"];
@@ -31,26 +31,45 @@ const BOUND: [(i32, f32); 2] = [(8, 0.1), (4, 1.5)];
 const QUANTIZED_VS_MLX_LM: f32 = 1e-3;
 
 fn text_ids(len: usize, seed: u32) -> Vec<u32> {
-    let mut state = seed;
-    (0..len)
-        .map(|_| {
-            state = state.wrapping_mul(1_103_515_245).wrapping_add(12_345);
-            10 + (state >> 8) % 500
-        })
-        .collect()
+    common::text_ids(len, seed, 10, 500)
 }
 
 fn caches(model: &dyn rmlx_engine::models::LanguageModel, bits: Option<i32>) -> Vec<KvCache> {
     let mut caches = model.new_cache(4096);
     if let Some(bits) = bits {
-        // As the engine does: sliding-window layers stay dense.
-        let storage = KvStorage::quantized(bits).unwrap();
-        caches
-            .iter_mut()
-            .filter(|cache| !cache.is_windowed())
-            .for_each(|cache| cache.set_storage(storage));
+        common::quantize_caches(&mut caches, bits);
     }
     caches
+}
+
+/// The logits of `prompt` fed one token at a time (every position through the quantized
+/// matmuls) equal those of the prompt prefilled whole (dequantized into the fused SDPA).
+fn one_by_one_equals_whole(
+    what: &str,
+    model: &dyn LanguageModel,
+    prompt: &[u32],
+    bits: i32,
+) -> Vec<KvCache> {
+    let mut whole = caches(model, Some(bits));
+    let a = rows(
+        &model
+            .forward(&ids_array(prompt), &mut whole, Logits::All)
+            .unwrap(),
+    );
+    let mut single = caches(model, Some(bits));
+    for (at, &id) in prompt.iter().enumerate() {
+        let b = rows(
+            &model
+                .forward(&ids_array(&[id]), &mut single, Logits::Last)
+                .unwrap(),
+        );
+        let diff = max_diff(&a[at], &b[0]);
+        assert!(
+            diff <= 1e-4,
+            "{what} {bits}-bit: position {at} differs by {diff}"
+        );
+    }
+    whole
 }
 
 /// Log-probs of `fed` after `prompt` (prefilled in chunks of 64), the tokens fed one by one.
@@ -127,25 +146,7 @@ fn quantized_matmul_attention_equals_the_dequantized_fused_path() {
         for bits in [8, 4] {
             // Whole: one chunk (dequantized into the fused SDPA). One by one: every position
             // through the quantized matmuls.
-            let mut whole = caches(model, Some(bits));
-            let a = rows(
-                &model
-                    .forward(&ids_array(&prompt), &mut whole, Logits::All)
-                    .unwrap(),
-            );
-            let mut single = caches(model, Some(bits));
-            for (at, &id) in prompt.iter().enumerate() {
-                let b = rows(
-                    &model
-                        .forward(&ids_array(&[id]), &mut single, Logits::Last)
-                        .unwrap(),
-                );
-                let diff = max_diff(&a[at], &b[0]);
-                assert!(
-                    diff <= 1e-4,
-                    "{dir} {bits}-bit: position {at} differs by {diff}"
-                );
-            }
+            one_by_one_equals_whole(dir, model, &prompt, bits);
         }
     }
 }
@@ -160,28 +161,13 @@ fn gemma4_full_layers_quantize_beside_dense_windows() {
     for dir in ["gemma4-tiny", "releases/gemma-4-e2b-it"] {
         let loaded = load_model(&fixture(dir)).unwrap();
         let model = loaded.model.as_ref();
-        let mut whole = caches(model, Some(8));
-        let a = rows(
-            &model
-                .forward(&ids_array(&prompt), &mut whole, Logits::All)
-                .unwrap(),
-        );
+        let whole = one_by_one_equals_whole(dir, model, &prompt, 8);
         assert!(whole
             .iter()
             .any(|c| matches!(c.storage(), KvStorage::Quantized { group_size: 32, .. })));
         assert!(whole
             .iter()
             .all(|c| !c.is_windowed() || c.storage() == KvStorage::Dense));
-        let mut single = caches(model, Some(8));
-        for (at, &id) in prompt.iter().enumerate() {
-            let b = rows(
-                &model
-                    .forward(&ids_array(&[id]), &mut single, Logits::Last)
-                    .unwrap(),
-            );
-            let diff = max_diff(&a[at], &b[0]);
-            assert!(diff <= 1e-4, "{dir}: position {at} differs by {diff}");
-        }
     }
 }
 

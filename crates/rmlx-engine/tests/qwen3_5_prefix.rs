@@ -118,19 +118,7 @@ fn conversation(cached: &Engine, reference: &Engine, preserve_thinking: bool) ->
             completion.cached_tokens,
             prompt.len()
         );
-        assert_eq!(completion.token_ids, uncached.token_ids, "turn {turn}");
-        let (got, want) = (
-            completion.logprobs.as_ref().unwrap(),
-            uncached.logprobs.as_ref().unwrap(),
-        );
-        for (a, b) in got.iter().zip(want) {
-            assert!(
-                (a.logprob - b.logprob).abs() <= 1e-4,
-                "turn {turn}: log-prob {} vs uncached {}",
-                a.logprob,
-                b.logprob
-            );
-        }
+        common::assert_same_as_uncached(&format!("turn {turn}"), &completion, &uncached, 1e-4);
         eprintln!(
             "preserve_thinking {preserve_thinking}, turn {turn}: {} of {} prompt tokens cached",
             completion.cached_tokens,

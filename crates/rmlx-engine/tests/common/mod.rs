@@ -42,6 +42,50 @@ pub fn log_softmax_rows(logits: &Array) -> Vec<Vec<f32>> {
     rows(&ops::subtract(&logits, ops::logsumexp_axis(&logits, -1, true).unwrap()).unwrap())
 }
 
+/// `len` ids in `low..low + span`, in a fixed pseudo-random order (an LCG from `seed`; the
+/// fixture scripts draw the same): text that is no special token.
+pub fn text_ids(len: usize, seed: u32, low: u32, span: u32) -> Vec<u32> {
+    let mut state = seed;
+    (0..len)
+        .map(|_| {
+            state = state.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            low + (state >> 8) % span
+        })
+        .collect()
+}
+
+/// Stores the KV of every cache but the sliding-window ones at `bits` (as the engine does for
+/// `--kv-bits`).
+pub fn quantize_caches(caches: &mut [rmlx_engine::cache::KvCache], bits: i32) {
+    let storage = rmlx_engine::cache::KvStorage::quantized(bits).unwrap();
+    caches
+        .iter_mut()
+        .filter(|cache| !cache.is_windowed())
+        .for_each(|cache| cache.set_storage(storage));
+}
+
+/// An answer equals the uncached engine's: the same ids, every log-prob within `tolerance`.
+pub fn assert_same_as_uncached(
+    what: &str,
+    cached: &rmlx_engine::generate::Completion,
+    uncached: &rmlx_engine::generate::Completion,
+    tolerance: f32,
+) {
+    assert_eq!(cached.token_ids, uncached.token_ids, "{what}");
+    let (got, want) = (
+        cached.logprobs.as_ref().unwrap(),
+        uncached.logprobs.as_ref().unwrap(),
+    );
+    for (a, b) in got.iter().zip(want) {
+        assert!(
+            (a.logprob - b.logprob).abs() <= tolerance,
+            "{what}: log-prob {} vs uncached {}",
+            a.logprob,
+            b.logprob
+        );
+    }
+}
+
 pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()

@@ -193,6 +193,23 @@ impl KvCache {
         self.storage
     }
 
+    /// Copies of the stored parts' columns for positions `start..end` (the disk cache's
+    /// blocks); None where this cache cannot give them: a recurrent state, a batch, positions a
+    /// window dropped or not yet written.
+    pub fn export_columns(&self, start: i32, end: i32) -> Result<Option<Vec<Array>>> {
+        if self.recurrent.is_some() || self.rows.is_some() || start < self.base || end > self.offset
+        {
+            return Ok(None);
+        }
+        let (from, to) = (start - self.base, end - self.base);
+        let parts = self
+            .parts
+            .iter()
+            .map(|part| contiguous(&part.index((.., .., from..to, ..))))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(parts))
+    }
+
     /// Whether this is a sliding-window layer's cache.
     pub fn is_windowed(&self) -> bool {
         self.window.is_some()

@@ -202,6 +202,8 @@ pub struct EngineOptions {
     pub memory_budget: Option<u64>,
     /// Bits of the quantized KV cache of full-attention layers (8 or 4); None keeps it dense.
     pub kv_bits: Option<i32>,
+    /// Where finished prefixes are also written as blocks (`disk_cache`); None: not at all.
+    pub prefix_disk_dir: Option<PathBuf>,
 }
 
 impl Default for EngineOptions {
@@ -214,6 +216,7 @@ impl Default for EngineOptions {
             prefix_snapshot_bytes: None,
             memory_budget: None,
             kv_bits: None,
+            prefix_disk_dir: None,
         }
     }
 }
@@ -269,6 +272,15 @@ impl Engine {
             Some(bits) => KvStorage::quantized(bits)?,
             None => KvStorage::Dense,
         };
+        let disk = match &options.prefix_disk_dir {
+            Some(dir) => Some(crate::disk_cache::DiskWriter::spawn(dir.clone()).map_err(
+                |error| EngineError::Io {
+                    path: dir.clone(),
+                    message: error.to_string(),
+                },
+            )?),
+            None => None,
+        };
         let (jobs, inbox) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
         let waiting = Arc::new(AtomicUsize::new(0));
@@ -300,6 +312,8 @@ impl Engine {
                     ),
                     prefix_budgets: (options.prefix_cache_bytes, options.prefix_snapshot_bytes),
                     kv_storage,
+                    disk,
+                    fingerprints: HashMap::new(),
                     prefix_ids: HashMap::new(),
                     metrics: worker_metrics,
                     queued: worker_queued,
@@ -481,6 +495,9 @@ struct EngineThread {
     prefix_budgets: (Option<u64>, Option<u64>),
     /// How new requests' caches store keys and values (`EngineOptions::kv_bits`).
     kv_storage: KvStorage,
+    /// The disk cache's writer and each model's fingerprint (`EngineOptions::prefix_disk_dir`).
+    disk: Option<crate::disk_cache::DiskWriter>,
+    fingerprints: HashMap<PathBuf, String>,
     /// The model id metrics know each cached model by.
     prefix_ids: HashMap<PathBuf, String>,
     metrics: Arc<Metrics>,
@@ -960,6 +977,7 @@ impl EngineThread {
         let reusable = completion.finish_reason != FinishReason::Cancelled && ticket.keep_kv;
         if let (true, Some(sequence)) = (reusable, cached) {
             let keyed = |tokens: Vec<u32>| image_keyed(tokens, ticket.image_key.as_deref());
+            self.offer_to_disk(key, &keyed(sequence.tokens.clone()), &sequence.caches);
             self.prefix
                 .retire_windowed_prefixes(key, &keyed(sequence.tokens.clone()));
             let mut evicted = 0;
@@ -980,6 +998,29 @@ impl EngineThread {
         ticket.settle();
         self.publish_in_flight();
         ticket.send_last(Event::Done(completion));
+    }
+
+    /// Writes the whole blocks of a finished sequence that the disk does not hold yet (encoded
+    /// here, written by the disk cache's thread). Attention-only models: a recurrent state or a
+    /// window is stored as a snapshot, which the format does not hold yet.
+    fn offer_to_disk(&mut self, key: &Path, tokens: &[u32], caches: &[KvCache]) {
+        let Some(disk) = self.disk.as_mut() else {
+            return;
+        };
+        let fingerprint = match self.fingerprints.get(key) {
+            Some(fingerprint) => fingerprint.clone(),
+            None => match crate::disk_cache::fingerprint(key, self.kv_storage) {
+                Ok(fingerprint) => {
+                    self.fingerprints
+                        .insert(key.to_path_buf(), fingerprint.clone());
+                    fingerprint
+                }
+                Err(_) => return,
+            },
+        };
+        if let Err(error) = disk.offer(&fingerprint, tokens, caches) {
+            eprintln!("rmlx: a prefix block was not written to disk: {error}");
+        }
     }
 
     fn unload(&mut self, dir: &Path) -> bool {

@@ -5,6 +5,7 @@ pub mod cache;
 pub mod chat;
 pub mod config;
 pub mod constrain;
+pub mod disk_cache;
 pub mod engine;
 pub mod error;
 pub mod generate;

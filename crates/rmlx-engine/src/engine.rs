@@ -975,9 +975,13 @@ impl EngineThread {
         self.metrics
             .record_completion(&ticket.model_id, ticket.request_id.as_deref(), &completion);
         let reusable = completion.finish_reason != FinishReason::Cancelled && ticket.keep_kv;
+        // For the disk, after the client has its answer (clones share the arrays).
+        let mut for_disk = None;
         if let (true, Some(sequence)) = (reusable, cached) {
             let keyed = |tokens: Vec<u32>| image_keyed(tokens, ticket.image_key.as_deref());
-            self.offer_to_disk(key, &keyed(sequence.tokens.clone()), &sequence.caches);
+            if self.disk.is_some() {
+                for_disk = Some((keyed(sequence.tokens.clone()), sequence.caches.clone()));
+            }
             self.prefix
                 .retire_windowed_prefixes(key, &keyed(sequence.tokens.clone()));
             let mut evicted = 0;
@@ -998,6 +1002,9 @@ impl EngineThread {
         ticket.settle();
         self.publish_in_flight();
         ticket.send_last(Event::Done(completion));
+        if let Some((tokens, caches)) = for_disk {
+            self.offer_to_disk(key, &tokens, &caches);
+        }
     }
 
     /// Writes the whole blocks of a finished sequence that the disk does not hold yet (encoded

@@ -104,16 +104,17 @@ pub struct Block {
     pub bytes: Vec<u8>,
 }
 
-/// Block `index` of a finished sequence (`tokens`, held by `caches`), encoded on the engine
-/// thread. None when a cache cannot give those columns (a recurrent state, or a window that
-/// dropped them): such models are stored as snapshots instead (a later step).
+/// Block `index` of a finished sequence (`tokens`, held by `caches`; `hashes` its [`chain`]),
+/// encoded on the engine thread. None when a cache cannot give those columns (a recurrent
+/// state, or a window that dropped them): such models are stored as snapshots instead (a later
+/// step).
 pub fn encode_block(
     fingerprint: &str,
     tokens: &[u32],
+    hashes: &[[u8; 32]],
     caches: &[KvCache],
     index: usize,
 ) -> Result<Option<Block>> {
-    let hashes = chain(&tokens[..(index + 1) * BLOCK_TOKENS]);
     let (start, end) = (index * BLOCK_TOKENS, (index + 1) * BLOCK_TOKENS);
     let mut tensors = Vec::new();
     for (layer, cache) in caches.iter().enumerate() {
@@ -341,14 +342,15 @@ impl DiskWriter {
     ) -> Result<usize> {
         let folder = self.root.join(fingerprint);
         let mut queued = 0;
-        for (index, hash) in chain(tokens).iter().enumerate() {
+        let hashes = chain(tokens);
+        for (index, hash) in hashes.iter().enumerate() {
             let name = format!("{}.safetensors", hex(hash));
             let key = (fingerprint.to_string(), name.clone());
             if self.known.contains(&key) || folder.join(&name).exists() {
                 self.known.insert(key);
                 continue;
             }
-            let Some(block) = encode_block(fingerprint, tokens, caches, index)? else {
+            let Some(block) = encode_block(fingerprint, tokens, &hashes, caches, index)? else {
                 break;
             };
             self.known.insert(key);

@@ -94,7 +94,9 @@ pub(crate) fn attend_fetched(
             group_size,
         } => (keys, values, *bits, *group_size),
     };
-    if queries.shape()[2] > 1 {
+    // MLX 0.32.2's CUDA backend has no quantized_matmul for these shapes (it refuses
+    // 1x32769x512x32 at Gemma 4 31B's full layers): there the one query dequantizes too.
+    if queries.shape()[2] > 1 || crate::runtime::on_cuda_gpu() {
         let dense = |[packed, scales, biases]: &[Array; 3]| {
             ops::dequantize(packed, scales, biases, group_size, bits)
         };

@@ -110,6 +110,14 @@ pub fn weights_go_to_device() -> bool {
         {
             return false;
         }
+        on_cuda_gpu()
+    })
+}
+
+/// Whether MLX computes on a CUDA GPU (its default device is a GPU and CUDA is there).
+pub fn on_cuda_gpu() -> bool {
+    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ANSWER.get_or_init(|| {
         runtime_info().is_ok_and(|info| info.cuda_available && info.default_device.contains("gpu"))
     })
 }

@@ -177,6 +177,33 @@ fn unknown_model_type_and_quant_mode_are_typed_errors() {
     );
 }
 
+/// Zero or non-dividing head counts once reached MLX as an integer division by zero, a SIGFPE that
+/// no Rust error handling catches; now they are a config error before any weight is read.
+#[test]
+fn broken_head_counts_are_config_errors() {
+    let cases: [(&str, &str, i64); 3] = [
+        ("qwen3-tiny", "num_key_value_heads", 0),
+        ("qwen3-tiny", "num_key_value_heads", 3),
+        ("releases/gemma-4-31b-it", "num_global_key_value_heads", 0),
+    ];
+    for (name, key, value) in cases {
+        let dir = copy_fixture(name);
+        edit_config(dir.path(), |config| {
+            let block = if config.get("text_config").is_some() {
+                &mut config["text_config"]
+            } else {
+                config
+            };
+            block[key] = value.into();
+        });
+        let message = load_error(dir.path()).to_string();
+        assert!(
+            message.contains("config.json") && message.contains(key),
+            "{name} {key}={value}: {message}"
+        );
+    }
+}
+
 /// Counts forward passes of a real model, to prove a refusal happened before any compute.
 struct Counting<'a> {
     inner: &'a dyn LanguageModel,

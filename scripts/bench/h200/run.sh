@@ -14,6 +14,11 @@
 #   two-turn conversations through `rmlx serve` (turn-2 TTFT with the prefix cache vs turn 1).
 #   Env: Q35_PROMPT (512), Q35_GEN (128), Q35_RUNS (5), Q35_CHATS (3), Q35_WORDS (1500),
 #   Q35_GDN (mlx-vlm's GDN prefill: chunked,sequential).
+# MODE=gemma_kv (step 2 instead; issue 28): a random bf16 checkpoint with gemma-4-31B-it's layer
+#   shapes, its first 12 layers (make_gemma4_bench_model.py, on the GPU), then `rmlx bench` at
+#   G_PROMPT (32768) tokens of context with dense, 8-bit and 4-bit KV on the full-attention layers,
+#   one process each, G_ROUNDS (2) interleaved rounds of G_RUNS (2) timed runs: decode tok/s, TTFT
+#   and MLX's peak memory. Env: G_PROMPT, G_GEN (128), G_RUNS, G_ROUNDS, G_BITS ("dense 8 4").
 # MODE=concurrency (step 2 instead): random Qwen3-4B-shaped bf16 and 4-bit checkpoints with the
 #   real vocabulary (make_qwen3_bench_model.py, on the GPU); on each, single-stream decode and
 #   warm TTFT through `rmlx serve` interleaved with mlx-lm's generate_step (bench.py), then
@@ -106,6 +111,29 @@ if [[ $MODE == qwen3_5 ]]; then
     --chat-turns "${Q35_CHATS:-3}" --chat-words "${Q35_WORDS:-1500}" \
     --server-log "$OUT/rmlx-serve.log" --json-out "$OUT/h200-qwen3_5.json"
   rc=$?
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  step "done ($rc)"
+  exit $rc
+fi
+
+if [[ $MODE == gemma_kv ]]; then
+  step "model gemma4 31b shape"
+  python3 scripts/bench/h200/make_gemma4_bench_model.py --device gpu --out "$BENCH" > /tmp/g4-path || exit 1
+  G4=$(tail -1 /tmp/g4-path)
+  du -sh "$G4"
+  rc=0
+  for round in $(seq 1 "${G_ROUNDS:-2}"); do
+    for bits in ${G_BITS:-dense 8 4}; do
+      left=$(( LIMIT - SECONDS ))
+      (( left > 30 )) || { echo "no time left for round $round $bits"; rc=1; break 2; }
+      kv=(); [[ $bits == dense ]] || kv=(--kv-bits "$bits")
+      step "rmlx bench round $round kv $bits"
+      RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench --model "$G4" "${kv[@]}" \
+        --prompt-tokens "${G_PROMPT:-32768}" --gen-tokens "${G_GEN:-128}" --runs "${G_RUNS:-2}" --json \
+        > "$OUT/gemma-kv-$bits-r$round.json" || rc=1
+      cat "$OUT/gemma-kv-$bits-r$round.json"; echo
+    done
+  done
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
   step "done ($rc)"
   exit $rc

@@ -227,6 +227,7 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
     if !SUPPORTED_MODEL_TYPES.contains(&model_type.as_str()) {
         return Err(EngineError::UnknownModelType(model_type));
     }
+    check_head_geometry(dir, &config.json)?;
     let mut store = WeightStore::open(dir)?;
     let model: Box<dyn LanguageModel> = match model_type.as_str() {
         "qwen3" => Box::new(qwen3::Model::load(dir, &config, &mut store)?),
@@ -266,6 +267,39 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
         window_state_bytes: structure::window_state_bytes(&config.json),
     };
     Ok(LoadedModel { model, info })
+}
+
+/// Zero or non-dividing head counts would reach MLX as a division by zero (a SIGFPE that kills
+/// the process); every family shares these keys, at the top level or under `text_config`.
+fn check_head_geometry(dir: &Path, json: &serde_json::Value) -> Result<()> {
+    let text = json.get("text_config").unwrap_or(json);
+    let count = |key: &str| text.get(key).and_then(serde_json::Value::as_i64);
+    let error = |message: String| EngineError::Config {
+        path: dir.join("config.json"),
+        message,
+    };
+    for key in [
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "head_dim",
+    ] {
+        if let Some(value) = count(key).filter(|v| *v <= 0) {
+            return Err(error(format!("{key} must be positive, not {value}")));
+        }
+    }
+    let heads = count("num_attention_heads").unwrap_or(1);
+    for key in ["num_key_value_heads", "num_global_key_value_heads"] {
+        match count(key) {
+            Some(kv) if kv <= 0 || heads % kv != 0 => {
+                return Err(error(format!(
+                    "{key} {kv} must be positive and divide num_attention_heads {heads}"
+                )))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// The keys of a config.json that no part of rMLX's loader reads, as dotted paths (e.g.

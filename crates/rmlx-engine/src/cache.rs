@@ -210,6 +210,75 @@ impl KvCache {
         Ok(Some(parts))
     }
 
+    /// Positions a window keeps before the next token (None: not windowed); a snapshot of a
+    /// windowed cache needs only these.
+    pub fn window_keep(&self) -> Option<i32> {
+        self.keep()
+    }
+
+    /// `(position, delta)` entries of the rotary offset (see the field); the disk cache stores
+    /// them with a prefix.
+    pub fn rope_history(&self) -> &[(i32, i32)] {
+        &self.rope_history
+    }
+
+    /// Makes this fresh cache hold a prefix read back from the disk: `parts` (as
+    /// [`Self::export_columns`] gave them, concatenated) hold positions `base..offset` in
+    /// `storage`, or `recurrent` is a linear-attention layer's state after `offset` tokens.
+    /// Anything that does not fit this cache (a window where none is, parts of another length
+    /// or count) is an error, which the caller treats as a miss.
+    pub fn restore(
+        &mut self,
+        storage: KvStorage,
+        parts: Vec<Array>,
+        base: i32,
+        offset: i32,
+        recurrent: Option<RecurrentState>,
+        rope_history: &[(i32, i32)],
+    ) -> Result<()> {
+        let wrong = |what: &str| {
+            EngineError::InvalidRequest(format!("a disk-cache prefix does not fit: {what}"))
+        };
+        if !self.parts.is_empty() || self.recurrent.is_some() || self.rows.is_some() {
+            return Err(wrong("the cache is not fresh"));
+        }
+        if offset > self.max_ctx || base < 0 || base > offset {
+            return Err(wrong("positions"));
+        }
+        if base > 0 && self.window.is_none() {
+            return Err(wrong("a window on a full-length layer"));
+        }
+        let count = match storage {
+            KvStorage::Dense => 2,
+            KvStorage::Quantized { .. } => 6,
+        };
+        let held = offset - base;
+        match (&recurrent, parts.len()) {
+            (Some(_), 0) => {}
+            (None, n) if n == count => {
+                if parts
+                    .iter()
+                    .any(|part| part.ndim() != 4 || part.shape()[0] != 1 || part.shape()[2] != held)
+                {
+                    return Err(wrong("the stored columns' shapes"));
+                }
+            }
+            _ => return Err(wrong("the stored parts")),
+        }
+        self.storage = storage;
+        self.parts = parts;
+        self.base = base;
+        self.offset = offset;
+        self.recurrent = recurrent;
+        self.rope_history = rope_history
+            .iter()
+            .copied()
+            .filter(|&(at, _)| at <= offset)
+            .collect();
+        self.rope_delta = self.rope_history.last().map_or(0, |&(_, delta)| delta);
+        Ok(())
+    }
+
     /// Whether this is a sliding-window layer's cache.
     pub fn is_windowed(&self) -> bool {
         self.window.is_some()
@@ -786,7 +855,7 @@ fn aligned(
 /// A copy of `array` in its own buffer: a row taken out of a batch must not keep the batch's
 /// buffer alive (the prefix cache counts its bytes). A slice may share its parent's buffer, a
 /// product never does, and `x * 1` is exact.
-fn contiguous(array: &Array) -> Result<Array> {
+pub(crate) fn contiguous(array: &Array) -> Result<Array> {
     Ok(ops::multiply(array, crate::nn::scalar(1.0, array)?)?)
 }
 

@@ -22,6 +22,7 @@ use crate::{
     cache::{KvCache, KvStorage},
     chat::{ChatTokenizer, TemplateOptions},
     constrain::{ConstraintFactory, Grammars},
+    disk_cache::DiskCache,
     error::{EngineError, Result},
     generate::{self, Completion, DecodeRow, FinishReason, GenerateParams, Prefill, Sequence},
     metrics::{Metrics, MetricsSnapshot},
@@ -202,8 +203,15 @@ pub struct EngineOptions {
     pub memory_budget: Option<u64>,
     /// Bits of the quantized KV cache of full-attention layers (8 or 4); None keeps it dense.
     pub kv_bits: Option<i32>,
-    /// Where finished prefixes are also written as blocks (`disk_cache`); None: not at all.
+    /// Where finished prefixes are also kept on disk (`disk_cache`), to be read back on a RAM
+    /// miss, also after a restart; None: not at all.
     pub prefix_disk_dir: Option<PathBuf>,
+    /// Bytes the disk cache may hold (least recently used files go first); None: min(16 GB,
+    /// 10 % of the free disk).
+    pub prefix_disk_bytes: Option<u64>,
+    /// Holds every disk-cache read back this long (tests: a slow disk).
+    #[doc(hidden)]
+    pub disk_read_delay: Option<std::time::Duration>,
 }
 
 impl Default for EngineOptions {
@@ -217,6 +225,8 @@ impl Default for EngineOptions {
             memory_budget: None,
             kv_bits: None,
             prefix_disk_dir: None,
+            prefix_disk_bytes: None,
+            disk_read_delay: None,
         }
     }
 }
@@ -273,12 +283,19 @@ impl Engine {
             None => KvStorage::Dense,
         };
         let disk = match &options.prefix_disk_dir {
-            Some(dir) => Some(crate::disk_cache::DiskWriter::spawn(dir.clone()).map_err(
-                |error| EngineError::Io {
-                    path: dir.clone(),
-                    message: error.to_string(),
-                },
-            )?),
+            Some(dir) => {
+                let budget = options
+                    .prefix_disk_bytes
+                    .unwrap_or_else(|| crate::disk_cache::default_budget(dir));
+                Some(
+                    DiskCache::open(dir.clone(), budget, options.disk_read_delay).map_err(
+                        |error| EngineError::Io {
+                            path: dir.clone(),
+                            message: error.to_string(),
+                        },
+                    )?,
+                )
+            }
             None => None,
         };
         let (jobs, inbox) = mpsc::channel();
@@ -321,6 +338,8 @@ impl Engine {
                     published: worker_resident,
                     max_batch: options.max_batch.max(1),
                     pending: VecDeque::new(),
+                    loading: Vec::new(),
+                    ready: VecDeque::new(),
                     admitting: None,
                     batch: None,
                     joining: false,
@@ -495,8 +514,8 @@ struct EngineThread {
     prefix_budgets: (Option<u64>, Option<u64>),
     /// How new requests' caches store keys and values (`EngineOptions::kv_bits`).
     kv_storage: KvStorage,
-    /// The disk cache's writer and each model's fingerprint (`EngineOptions::prefix_disk_dir`).
-    disk: Option<crate::disk_cache::DiskWriter>,
+    /// The disk cache and each model's fingerprint (`EngineOptions::prefix_disk_dir`).
+    disk: Option<DiskCache>,
     fingerprints: HashMap<PathBuf, String>,
     /// The model id metrics know each cached model by.
     prefix_ids: HashMap<PathBuf, String>,
@@ -508,6 +527,10 @@ struct EngineThread {
     max_batch: usize,
     /// Jobs taken from the channel and not yet handled, in arrival order.
     pending: VecDeque<Job>,
+    /// Requests whose prefix the disk cache's reader is reading; others decode meanwhile.
+    loading: Vec<Loading>,
+    /// Requests whose prefix has been read, to start before any pending job.
+    ready: VecDeque<(Loading, crate::disk_cache::store::Loaded)>,
     /// The request whose prompt is being prefilled, a chunk per turn of the loop.
     admitting: Option<Admission>,
     /// The requests decoding together.
@@ -574,6 +597,29 @@ fn settle(queued: &AtomicUsize) {
     }
 }
 
+/// A finished sequence for the disk: its tokens as the cache keys them, its caches and the
+/// tips to write (position, the caches holding that prefix).
+struct DiskOffer {
+    tokens: Vec<u32>,
+    caches: Vec<KvCache>,
+    tips: Vec<(usize, Vec<KvCache>)>,
+}
+
+/// A request waiting for the disk cache's reader (see [`EngineThread::start`]).
+struct Loading {
+    read: u64,
+    request: Request,
+    ticket: Ticket,
+}
+
+/// What [`EngineThread::start`] made of a request: its prefill, or a disk read to wait for.
+// Made and moved once per request: the size difference costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
+enum Started {
+    Prefill(PathBuf, Prefill, Grammars, Option<Vec<u32>>),
+    Read(crate::disk_cache::Plan),
+}
+
 struct Admission {
     key: PathBuf,
     ticket: Ticket,
@@ -638,8 +684,21 @@ impl EngineThread {
         let mut open = true;
         loop {
             // Block only with nothing to do; otherwise take what has arrived and go on.
-            let idle = self.batch.is_none() && self.admitting.is_none() && self.pending.is_empty();
-            if idle {
+            let idle = self.batch.is_none()
+                && self.admitting.is_none()
+                && self.pending.is_empty()
+                && self.ready.is_empty();
+            if idle && !self.loading.is_empty() {
+                // Only disk reads to wait for: look for them and for new jobs in turn.
+                crate::profile::idle();
+                if let Some(loaded) = self
+                    .disk
+                    .as_ref()
+                    .and_then(|disk| disk.wait(std::time::Duration::from_millis(2)))
+                {
+                    self.take_read(loaded);
+                }
+            } else if idle {
                 if !open {
                     break;
                 }
@@ -686,6 +745,32 @@ impl EngineThread {
     /// needs another model (or to unload the running one) waits until the batch drains, and
     /// everything behind it waits too.
     fn admit(&mut self) {
+        if let Some(disk) = &self.disk {
+            for loaded in disk.poll() {
+                self.take_read(loaded);
+            }
+        }
+        // Requests whose prefix came off the disk go first (they arrived before anything
+        // pending); one that cannot go yet holds the queue, as a pending job would.
+        while let Some((loading, _)) = self.ready.front() {
+            if self.admitting.is_some() || !self.batch_takes(&loading.request.model) {
+                return;
+            }
+            let (loading, loaded) = self.ready.pop_front().expect("looked at above");
+            let Loading {
+                request,
+                mut ticket,
+                ..
+            } = loading;
+            match self.start(&request, Some(loaded)) {
+                Ok(Started::Prefill(key, prefill, constraint, image_key)) => {
+                    ticket.image_key = image_key;
+                    self.begin(key, ticket, prefill, constraint)
+                }
+                Ok(Started::Read(_)) => unreachable!("a read prefix is never read again"),
+                Err(error) => self.fail(ticket, error),
+            }
+        }
         while let Some(job) = self.pending.front() {
             let busy = self.batch.is_some() || self.admitting.is_some();
             let running = self
@@ -696,14 +781,8 @@ impl EngineThread {
             match job {
                 Job::Generate { cancel, .. } if cancel.load(Ordering::Relaxed) => {}
                 Job::Generate { request, .. } => {
-                    if self.admitting.is_some() {
+                    if self.admitting.is_some() || !self.batch_takes(&request.model) {
                         return;
-                    }
-                    if let Some(batch) = &self.batch {
-                        let same = request.model.canonicalize().ok().as_ref() == Some(&batch.key);
-                        if !same || batch.rows.len() >= self.max_batch {
-                            return;
-                        }
                     }
                 }
                 Job::Info { model, .. } => {
@@ -746,18 +825,17 @@ impl EngineThread {
                         panic_at: request.panic_at,
                     };
                     injected_panic(ticket.panic_at, Step::Admit);
-                    match self.start(&request) {
-                        Ok((key, prefill, constraint, image_key)) => {
+                    match self.start(&request, None) {
+                        Ok(Started::Prefill(key, prefill, constraint, image_key)) => {
                             ticket.image_key = image_key;
-                            let _ = ticket.events.send(Event::Started {
-                                prompt_tokens: prefill.prompt_tokens(),
-                                max_ctx: prefill.max_ctx(),
-                            });
-                            self.admitting = Some(Admission {
-                                key,
+                            self.begin(key, ticket, prefill, constraint)
+                        }
+                        Ok(Started::Read(plan)) => {
+                            let read = self.disk.as_mut().expect("planned").request(&plan);
+                            self.loading.push(Loading {
+                                read,
+                                request: *request,
                                 ticket,
-                                prefill,
-                                constraint,
                             });
                         }
                         Err(error) => self.fail(ticket, error),
@@ -771,6 +849,44 @@ impl EngineThread {
                 }
             }
         }
+    }
+
+    /// Whether a request for `model` may start now as far as the batch goes: none runs, or it
+    /// runs that model with room to spare.
+    fn batch_takes(&self, model: &Path) -> bool {
+        self.batch.as_ref().is_none_or(|batch| {
+            model.canonicalize().ok().as_ref() == Some(&batch.key)
+                && batch.rows.len() < self.max_batch
+        })
+    }
+
+    /// A request's prefill begins: the client learns its prompt's size.
+    fn begin(&mut self, key: PathBuf, ticket: Ticket, prefill: Prefill, constraint: Grammars) {
+        let _ = ticket.events.send(Event::Started {
+            prompt_tokens: prefill.prompt_tokens(),
+            max_ctx: prefill.max_ctx(),
+        });
+        self.admitting = Some(Admission {
+            key,
+            ticket,
+            prefill,
+            constraint,
+        });
+    }
+
+    /// A disk read finished: its request is ready to start (or, cancelled meanwhile, ends).
+    fn take_read(&mut self, loaded: crate::disk_cache::store::Loaded) {
+        let Some(at) = self.loading.iter().position(|l| l.read == loaded.id) else {
+            return;
+        };
+        let loading = self.loading.swap_remove(at);
+        if loading.ticket.cancel.load(Ordering::Relaxed) {
+            let mut ticket = loading.ticket;
+            ticket.settle();
+            self.publish_in_flight();
+            return;
+        }
+        self.ready.push_back((loading, loaded));
     }
 
     fn fail(&self, mut ticket: Ticket, error: EngineError) {
@@ -980,7 +1096,7 @@ impl EngineThread {
         if let (true, Some(sequence)) = (reusable, cached) {
             let keyed = |tokens: Vec<u32>| image_keyed(tokens, ticket.image_key.as_deref());
             if self.disk.is_some() {
-                for_disk = Some((keyed(sequence.tokens.clone()), sequence.caches.clone()));
+                for_disk = Some(self.disk_offer(key, &sequence, keyed(sequence.tokens.clone())));
             }
             self.prefix
                 .retire_windowed_prefixes(key, &keyed(sequence.tokens.clone()));
@@ -1002,31 +1118,67 @@ impl EngineThread {
         ticket.settle();
         self.publish_in_flight();
         ticket.send_last(Event::Done(completion));
-        if let Some((tokens, caches)) = for_disk {
-            self.offer_to_disk(key, &tokens, &caches);
+        if let Some(offer) = for_disk {
+            self.offer_to_disk(key, offer);
         }
     }
 
-    /// Writes the whole blocks of a finished sequence that the disk does not hold yet (encoded
-    /// here, written by the disk cache's thread). Attention-only models: a recurrent state or a
-    /// window is stored as a snapshot, which the format does not hold yet.
-    fn offer_to_disk(&mut self, key: &Path, tokens: &[u32], caches: &[KvCache]) {
+    /// What of a finished sequence goes to the disk: its blocks, and tips where a later turn
+    /// will want to start. The last message boundary (where the answer's opener begins: the
+    /// turn's prompt less its generation prompt, which a client's re-rendered history always
+    /// shares) for every model; the end too where only the full-length KV's tail is needed.
+    /// Recurrent and windowed models have their state at the boundary only as a snapshot
+    /// (taken during prefill), and a tip of theirs is large (a window or a recurrent state), so
+    /// they keep one tip per turn.
+    fn disk_offer(
+        &self,
+        key: &Path,
+        sequence: &generate::CachedSequence,
+        tokens: Vec<u32>,
+    ) -> DiskOffer {
+        let resident = &self.models[key];
+        let model = resident.loaded.model.as_ref();
+        let opener = resident.tokenizer.token_id(model.message_opener());
+        let end = tokens.len();
+        let boundary = opener.and_then(|opener| (1..end).rev().find(|&at| tokens[at] == opener));
+        let kv_only = model.rewindable() && !model.windowed();
+        let mut tips = Vec::new();
+        if kv_only {
+            tips.extend(boundary.map(|at| (at, sequence.caches.clone())));
+            tips.push((end, sequence.caches.clone()));
+        } else {
+            let at = boundary.or(sequence.snapshots.last().map(|s| s.tokens.len()));
+            tips.extend(
+                sequence
+                    .snapshots
+                    .iter()
+                    .find(|snapshot| Some(snapshot.tokens.len()) == at)
+                    .map(|snapshot| (snapshot.tokens.len(), snapshot.caches.clone())),
+            );
+        }
+        DiskOffer {
+            tokens,
+            caches: sequence.caches.clone(),
+            tips,
+        }
+    }
+
+    /// Queues what the disk does not hold yet of a finished sequence (encoded here, written by
+    /// the disk cache's thread).
+    fn offer_to_disk(&mut self, key: &Path, offer: DiskOffer) {
+        let Some(fingerprint) = self.fingerprint(key) else {
+            return;
+        };
         let Some(disk) = self.disk.as_mut() else {
             return;
         };
-        let fingerprint = match self.fingerprints.get(key) {
-            Some(fingerprint) => fingerprint.clone(),
-            None => match crate::disk_cache::fingerprint(key, self.kv_storage) {
-                Ok(fingerprint) => {
-                    self.fingerprints
-                        .insert(key.to_path_buf(), fingerprint.clone());
-                    fingerprint
-                }
-                Err(_) => return,
-            },
-        };
-        if let Err(error) = disk.offer(&fingerprint, tokens, caches) {
-            eprintln!("rmlx: a prefix block was not written to disk: {error}");
+        let tips: Vec<(usize, &[KvCache])> = offer
+            .tips
+            .iter()
+            .map(|(at, caches)| (*at, &caches[..]))
+            .collect();
+        if let Err(error) = disk.offer(&fingerprint, &offer.tokens, &offer.caches, &tips) {
+            eprintln!("rmlx: a prefix was not written to disk: {error}");
         }
     }
 
@@ -1131,13 +1283,17 @@ impl EngineThread {
 
     /// Everything before the first prefill chunk: the model resident, the prompt rendered
     /// and checked against the context, the images encoded, the prefix cache consulted.
+    /// Renders and checks a request and looks for its prefix: in RAM, else on disk (a read to
+    /// wait for, unless `read` already holds what the disk had for it).
     fn start(
         &mut self,
         request: &Request,
-    ) -> Result<(PathBuf, Prefill, Grammars, Option<Vec<u32>>)> {
+        read: Option<crate::disk_cache::store::Loaded>,
+    ) -> Result<Started> {
         let model_id = request.metrics_id();
         self.resident(&request.model)?;
         let key = self.lru.last().expect("just made resident").clone();
+        let fingerprint = self.fingerprint(&key);
         // Before any compute: a bad schema is the request's error.
         let constraint = self
             .models
@@ -1211,13 +1367,43 @@ impl EngineThread {
         let image_key = images
             .as_ref()
             .map(|pending| image_key(&prompt_ids, &pending.spans, &request.images));
-        let reuse = match (&images, &image_key) {
-            (Some(pending), Some(keyed)) => {
-                let reuse = self.prefix.lookup(&key, keyed);
-                reuse.and_then(|reuse| outside_blocks(reuse, &pending.blocks))
+        let lookup_key = image_key.as_deref().unwrap_or(&prompt_ids);
+        let blocks = images
+            .as_ref()
+            .map_or(&[][..], |pending| &pending.blocks[..]);
+        let mut reuse = self
+            .prefix
+            .lookup(&key, lookup_key)
+            .and_then(|reuse| outside_blocks(reuse, blocks));
+        let in_ram = reuse.as_ref().map_or(0, |reuse| reuse.cached_tokens);
+        match (read, &self.disk, &fingerprint) {
+            (Some(read), _, _) => {
+                let fresh = model.new_cache(model.max_position_embeddings());
+                let rebuilt = crate::disk_cache::restore::rebuild(fresh, &read.files, lookup_key);
+                match rebuilt {
+                    Ok((caches, tokens)) if tokens > in_ram => {
+                        let from_disk = prefix_cache::Reuse {
+                            caches,
+                            cached_tokens: tokens,
+                        };
+                        if let Some(from_disk) = outside_blocks(from_disk, blocks) {
+                            reuse = Some(from_disk);
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(error) => eprintln!("rmlx: a disk-cache prefix was not used: {error}"),
+                }
             }
-            _ => self.prefix.lookup(&key, &prompt_ids),
-        };
+            (None, Some(disk), Some(fingerprint)) => {
+                let needs_tip = !model.rewindable() || model.windowed();
+                if let Some(plan) = disk.plan(fingerprint, lookup_key, needs_tip) {
+                    if plan.tokens > in_ram {
+                        return Ok(Started::Read(plan));
+                    }
+                }
+            }
+            _ => {}
+        }
         self.metrics
             .record_prefix_lookup(&model_id, reuse.is_some());
         // Images wholly inside the reused prefix need no vision tower.
@@ -1244,7 +1430,20 @@ impl EngineThread {
             reuse,
             images,
         )?;
-        Ok((key, prefill, constraint, image_key))
+        Ok(Started::Prefill(key, prefill, constraint, image_key))
+    }
+
+    /// The disk cache's key for a resident model (None without a disk cache, or when its folder
+    /// cannot be read).
+    fn fingerprint(&mut self, key: &Path) -> Option<String> {
+        self.disk.as_ref()?;
+        if let Some(fingerprint) = self.fingerprints.get(key) {
+            return Some(fingerprint.clone());
+        }
+        let fingerprint = crate::disk_cache::fingerprint(key, self.kv_storage).ok()?;
+        self.fingerprints
+            .insert(key.to_path_buf(), fingerprint.clone());
+        Some(fingerprint)
     }
 }
 

@@ -1,20 +1,29 @@
-//! The disk prefix cache's format, keys and writer (`disk_cache`): a finished request's whole
-//! blocks land under the model's fingerprint, once; each block holds exactly the KV a fresh
-//! prefill computes for its positions, chained to its parent; another model, a changed config
-//! or another KV storage is another fingerprint; a corrupt or truncated block does not decode.
+//! The disk prefix cache (`disk_cache`): a finished request's whole blocks and tips land under
+//! the model's fingerprint, once; each block holds exactly the KV a fresh prefill computes for
+//! its positions, chained to its parent; another model, a changed config or another KV storage
+//! is another fingerprint; a corrupt or truncated file does not decode. After a restart a
+//! conversation's next turn is read back (for a KV family, Qwen3.5 / 3.6, Gemma 4's sliding
+//! windows and a conversation with a picture) and answers as an uncached engine does; a damaged
+//! block is a miss and goes; another model or `--kv-bits` never hits; a slow read does not
+//! stall the streams decoding meanwhile.
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::{
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
 
 use common::{fixture, ids_array};
 use rmlx_engine::{
     cache::KvStorage,
+    chat::{ChatTokenizer, TemplateOptions},
     disk_cache::{self, BLOCK_TOKENS},
-    engine::{Engine, EngineOptions, Prompt, Request},
+    engine::{Engine, EngineOptions, Event, Prompt, Request},
     generate::GenerateParams,
     models::{load_model, Logits},
 };
+use serde_json::{json, Value};
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("rmlx-disk-{name}-{}", std::process::id()));
@@ -22,17 +31,25 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-fn blocks(dir: &Path) -> Vec<(PathBuf, std::time::SystemTime)> {
+/// The files under `dir`, each with its inode: a file written again (temp file, rename) gets a
+/// new one, while a hit only touches its time.
+fn blocks(dir: &Path) -> Vec<(PathBuf, u64)> {
+    use std::os::unix::fs::MetadataExt;
     let mut out: Vec<_> = walk(dir)
         .into_iter()
         .filter(|path| path.extension().is_some_and(|ext| ext == "safetensors"))
         .map(|path| {
-            let modified = std::fs::metadata(&path).unwrap().modified().unwrap();
-            (path, modified)
+            let inode = std::fs::metadata(&path).unwrap().ino();
+            (path, inode)
         })
         .collect();
     out.sort();
     out
+}
+
+fn is_tip(path: &Path) -> bool {
+    path.file_name()
+        .is_some_and(|name| name.to_string_lossy().starts_with("tip-"))
 }
 
 fn walk(dir: &Path) -> Vec<PathBuf> {
@@ -79,8 +96,10 @@ fn finished_prefixes_become_chained_blocks_once_per_fingerprint() {
     let prompt = common::text_ids(600, 17, 10, 500);
     run(model, &disk, &prompt, None);
     let written = blocks(&disk);
-    // 600 prompt + 3 fed answer tokens: two whole blocks.
-    assert_eq!(written.len(), 2, "{written:?}");
+    // 600 prompt + 3 fed answer tokens: two whole blocks, and a tip at the end (the prompt
+    // has no message opener).
+    let tips = written.iter().filter(|(path, _)| is_tip(path)).count();
+    assert_eq!((written.len() - tips, tips), (2, 1), "{written:?}");
     let fingerprint = disk_cache::fingerprint(&fixture(model), KvStorage::Dense).unwrap();
     assert!(written
         .iter()
@@ -167,7 +186,10 @@ fn a_changed_checkpoint_is_another_fingerprint_and_damage_does_not_decode() {
         &common::text_ids(300, 5, 10, 500),
         None,
     );
-    let (path, _) = blocks(&disk).remove(0);
+    let (path, _) = blocks(&disk)
+        .into_iter()
+        .find(|(path, _)| !is_tip(path))
+        .unwrap();
     let bytes = std::fs::read(&path).unwrap();
     assert!(disk_cache::decode_block(&bytes).is_ok());
     let mut flipped = bytes.clone();
@@ -181,4 +203,298 @@ fn a_changed_checkpoint_is_another_fingerprint_and_damage_does_not_decode() {
     assert!(disk_cache::decode_block(&bytes[..4]).is_err(), "no header");
     let _ = std::fs::remove_dir_all(&disk);
     let _ = std::fs::remove_dir_all(&copy);
+}
+
+fn disk_engine(disk: &Path, kv_bits: Option<i32>, read_delay: Option<Duration>) -> Engine {
+    Engine::start_with(EngineOptions {
+        prefix_disk_dir: Some(disk.to_path_buf()),
+        kv_bits,
+        disk_read_delay: read_delay,
+        ..EngineOptions::default()
+    })
+    .unwrap()
+}
+
+fn uncached_engine() -> Engine {
+    Engine::start_with(EngineOptions {
+        prefix_cache_bytes: Some(0),
+        prefix_snapshot_bytes: Some(0),
+        ..EngineOptions::default()
+    })
+    .unwrap()
+}
+
+/// Turn 1 of a chat: a long first message (several windows of the Gemma fixture, past a block)
+/// with `picture` before it when given.
+fn chat_turn(model: &str, messages: &[Value], picture: Option<&str>, max_tokens: usize) -> Request {
+    Request {
+        model: fixture(model),
+        prompt: Prompt::Chat {
+            messages: messages.to_vec(),
+            options: TemplateOptions {
+                add_generation_prompt: true,
+                ..Default::default()
+            },
+        },
+        images: picture
+            .map(|name| {
+                image::open(fixture("vision-images").join(name))
+                    .unwrap()
+                    .to_rgb8()
+            })
+            .into_iter()
+            .collect(),
+        params: GenerateParams {
+            max_tokens,
+            ignore_eos: true,
+            logprobs: Some(1),
+            ..GenerateParams::default()
+        },
+        ..Request::default()
+    }
+}
+
+fn first_message(picture: bool) -> Value {
+    let words = [
+        "river", "stone", "maple", "quiet", "lantern", "harbor", "copper",
+    ];
+    let text: Vec<&str> = (0..420).map(|i| words[i * 5 % words.len()]).collect();
+    let text = text.join(" ");
+    match picture {
+        true => json!([{"type": "image"}, {"type": "text", "text": text}]),
+        false => json!(text),
+    }
+}
+
+/// The conversation's two turns: turn 1, and turn 2 with turn 1's answer and a question.
+fn two_turns(model: &str, picture: Option<&str>, answer: Option<&str>) -> Request {
+    let mut messages = vec![json!({"role": "user", "content": first_message(picture.is_some())})];
+    if let Some(answer) = answer {
+        messages.push(json!({"role": "assistant", "content": answer}));
+        messages.push(json!({"role": "user", "content": "And what comes next?"}));
+    }
+    chat_turn(model, &messages, picture, 8)
+}
+
+/// Where turn 1's answer begins: its prompt less the generation prompt (the last opener).
+fn last_boundary(model: &str, opener: &str, prompt: &[u32]) -> usize {
+    let tokenizer = ChatTokenizer::from_dir(&fixture(model)).unwrap();
+    let opener = tokenizer.token_id(opener).unwrap();
+    (1..prompt.len() - 1)
+        .rev()
+        .find(|&at| prompt[at] == opener)
+        .unwrap()
+}
+
+#[test]
+fn a_restart_answers_the_next_turn_from_disk_as_uncached() {
+    // (fixture, message opener, picture)
+    let cases = [
+        ("qwen3-tiny", "<|im_start|>", None),
+        ("releases/qwen3.6-27b", "<|im_start|>", None),
+        ("gemma4-tiny", "<|turn>", None),
+        ("qwen3-vl-tiny", "<|im_start|>", Some("gradient_64x48.png")),
+        (
+            "releases/qwen3.6-35b-a3b",
+            "<|im_start|>",
+            Some("noise_80x100.png"),
+        ),
+    ];
+    let reference = uncached_engine();
+    for (model, opener, picture) in cases {
+        let disk = scratch(&format!("restart-{}", model.replace('/', "-")));
+        let turn1 = {
+            let engine = disk_engine(&disk, None, None);
+            engine
+                .submit(two_turns(model, picture, None))
+                .unwrap()
+                .wait()
+                .unwrap()
+            // The engine stops here: its queued writes finish, its RAM cache is gone.
+        };
+        let restarted = disk_engine(&disk, None, None);
+        let turn2 = two_turns(model, picture, Some(&turn1.text));
+        let completion = restarted.submit(turn2.clone()).unwrap().wait().unwrap();
+        let uncached = reference.submit(turn2).unwrap().wait().unwrap();
+        let boundary = last_boundary(model, opener, &turn1.prompt_ids);
+        eprintln!(
+            "{model}: turn 2 after a restart: {} of {} prompt tokens from disk (turn 1's prompt \
+             less its generation prompt: {boundary})",
+            completion.cached_tokens,
+            completion.prompt_ids.len()
+        );
+        assert!(
+            completion.cached_tokens >= boundary,
+            "{model}: {} cached, turn 1's last message starts at {boundary}",
+            completion.cached_tokens
+        );
+        common::assert_same_as_uncached(model, &completion, &uncached, 1e-4);
+        drop(restarted);
+        let _ = std::fs::remove_dir_all(&disk);
+    }
+}
+
+#[test]
+fn a_damaged_block_is_a_miss_that_goes_and_the_answer_is_right() {
+    let model = "qwen3-tiny";
+    let disk = scratch("damaged");
+    let turn1 = disk_engine(&disk, None, None)
+        .submit(two_turns(model, None, None))
+        .unwrap()
+        .wait()
+        .unwrap();
+    // Block 0 of the prompt: every later block and tip hangs off it.
+    let fingerprint = disk_cache::fingerprint(&fixture(model), KvStorage::Dense).unwrap();
+    let first = disk.join(&fingerprint).join(format!(
+        "{}.safetensors",
+        disk_cache::hex(&disk_cache::chain(&turn1.prompt_ids)[0])
+    ));
+    let mut bytes = std::fs::read(&first).unwrap();
+    let middle = bytes.len() - 100;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&first, &bytes).unwrap();
+
+    let turn2 = two_turns(model, None, Some(&turn1.text));
+    let completion = disk_engine(&disk, None, None)
+        .submit(turn2.clone())
+        .unwrap()
+        .wait()
+        .unwrap();
+    let uncached = uncached_engine().submit(turn2).unwrap().wait().unwrap();
+    assert_eq!(
+        completion.cached_tokens, 0,
+        "a damaged chain serves nothing"
+    );
+    common::assert_same_as_uncached("after a damaged block", &completion, &uncached, 1e-4);
+    // The damaged file went; the turn's fresh prefill wrote a good one in its place.
+    let rewritten = std::fs::read(&first).unwrap();
+    assert_ne!(rewritten, bytes);
+    assert!(disk_cache::decode_block(&rewritten).is_ok());
+    let _ = std::fs::remove_dir_all(&disk);
+}
+
+#[test]
+fn another_model_or_kv_bits_never_hits() {
+    let disk = scratch("isolation");
+    let turn1 = disk_engine(&disk, None, None)
+        .submit(two_turns("qwen3-tiny", None, None))
+        .unwrap()
+        .wait()
+        .unwrap();
+    // The same conversation: on the same model it hits; at 8 bits or on another checkpoint
+    // (same tokenizer and ids) it never does.
+    let next = |model: &str| two_turns(model, None, Some(&turn1.text));
+    let same = disk_engine(&disk, None, None)
+        .submit(next("qwen3-tiny"))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(same.cached_tokens > 0);
+    let quantized_kv = disk_engine(&disk, Some(8), None)
+        .submit(next("qwen3-tiny"))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(quantized_kv.cached_tokens, 0, "--kv-bits 8 after dense KV");
+    let other = disk_engine(&disk, None, None)
+        .submit(next("qwen3-tiny-4bit"))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(other.cached_tokens, 0, "another checkpoint");
+    let _ = std::fs::remove_dir_all(&disk);
+}
+
+/// A request whose prefix is on disk waits for its read (made slow here: 2 s) in a loading
+/// state while a running stream keeps decoding; the read is not on the engine thread, so the
+/// stream's longest gap during the read stays far below the read's time.
+#[test]
+fn a_disk_read_does_not_stall_a_running_stream() {
+    let model = "qwen3-tiny";
+    let disk = scratch("stall");
+    let turn1 = disk_engine(&disk, None, None)
+        .submit(two_turns(model, None, None))
+        .unwrap()
+        .wait()
+        .unwrap();
+    let delay = Duration::from_secs(2);
+    let engine = disk_engine(&disk, None, Some(delay));
+    let stream = engine
+        .submit(Request {
+            model: fixture(model),
+            prompt: Prompt::Ids(common::text_ids(40, 3, 10, 500)),
+            params: GenerateParams {
+                max_tokens: 100_000,
+                ignore_eos: true,
+                ..GenerateParams::default()
+            },
+            ..Request::default()
+        })
+        .unwrap();
+    // A thread of its own takes the stream's tokens as they come and times each.
+    let times = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Instant>::new()));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (times, stop) = (times.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match stream.events.recv_timeout(Duration::from_millis(50)) {
+                    Ok(Event::Delta { .. }) => times.lock().unwrap().push(Instant::now()),
+                    Ok(Event::Done(_) | Event::Error(_)) => break,
+                    _ => {}
+                }
+            }
+        })
+    };
+    // The stream is decoding before the disk request arrives.
+    while times.lock().unwrap().len() < 5 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let submitted = Instant::now();
+    let from_disk = engine
+        .submit(two_turns(model, None, Some(&turn1.text)))
+        .unwrap();
+    let started = loop {
+        match from_disk
+            .events
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap()
+        {
+            Event::Started { .. } => break Instant::now(),
+            Event::Error(error) => panic!("{error}"),
+            _ => {}
+        }
+    };
+    let completion = from_disk.wait().unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    watcher.join().unwrap();
+    assert!(completion.cached_tokens > 0, "served from disk");
+    assert!(started - submitted >= delay, "the read took its time");
+    let times = times.lock().unwrap();
+    let during: Vec<Instant> = times
+        .iter()
+        .copied()
+        .filter(|&t| t >= submitted && t <= started)
+        .collect();
+    let longest = during
+        .windows(2)
+        .map(|pair| pair[1] - pair[0])
+        .chain([during.first().map_or(delay, |&t| t - submitted)])
+        .max()
+        .unwrap();
+    eprintln!(
+        "while the disk read took {:?}, the running stream produced {} tokens, longest gap {longest:?}",
+        started - submitted,
+        during.len()
+    );
+    assert!(
+        during.len() >= 50,
+        "the stream stalled: {} tokens",
+        during.len()
+    );
+    assert!(
+        longest < delay / 2,
+        "the stream waited {longest:?} during a {delay:?} read"
+    );
+    let _ = std::fs::remove_dir_all(&disk);
 }

@@ -92,6 +92,10 @@ packaging-test:
 
 test: scripts-test packaging-test fmt-check clippy cargo-test ui-test app-test
 
+# Every server the tests start keeps its disk prefix cache off (one test's conversations would
+# be another's disk hits); the disk cache's own tests turn it on in folders of their own.
+cargo-test ui-test app-test: export RMLX_PREFIX_DISK_GB := 0
+
 ## A Homebrew bottle of packaging/homebrew/rmlx.rb for this machine (a Mac with Homebrew), renamed
 ## to its release asset name, and the `bottle do` block to paste (docs/RELEASING.md). Not part of
 ## `make test`. ROOT_URL, TAP, OUT, SOURCE_TARBALL, WRITE=1: see the script.

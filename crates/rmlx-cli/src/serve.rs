@@ -59,6 +59,14 @@ pub struct ServeArgs {
     /// along the head): about half or a quarter of bf16 [default: dense]
     #[arg(long, value_name = "8|4")]
     kv_bits: Option<i32>,
+    /// GB the disk prefix cache may hold: finished prefixes kept on disk, read back on a RAM
+    /// miss and after a restart; least recently used files go first; 0 turns it off
+    /// [default: min(16, 10 % of the free disk)]
+    #[arg(long, value_name = "GB", env = "RMLX_PREFIX_DISK_GB")]
+    prefix_disk_gb: Option<f64>,
+    /// Folder of the disk prefix cache [default: ~/.rmlx/cache]
+    #[arg(long, value_name = "DIR", env = "RMLX_PREFIX_DISK_DIR")]
+    prefix_disk_dir: Option<PathBuf>,
     /// Keep Claude Code's `x-anthropic-billing-header` system block in the prompt (left out by
     /// default: its per-request value would end every prefix-cache hit at the system prompt).
     #[arg(long)]
@@ -76,6 +84,13 @@ pub struct ServeArgs {
 }
 
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    if args
+        .prefix_disk_gb
+        .is_some_and(|gb| !(gb >= 0.0 && gb.is_finite()))
+    {
+        anyhow::bail!("--prefix-disk-gb must be 0 (off) or a positive number of GB");
+    }
+    let disk_on = args.prefix_disk_gb != Some(0.0);
     let config = ServerConfig {
         host: args.host,
         port: args.port,
@@ -95,6 +110,13 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         prefix_cache_bytes: args.prefix_cache_mb.map(|mb| mb << 20),
         prefix_snapshot_bytes: args.prefix_snapshot_mb.map(|mb| mb << 20),
         kv_bits: args.kv_bits,
+        prefix_disk_dir: disk_on
+            .then(|| {
+                args.prefix_disk_dir
+                    .or_else(rmlx_engine::disk_cache::default_root)
+            })
+            .flatten(),
+        prefix_disk_bytes: args.prefix_disk_gb.map(|gb| (gb * 1e9) as u64),
         ui_dir: args.ui_dir,
         embedded_ui: !args.no_ui,
     };

@@ -172,3 +172,122 @@ fn memory_refused_fails_only_that_request() {
     assert_eq!(metrics["queue_depth"], 0, "{metrics}");
     drop(server);
 }
+
+/// `rmlx serve` on the tiny Qwen3 with its disk prefix cache in `disk` (stderr to `log`).
+fn disk_server(disk: &std::path::Path, log: &std::path::Path) -> (Server, u16) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rmlx"))
+        .args(["serve", "--port", "0", "--prefix-disk-gb", "1", "--model"])
+        .arg(fixture("qwen3-tiny"))
+        .arg("--prefix-disk-dir")
+        .arg(disk)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(std::fs::File::create(log).unwrap()))
+        .spawn()
+        .unwrap();
+    let port = common::listening_port(&mut child);
+    (Server(child), port)
+}
+
+fn long_chat(messages: &[serde_json::Value]) -> String {
+    serde_json::json!({"model": "qwen3-tiny", "max_tokens": 4, "messages": messages}).to_string()
+}
+
+fn long_message(seed: usize) -> serde_json::Value {
+    let words = [
+        "delta", "orbit", "cedar", "plume", "anchor", "velvet", "granite",
+    ];
+    let text: Vec<&str> = (0..500)
+        .map(|i| words[(i * 3 + seed) % words.len()])
+        .collect();
+    serde_json::json!({"role": "user", "content": format!("{seed}: {}", text.join(" "))})
+}
+
+fn cache_files(disk: &std::path::Path) -> usize {
+    std::fs::read_dir(disk)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|folder| {
+            std::fs::read_dir(folder.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+        })
+        .filter(|file| file.path().extension().is_some_and(|e| e == "safetensors"))
+        .count()
+}
+
+/// The disk prefix cache through a real server: a restarted `rmlx serve` answers a
+/// conversation's next turn from disk (`cached_tokens` in the usage), and when writing fails
+/// (a file-size limit set on the running server: writes fail with EFBIG, rmlx ignores
+/// SIGXFSZ) it stops writing with one warning while every request is still answered.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_restarted_server_answers_from_disk_and_a_full_disk_only_stops_writing() {
+    let scratch = tempfile::tempdir().unwrap();
+    let disk = scratch.path().join("cache");
+    let log = scratch.path().join("serve.log");
+    let first = vec![long_message(0)];
+    let (status, turn1) = {
+        let (_server, port) = disk_server(&disk, &log);
+        let reply = http(
+            port,
+            "POST",
+            "/v1/chat/completions",
+            Some(&long_chat(&first)),
+        );
+        // The writer is off the request path: wait for its files before the server goes.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while cache_files(&disk) < 3 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        reply
+    };
+    assert_eq!(status, 200, "{turn1}");
+    let turn1_prompt = turn1["usage"]["prompt_tokens"].as_u64().unwrap();
+    let answer = turn1["choices"][0]["message"]["content"].as_str().unwrap();
+
+    let (server, port) = disk_server(&disk, &log);
+    let mut second = first.clone();
+    second.push(serde_json::json!({"role": "assistant", "content": answer}));
+    second.push(serde_json::json!({"role": "user", "content": "Go on."}));
+    let (status, turn2) = http(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        Some(&long_chat(&second)),
+    );
+    assert_eq!(status, 200, "{turn2}");
+    let cached = turn2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    eprintln!("after a restart: {cached} tokens from disk (turn 1's prompt: {turn1_prompt})");
+    // Turn 1's prompt less its generation prompt (`<|im_start|>assistant\n`).
+    assert!(cached + 3 >= turn1_prompt, "{turn2}");
+
+    let capped = Command::new("prlimit")
+        .arg(format!("--pid={}", server.0.id()))
+        .arg("--fsize=4096")
+        .status()
+        .unwrap();
+    assert!(capped.success(), "prlimit failed");
+    let mut files = Vec::new();
+    for seed in 1..4 {
+        let (status, reply) = http(
+            port,
+            "POST",
+            "/v1/chat/completions",
+            Some(&long_chat(&[long_message(seed)])),
+        );
+        assert_eq!(status, 200, "{reply}");
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        files.push(cache_files(&disk));
+    }
+    drop(server);
+    let log = std::fs::read_to_string(&log).unwrap();
+    let warnings = log.matches("stopped writing").count();
+    assert_eq!(warnings, 1, "{log}");
+    // Files under the limit may land before the first write fails; none after it.
+    assert!(files[0] == files[1] && files[1] == files[2], "{files:?}");
+}

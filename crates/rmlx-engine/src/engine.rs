@@ -249,6 +249,7 @@ struct Inner {
     metrics: Arc<Metrics>,
     resident: Arc<std::sync::Mutex<Vec<ModelInfo>>>,
     max_queue: usize,
+    disk_stats: Option<crate::disk_cache::StatsReader>,
 }
 
 impl Drop for Inner {
@@ -298,6 +299,7 @@ impl Engine {
             }
             None => None,
         };
+        let disk_stats = disk.as_ref().map(DiskCache::stats_reader);
         let (jobs, inbox) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
         let waiting = Arc::new(AtomicUsize::new(0));
@@ -358,6 +360,7 @@ impl Engine {
                 metrics,
                 resident,
                 max_queue,
+                disk_stats,
             }),
         })
     }
@@ -441,6 +444,11 @@ impl Engine {
     }
 
     /// The engine's metrics now (queue depth counts waiting requests only).
+    /// The disk prefix cache's counters (None when it is off).
+    pub fn disk_stats(&self) -> Option<crate::disk_cache::DiskStats> {
+        self.inner.disk_stats.as_ref().map(|reader| reader.stats())
+    }
+
     pub fn metrics(&self) -> MetricsSnapshot {
         let mut snapshot = self.inner.metrics.snapshot();
         snapshot.queue_depth = self.queue_depth().saturating_sub(snapshot.in_flight);

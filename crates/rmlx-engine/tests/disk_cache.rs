@@ -498,3 +498,116 @@ fn a_disk_read_does_not_stall_a_running_stream() {
     );
     let _ = std::fs::remove_dir_all(&disk);
 }
+
+fn budget_engine(disk: &Path, budget: u64) -> Engine {
+    let engine = Engine::start_with(EngineOptions {
+        prefix_disk_dir: Some(disk.to_path_buf()),
+        prefix_disk_bytes: Some(budget),
+        ..EngineOptions::default()
+    })
+    .unwrap();
+    // The start-up scan runs on the writer thread: wait for its index.
+    while !engine.disk_stats().unwrap().scanned {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    engine
+}
+
+fn answer(engine: &Engine, model: &str, prompt: Vec<u32>) {
+    engine
+        .submit(Request {
+            model: fixture(model),
+            prompt: Prompt::Ids(prompt),
+            params: GenerateParams {
+                max_tokens: 2,
+                ignore_eos: true,
+                ..GenerateParams::default()
+            },
+            ..Request::default()
+        })
+        .unwrap()
+        .wait()
+        .unwrap();
+}
+
+fn bytes_under(dir: &Path) -> u64 {
+    walk(dir)
+        .iter()
+        .map(|path| std::fs::metadata(path).unwrap().len())
+        .sum()
+}
+
+/// The budget holds at every write under a stream of distinct conversations on two models,
+/// the least recently used going first (across models); a restart's scan keeps every valid
+/// file (same inodes), deletes a damaged one, leaves files that are not the cache's alone, and
+/// evicts down to a smaller budget.
+#[test]
+fn the_budget_holds_and_a_restart_keeps_what_is_valid() {
+    let disk = scratch("budget");
+    let conversation = |seed: u32| common::text_ids(700, seed, 10, 500);
+    // One conversation's files, measured.
+    let one = {
+        let probe = scratch("budget-probe");
+        drop({
+            let engine = budget_engine(&probe, u64::MAX);
+            answer(&engine, "qwen3-tiny", conversation(1));
+            engine
+        });
+        let bytes = bytes_under(&probe);
+        let _ = std::fs::remove_dir_all(&probe);
+        bytes
+    };
+    let budget = one * 5 / 2;
+    let engine = budget_engine(&disk, budget);
+    answer(&engine, "qwen3-tiny", conversation(1));
+    let first_model = disk_cache::fingerprint(&fixture("qwen3-tiny"), KvStorage::Dense).unwrap();
+    for seed in 2..9 {
+        answer(&engine, "qwen3-tiny-4bit", conversation(seed));
+        let stats = engine.disk_stats().unwrap();
+        assert!(stats.bytes_on_disk <= budget, "{stats:?}");
+    }
+    drop(engine);
+    let stats_files = blocks(&disk);
+    assert!(
+        bytes_under(&disk) <= budget,
+        "{} > {budget}",
+        bytes_under(&disk)
+    );
+    assert!(
+        !disk.join(&first_model).exists() || walk(&disk.join(&first_model)).is_empty(),
+        "the oldest conversation (another model's) went first"
+    );
+    // The newest conversation is whole: its two blocks and its tip.
+    let newest = disk_cache::chain(&conversation(8));
+    for hash in &newest[..2] {
+        let name = format!("{}.safetensors", disk_cache::hex(hash));
+        assert!(stats_files.iter().any(|(path, _)| path.ends_with(&name)));
+    }
+
+    // A restart: a damaged file among valid ones, and files that are not the cache's.
+    let folder = stats_files[0].0.parent().unwrap().to_path_buf();
+    std::fs::write(folder.join("tip-damaged.safetensors"), b"not a block").unwrap();
+    std::fs::write(disk.join("notes.txt"), b"mine").unwrap();
+    std::fs::create_dir_all(disk.join("photos")).unwrap();
+    std::fs::write(disk.join("photos").join("a.safetensors"), b"mine too").unwrap();
+    let engine = budget_engine(&disk, budget);
+    let stats = engine.disk_stats().unwrap();
+    assert_eq!(stats.files as usize, stats_files.len(), "{stats:?}");
+    drop(engine);
+    let cache_files: Vec<_> = blocks(&disk)
+        .into_iter()
+        .filter(|(path, _)| !path.starts_with(disk.join("photos")))
+        .collect();
+    assert_eq!(cache_files, stats_files, "valid files kept as they were");
+    assert!(disk.join("notes.txt").exists() && disk.join("photos/a.safetensors").exists());
+
+    // A smaller budget: the scan evicts down to it, least recently used first.
+    let engine = budget_engine(&disk, one);
+    let stats = engine.disk_stats().unwrap();
+    assert!(
+        stats.bytes_on_disk <= one && stats.evicted_files > 0,
+        "{stats:?}"
+    );
+    drop(engine);
+    let _ = std::fs::remove_dir_all(&disk);
+}

@@ -83,6 +83,11 @@ pub struct ServerConfig {
     pub prefix_snapshot_bytes: Option<u64>,
     /// Bits of the quantized KV cache of full-attention layers (8 or 4; None: dense).
     pub kv_bits: Option<i32>,
+    /// Where finished prefixes are kept on disk, to answer after a restart (None: no disk
+    /// cache; `rmlx serve` and the app use `~/.rmlx/cache` unless told otherwise).
+    pub prefix_disk_dir: Option<PathBuf>,
+    /// Bytes the disk cache may hold (None: min(16 GB, 10 % of the free disk)).
+    pub prefix_disk_bytes: Option<u64>,
     /// A built web UI to serve at `/` (no API key needed for its files; its API calls still
     /// send one).
     pub ui_dir: Option<PathBuf>,
@@ -111,6 +116,8 @@ impl Default for ServerConfig {
             prefix_cache_bytes: EngineOptions::default().prefix_cache_bytes,
             prefix_snapshot_bytes: EngineOptions::default().prefix_snapshot_bytes,
             kv_bits: None,
+            prefix_disk_dir: None,
+            prefix_disk_bytes: None,
             ui_dir: None,
             embedded_ui: false,
             // A 2560x2560 RGBA PNG is at most ~26 MB, ~35 MB as base64 in a data URI.
@@ -142,6 +149,8 @@ impl AppState {
             prefix_cache_bytes: config.prefix_cache_bytes,
             prefix_snapshot_bytes: config.prefix_snapshot_bytes,
             kv_bits: config.kv_bits,
+            prefix_disk_dir: config.prefix_disk_dir.clone(),
+            prefix_disk_bytes: config.prefix_disk_bytes,
             ..EngineOptions::default()
         })
         .context("cannot start the engine")?;

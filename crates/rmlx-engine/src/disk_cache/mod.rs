@@ -26,7 +26,7 @@ use std::{
 use sha2::{Digest, Sha256};
 
 pub use format::{decode_block, encode_block, encode_tip, DecodedBlock};
-pub use store::{DiskCache, DiskStats, Plan};
+pub use store::{DiskCache, DiskStats, Plan, StatsReader};
 
 use crate::cache::KvStorage;
 

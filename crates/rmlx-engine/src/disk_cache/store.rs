@@ -105,6 +105,8 @@ pub struct DiskStats {
     pub evicted_bytes: u64,
     /// Writing stopped after a failed write (a full disk); reads go on.
     pub stopped: bool,
+    /// The start-up scan has indexed what was on disk.
+    pub scanned: bool,
 }
 
 struct Shared {
@@ -117,6 +119,7 @@ struct Shared {
     evicted_files: AtomicU64,
     evicted_bytes: AtomicU64,
     stopped: AtomicBool,
+    scanned: AtomicBool,
 }
 
 impl Shared {
@@ -173,6 +176,35 @@ struct ReadJob {
     files: Vec<String>,
 }
 
+/// Reads the disk cache's counters from outside the engine thread.
+#[derive(Clone)]
+pub struct StatsReader {
+    root: PathBuf,
+    shared: Arc<Shared>,
+}
+
+impl StatsReader {
+    pub fn stats(&self) -> DiskStats {
+        let (bytes_on_disk, files) = {
+            let index = self.shared.index();
+            (index.bytes, index.files.len() as u64)
+        };
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        DiskStats {
+            root: self.root.clone(),
+            budget_bytes: self.shared.budget,
+            bytes_on_disk,
+            files,
+            written_bytes: load(&self.shared.written),
+            read_bytes: load(&self.shared.read),
+            evicted_files: load(&self.shared.evicted_files),
+            evicted_bytes: load(&self.shared.evicted_bytes),
+            stopped: self.shared.stopped.load(Ordering::Relaxed),
+            scanned: self.shared.scanned.load(Ordering::Relaxed),
+        }
+    }
+}
+
 pub struct DiskCache {
     root: PathBuf,
     shared: Arc<Shared>,
@@ -204,6 +236,7 @@ impl DiskCache {
             evicted_files: AtomicU64::new(0),
             evicted_bytes: AtomicU64::new(0),
             stopped: AtomicBool::new(false),
+            scanned: AtomicBool::new(false),
         });
         // The scan happens before the first write: the writer thread does it.
         let (writes, write_inbox) = mpsc::channel::<WriteJob>();
@@ -213,6 +246,7 @@ impl DiskCache {
             .spawn(move || {
                 scan(&folder, &state);
                 state.make_room(&folder, 0);
+                state.scanned.store(true, Ordering::Relaxed);
                 for job in write_inbox {
                     write_job(&folder, &state, job);
                 }
@@ -249,21 +283,14 @@ impl DiskCache {
     }
 
     pub fn stats(&self) -> DiskStats {
-        let (bytes_on_disk, files) = {
-            let index = self.shared.index();
-            (index.bytes, index.files.len() as u64)
-        };
-        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
-        DiskStats {
+        self.stats_reader().stats()
+    }
+
+    /// A handle that reads the counters from any thread.
+    pub fn stats_reader(&self) -> StatsReader {
+        StatsReader {
             root: self.root.clone(),
-            budget_bytes: self.shared.budget,
-            bytes_on_disk,
-            files,
-            written_bytes: load(&self.shared.written),
-            read_bytes: load(&self.shared.read),
-            evicted_files: load(&self.shared.evicted_files),
-            evicted_bytes: load(&self.shared.evicted_bytes),
-            stopped: self.shared.stopped.load(Ordering::Relaxed),
+            shared: self.shared.clone(),
         }
     }
 

@@ -25,7 +25,7 @@ use crate::{
     disk_cache::DiskCache,
     error::{EngineError, Result},
     generate::{self, Completion, DecodeRow, FinishReason, GenerateParams, Prefill, Sequence},
-    metrics::{Metrics, MetricsSnapshot},
+    metrics::{Metrics, MetricsSnapshot, PrefixSource},
     models::{self, LoadedModel, ModelInfo},
     prefix_cache::{self, ModelFootprint, PrefixCache},
 };
@@ -444,6 +444,11 @@ impl Engine {
     }
 
     /// The engine's metrics now (queue depth counts waiting requests only).
+    /// Deletes every file of the disk prefix cache; the bytes freed (None when it is off).
+    pub fn clear_disk_cache(&self) -> Option<u64> {
+        self.inner.disk_stats.as_ref().map(|reader| reader.clear())
+    }
+
     /// The disk prefix cache's counters (None when it is off).
     pub fn disk_stats(&self) -> Option<crate::disk_cache::DiskStats> {
         self.inner.disk_stats.as_ref().map(|reader| reader.stats())
@@ -451,6 +456,7 @@ impl Engine {
 
     pub fn metrics(&self) -> MetricsSnapshot {
         let mut snapshot = self.inner.metrics.snapshot();
+        snapshot.disk_cache = self.disk_stats();
         snapshot.queue_depth = self.queue_depth().saturating_sub(snapshot.in_flight);
         snapshot
     }
@@ -1384,6 +1390,10 @@ impl EngineThread {
             .lookup(&key, lookup_key)
             .and_then(|reuse| outside_blocks(reuse, blocks));
         let in_ram = reuse.as_ref().map_or(0, |reuse| reuse.cached_tokens);
+        let mut source = match reuse {
+            Some(_) => PrefixSource::Ram,
+            None => PrefixSource::None,
+        };
         match (read, &self.disk, &fingerprint) {
             (Some(read), _, _) => {
                 let fresh = model.new_cache(model.max_position_embeddings());
@@ -1396,6 +1406,7 @@ impl EngineThread {
                         };
                         if let Some(from_disk) = outside_blocks(from_disk, blocks) {
                             reuse = Some(from_disk);
+                            source = PrefixSource::Disk;
                         }
                     }
                     Ok(_) => {}
@@ -1412,8 +1423,7 @@ impl EngineThread {
             }
             _ => {}
         }
-        self.metrics
-            .record_prefix_lookup(&model_id, reuse.is_some());
+        self.metrics.record_prefix_lookup(&model_id, source);
         // Images wholly inside the reused prefix need no vision tower.
         let cached = reuse.as_ref().map_or(0, |reuse| reuse.cached_tokens);
         let images = match images {

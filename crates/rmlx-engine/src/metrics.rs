@@ -149,6 +149,7 @@ struct ModelState {
     tokens_in: u64,
     tokens_out: u64,
     prefix_hits: u64,
+    disk_hits: u64,
     prefix_misses: u64,
     prefix_evictions: u64,
     prefix_bytes: u64,
@@ -182,7 +183,11 @@ pub struct ModelSnapshot {
     pub requests: u64,
     pub tokens_in: u64,
     pub tokens_out: u64,
+    /// Requests whose prefix came from RAM.
     pub prefix_cache_hits: u64,
+    /// Requests whose prefix was read back from the disk cache (RAM had less).
+    pub disk_cache_hits: u64,
+    /// Requests that found no prefix in RAM or on disk.
     pub prefix_cache_misses: u64,
     pub prefix_cache_evictions: u64,
     /// Bytes the prefix cache keeps for this model.
@@ -220,6 +225,16 @@ pub struct MetricsSnapshot {
     pub mlx_peak_bytes: u64,
     pub mlx_cache_bytes: u64,
     pub error_counts: BTreeMap<String, u64>,
+    /// The disk prefix cache (None when off).
+    pub disk_cache: Option<crate::disk_cache::DiskStats>,
+}
+
+/// Where a request's cached prefix came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefixSource {
+    Ram,
+    Disk,
+    None,
 }
 
 fn now_ms() -> u64 {
@@ -247,6 +262,7 @@ impl Metrics {
                 tokens_in: 0,
                 tokens_out: 0,
                 prefix_hits: 0,
+                disk_hits: 0,
                 prefix_misses: 0,
                 prefix_evictions: 0,
                 prefix_bytes: 0,
@@ -306,13 +322,11 @@ impl Metrics {
         *state.errors.entry(kind.to_string()).or_default() += 1;
     }
 
-    pub fn record_prefix_lookup(&self, model: &str, hit: bool) {
-        self.with_model(model, |entry| {
-            if hit {
-                entry.prefix_hits += 1;
-            } else {
-                entry.prefix_misses += 1;
-            }
+    pub fn record_prefix_lookup(&self, model: &str, source: PrefixSource) {
+        self.with_model(model, |entry| match source {
+            PrefixSource::Ram => entry.prefix_hits += 1,
+            PrefixSource::Disk => entry.disk_hits += 1,
+            PrefixSource::None => entry.prefix_misses += 1,
         });
     }
 
@@ -360,6 +374,7 @@ impl Metrics {
                 tokens_in: entry.tokens_in,
                 tokens_out: entry.tokens_out,
                 prefix_cache_hits: entry.prefix_hits,
+                disk_cache_hits: entry.disk_hits,
                 prefix_cache_misses: entry.prefix_misses,
                 prefix_cache_evictions: entry.prefix_evictions,
                 prefix_cache_bytes: entry.prefix_bytes,
@@ -389,6 +404,7 @@ impl Metrics {
             mlx_peak_bytes: memory.1,
             mlx_cache_bytes: memory.2,
             error_counts: state.errors.clone(),
+            disk_cache: None,
         }
     }
 }
@@ -418,9 +434,14 @@ impl MetricsSnapshot {
             "Requests that reused cached prompt KV.",
         );
         family(
+            "rmlx_disk_cache_hits_total",
+            "counter",
+            "Requests whose prompt KV was read back from the disk cache.",
+        );
+        family(
             "rmlx_prefix_cache_misses_total",
             "counter",
-            "Requests that found no cached prefix.",
+            "Requests that found no cached prefix in RAM or on disk.",
         );
         family(
             "rmlx_prefix_cache_evictions_total",
@@ -463,6 +484,7 @@ impl MetricsSnapshot {
                 ("rmlx_tokens_in_total", model.tokens_in),
                 ("rmlx_tokens_out_total", model.tokens_out),
                 ("rmlx_prefix_cache_hits_total", model.prefix_cache_hits),
+                ("rmlx_disk_cache_hits_total", model.disk_cache_hits),
                 ("rmlx_prefix_cache_misses_total", model.prefix_cache_misses),
                 (
                     "rmlx_prefix_cache_evictions_total",
@@ -503,6 +525,39 @@ impl MetricsSnapshot {
             ("rmlx_mlx_peak_bytes", self.mlx_peak_bytes),
         ] {
             let _ = writeln!(out, "{name} {value}");
+        }
+        if let Some(disk) = &self.disk_cache {
+            let _ = writeln!(out, "# HELP rmlx_disk_cache_bytes Bytes the disk prefix cache holds.\n# TYPE rmlx_disk_cache_bytes gauge");
+            let _ = writeln!(out, "rmlx_disk_cache_bytes {}", disk.bytes_on_disk);
+            let _ = writeln!(out, "# HELP rmlx_disk_cache_budget_bytes Bytes the disk prefix cache may hold.\n# TYPE rmlx_disk_cache_budget_bytes gauge");
+            let _ = writeln!(out, "rmlx_disk_cache_budget_bytes {}", disk.budget_bytes);
+            for (name, help, value) in [
+                (
+                    "rmlx_disk_cache_read_bytes_total",
+                    "Bytes read back from the disk prefix cache.",
+                    disk.read_bytes,
+                ),
+                (
+                    "rmlx_disk_cache_written_bytes_total",
+                    "Bytes written to the disk prefix cache.",
+                    disk.written_bytes,
+                ),
+                (
+                    "rmlx_disk_cache_evicted_files_total",
+                    "Disk prefix cache files evicted for the budget.",
+                    disk.evicted_files,
+                ),
+                (
+                    "rmlx_disk_cache_evicted_bytes_total",
+                    "Bytes evicted from the disk prefix cache.",
+                    disk.evicted_bytes,
+                ),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
+                );
+            }
         }
         out
     }

@@ -716,7 +716,10 @@ pub struct JobList {
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ModelCacheMetrics {
     pub model_id: String,
+    /// Requests whose prefix came from RAM.
     pub prefix_cache_hits: u64,
+    /// Requests whose prefix was read back from the disk cache.
+    pub disk_cache_hits: u64,
     pub prefix_cache_misses: u64,
     pub prefix_cache_evictions: u64,
     /// Bytes the prefix cache keeps for this model (KV entries and snapshots).
@@ -779,4 +782,25 @@ pub struct CacheMetrics {
     pub cache_memory_bytes: u64,
     /// Errors answered since start, by kind (`invalid_request`, `queue_full`, ...).
     pub error_counts: std::collections::BTreeMap<String, u64>,
+    /// The disk prefix cache; null when it is off.
+    pub disk_cache: Option<DiskCacheMetrics>,
+}
+
+/// The disk prefix cache (`--prefix-disk-gb`, `--prefix-disk-dir`).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct DiskCacheMetrics {
+    /// Its folder.
+    pub path: String,
+    pub budget_bytes: u64,
+    pub bytes: u64,
+    pub files: u64,
+    /// Since the server started.
+    pub read_bytes: u64,
+    /// Time spent reading and checking them (off the engine thread).
+    pub read_ms: f64,
+    pub written_bytes: u64,
+    pub evicted_files: u64,
+    pub evicted_bytes: u64,
+    /// Writing stopped after a failed write (a full disk); reads go on.
+    pub writing_stopped: bool,
 }

@@ -256,6 +256,10 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/metrics/cache", get(metrics::cache))
+        .route(
+            "/admin/cache/disk",
+            axum::routing::delete(metrics::clear_disk),
+        )
         .route("/metrics", get(metrics::prometheus))
         .route("/openapi.json", get(openapi::openapi_json));
     // Without a UI, unknown paths get the API's JSON 404 behind the key like every route.

@@ -14,7 +14,7 @@ use axum::{
 use rmlx_engine::metrics::{MetricsSnapshot, Summary};
 
 use crate::{
-    api::{CacheMetrics, Latency, ModelCacheMetrics, RecentRequest},
+    api::{CacheMetrics, DiskCacheMetrics, Latency, ModelCacheMetrics, RecentRequest},
     AppState,
 };
 
@@ -59,6 +59,7 @@ pub fn cache_metrics(snapshot: &MetricsSnapshot) -> CacheMetrics {
         .map(|model| ModelCacheMetrics {
             model_id: model.model_id.clone(),
             prefix_cache_hits: model.prefix_cache_hits,
+            disk_cache_hits: model.disk_cache_hits,
             prefix_cache_misses: model.prefix_cache_misses,
             prefix_cache_evictions: model.prefix_cache_evictions,
             prefix_cache_bytes: model.prefix_cache_bytes,
@@ -110,6 +111,18 @@ pub fn cache_metrics(snapshot: &MetricsSnapshot) -> CacheMetrics {
         peak_memory_bytes: snapshot.mlx_peak_bytes,
         cache_memory_bytes: snapshot.mlx_cache_bytes,
         error_counts: snapshot.error_counts.clone(),
+        disk_cache: snapshot.disk_cache.as_ref().map(|disk| DiskCacheMetrics {
+            path: disk.root.display().to_string(),
+            budget_bytes: disk.budget_bytes,
+            bytes: disk.bytes_on_disk,
+            files: disk.files,
+            read_bytes: disk.read_bytes,
+            read_ms: disk.read_ms,
+            written_bytes: disk.written_bytes,
+            evicted_files: disk.evicted_files,
+            evicted_bytes: disk.evicted_bytes,
+            writing_stopped: disk.stopped,
+        }),
     }
 }
 
@@ -118,6 +131,32 @@ pub fn cache_metrics(snapshot: &MetricsSnapshot) -> CacheMetrics {
     responses((status = 200, description = "The metrics", body = CacheMetrics)))]
 pub async fn cache(State(state): State<AppState>) -> Json<CacheMetrics> {
     Json(cache_metrics(&snapshot(&state)))
+}
+
+/// `DELETE /admin/cache/disk`: what the clear button answers.
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+pub struct DiskCacheCleared {
+    pub freed_bytes: u64,
+}
+
+/// Deletes every file of the disk prefix cache (all models); RAM entries stay.
+#[utoipa::path(delete, path = "/admin/cache/disk", tag = "server",
+    responses((status = 200, description = "The bytes freed", body = DiskCacheCleared),
+        (status = 404, description = "The disk cache is off", body = crate::api::OpenAiError)))]
+pub async fn clear_disk(
+    State(state): State<AppState>,
+) -> Result<Json<DiskCacheCleared>, crate::error::ApiError> {
+    let engine = state.engine.clone();
+    let freed = tokio::task::spawn_blocking(move || engine.clear_disk_cache())
+        .await
+        .ok()
+        .flatten()
+        .ok_or_else(|| {
+            crate::error::ApiError::NotFound(
+                "the disk prefix cache is off (--prefix-disk-gb 0)".into(),
+            )
+        })?;
+    Ok(Json(DiskCacheCleared { freed_bytes: freed }))
 }
 
 /// The same metrics in Prometheus' text format 0.0.4.

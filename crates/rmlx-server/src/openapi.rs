@@ -53,6 +53,7 @@ use crate::{anthropic, api, constraints, downloads, metrics, models, openai, res
         downloads::pause,
         downloads::resume,
         metrics::cache,
+        metrics::clear_disk,
         metrics::prometheus,
         openapi_json,
     ),

@@ -8,6 +8,7 @@ use std::collections::BTreeSet;
 
 use axum::http::StatusCode;
 use common::*;
+use rmlx_server::ServerConfig;
 use serde_json::{json, Value};
 
 /// Keys of a JSON value, recursively: object keys as paths, arrays through their first element.
@@ -56,7 +57,12 @@ fn documented_shape() -> Value {
 
 #[tokio::test]
 async fn documented_shape_matches_the_endpoint() {
-    let (app, _) = router(config());
+    // With the disk cache on, so its object is checked too.
+    let disk = tempfile::tempdir().unwrap();
+    let (app, _) = router(ServerConfig {
+        prefix_disk_dir: Some(disk.path().to_path_buf()),
+        ..config()
+    });
     let reply = post(
         &app,
         "/v1/chat/completions",

@@ -39,6 +39,7 @@ fn document_names_every_route_and_both_error_shapes() {
     assert_eq!(
         operations,
         [
+            "DELETE /admin/cache/disk",
             "DELETE /admin/downloads/{id}",
             "DELETE /v1/models/{id}",
             "GET /admin/downloads",

@@ -93,7 +93,7 @@ impl Index {
 }
 
 /// The disk cache's counters (`/metrics/cache`).
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct DiskStats {
     pub root: PathBuf,
     pub budget_bytes: u64,
@@ -101,6 +101,8 @@ pub struct DiskStats {
     pub files: u64,
     pub written_bytes: u64,
     pub read_bytes: u64,
+    /// Time the reader spent reading and checking those bytes.
+    pub read_ms: f64,
     pub evicted_files: u64,
     pub evicted_bytes: u64,
     /// Writing stopped after a failed write (a full disk); reads go on.
@@ -116,6 +118,7 @@ struct Shared {
     budget: u64,
     written: AtomicU64,
     read: AtomicU64,
+    read_micros: AtomicU64,
     evicted_files: AtomicU64,
     evicted_bytes: AtomicU64,
     stopped: AtomicBool,
@@ -184,6 +187,18 @@ pub struct StatsReader {
 }
 
 impl StatsReader {
+    /// Deletes every file (the app's "clear" button); the budget and counters stay.
+    pub fn clear(&self) -> u64 {
+        let mut index = self.shared.index();
+        let keys: Vec<FileKey> = index.files.keys().cloned().collect();
+        let mut freed = 0;
+        for key in keys {
+            let _ = std::fs::remove_file(self.root.join(&key.0).join(&key.1));
+            freed += index.remove(&key).unwrap_or(0);
+        }
+        freed
+    }
+
     pub fn stats(&self) -> DiskStats {
         let (bytes_on_disk, files) = {
             let index = self.shared.index();
@@ -197,6 +212,7 @@ impl StatsReader {
             files,
             written_bytes: load(&self.shared.written),
             read_bytes: load(&self.shared.read),
+            read_ms: load(&self.shared.read_micros) as f64 / 1000.0,
             evicted_files: load(&self.shared.evicted_files),
             evicted_bytes: load(&self.shared.evicted_bytes),
             stopped: self.shared.stopped.load(Ordering::Relaxed),
@@ -233,6 +249,7 @@ impl DiskCache {
             budget,
             written: AtomicU64::new(0),
             read: AtomicU64::new(0),
+            read_micros: AtomicU64::new(0),
             evicted_files: AtomicU64::new(0),
             evicted_bytes: AtomicU64::new(0),
             stopped: AtomicBool::new(false),
@@ -261,7 +278,11 @@ impl DiskCache {
                     if let Some(delay) = read_delay {
                         std::thread::sleep(delay);
                     }
-                    if results_out.send(read_job(&folder, &state, job)).is_err() {
+                    let started = std::time::Instant::now();
+                    let loaded = read_job(&folder, &state, job);
+                    let micros = started.elapsed().as_micros() as u64;
+                    state.read_micros.fetch_add(micros, Ordering::Relaxed);
+                    if results_out.send(loaded).is_err() {
                         break;
                     }
                 }
@@ -438,18 +459,6 @@ impl DiskCache {
     /// Waits up to `timeout` for a read to finish.
     pub fn wait(&self, timeout: Duration) -> Option<Loaded> {
         self.results.recv_timeout(timeout).ok()
-    }
-
-    /// Deletes every file (the app's "clear" button); the budget and counters stay.
-    pub fn clear(&self) -> u64 {
-        let mut index = self.shared.index();
-        let keys: Vec<FileKey> = index.files.keys().cloned().collect();
-        let mut freed = 0;
-        for key in keys {
-            let _ = std::fs::remove_file(self.root.join(&key.0).join(&key.1));
-            freed += index.remove(&key).unwrap_or(0);
-        }
-        freed
     }
 }
 

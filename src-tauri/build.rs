@@ -16,6 +16,7 @@ const COMMANDS: &[&str] = &[
     "download_resume",
     "download_cancel",
     "metrics_snapshot",
+    "disk_cache_clear",
     "settings_get",
     "settings_set",
     "threads_load",

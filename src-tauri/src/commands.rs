@@ -113,6 +113,15 @@ pub async fn metrics_snapshot(shell: State<'_, Shell>) -> Result<Value, BridgeEr
     shell.bridge().get_json("/metrics/cache").await
 }
 
+/// Deletes every file of the disk prefix cache (the settings' "Clear" button).
+#[tauri::command]
+pub async fn disk_cache_clear(shell: State<'_, Shell>) -> Result<Value, BridgeError> {
+    shell
+        .bridge()
+        .call_json(Method::DELETE, "/admin/cache/disk", None)
+        .await
+}
+
 // --- threads ------------------------------------------------------------------------------
 
 /// The saved threads document, or null before the first save.

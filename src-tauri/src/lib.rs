@@ -80,10 +80,31 @@ fn server_config(settings: &Settings, data: &Path) -> ServerConfig {
         max_ctx: settings.default_max_context,
         // Anything else a hand-edited file holds keeps the cache dense.
         kv_bits: settings.kv_cache_bits.filter(|bits| [8, 4].contains(bits)),
+        prefix_disk_dir: disk_cache_dir(settings, data),
+        // A hand-edited negative or NaN size means the default budget.
+        prefix_disk_bytes: settings
+            .prefix_disk_gb
+            .filter(|gb| *gb > 0.0 && gb.is_finite())
+            .map(|gb| (gb * 1e9) as u64),
         api_key: settings.api_key.clone(),
         cors_origins: settings.cors_origins.clone(),
         ..ServerConfig::default()
     }
+}
+
+/// The disk prefix cache's folder: the setting, else `~/.rmlx/cache` as `rmlx serve` uses
+/// (inside `RMLX_APP_DATA` under tests); None when the setting's size is 0 (off).
+fn disk_cache_dir(settings: &Settings, data: &Path) -> Option<PathBuf> {
+    if settings.prefix_disk_gb == Some(0.0) {
+        return None;
+    }
+    settings.prefix_disk_dir.clone().or_else(|| {
+        match std::env::var_os("RMLX_APP_DATA") {
+            Some(_) => None,
+            None => rmlx_engine::disk_cache::default_root(),
+        }
+        .or_else(|| Some(data.join("cache")))
+    })
 }
 
 fn build_shell(app: &AppHandle) -> anyhow::Result<Shell> {
@@ -289,6 +310,7 @@ pub fn run() {
             commands::download_resume,
             commands::download_cancel,
             commands::metrics_snapshot,
+            commands::disk_cache_clear,
             commands::settings_get,
             commands::settings_set,
             commands::threads_load,
@@ -366,5 +388,29 @@ mod tests {
             };
             assert_eq!(server_config(&settings, &data).kv_bits, engine, "{saved:?}");
         }
+    }
+
+    #[test]
+    fn disk_cache_settings_reach_the_server_config() {
+        let data = std::env::temp_dir().join("rmlx-app-disk-settings");
+        let with = |gb: Option<f64>, dir: Option<&str>| {
+            let settings = Settings {
+                prefix_disk_gb: gb,
+                prefix_disk_dir: dir.map(PathBuf::from),
+                models_dir: Some(data.clone()),
+                ..Settings::default()
+            };
+            let config = server_config(&settings, &data);
+            (config.prefix_disk_dir, config.prefix_disk_bytes)
+        };
+        // On by default (in ~/.rmlx/cache, or the test's data folder), default budget.
+        let (dir, bytes) = with(None, None);
+        assert!(dir.is_some() && bytes.is_none());
+        assert_eq!(with(Some(0.0), Some("/x")), (None, None), "0 GB is off");
+        assert_eq!(
+            with(Some(2.5), Some("/x")),
+            (Some(PathBuf::from("/x")), Some(2_500_000_000))
+        );
+        assert_eq!(with(Some(-1.0), Some("/x")).1, None, "a bad size is the default");
     }
 }

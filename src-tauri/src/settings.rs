@@ -30,6 +30,11 @@ pub struct Settings {
     /// 8 or 4: the full-attention layers' KV cache stored quantized (`--kv-bits`); None:
     /// dense. The engine takes it when the app starts.
     pub kv_cache_bits: Option<i32>,
+    /// GB the disk prefix cache may hold (`--prefix-disk-gb`): 0 turns it off; None: min(16,
+    /// 10 % of the free disk). Taken when the app starts.
+    pub prefix_disk_gb: Option<f64>,
+    /// Its folder; None: ~/.rmlx/cache, shared with `rmlx serve`.
+    pub prefix_disk_dir: Option<PathBuf>,
     /// Opt-in: the app never registers itself as a login item on its own.
     pub launch_at_login: bool,
     pub update_channel: UpdateChannel,
@@ -58,6 +63,8 @@ impl Default for Settings {
             cors_origins: Vec::new(),
             default_max_context: None,
             kv_cache_bits: None,
+            prefix_disk_gb: None,
+            prefix_disk_dir: None,
             launch_at_login: false,
             update_channel: UpdateChannel::Stable,
             other: serde_json::Map::new(),

@@ -624,6 +624,8 @@ struct Loading {
     read: u64,
     request: Request,
     ticket: Ticket,
+    /// When the request was first admitted: its TTFT counts the read.
+    admitted: std::time::Instant,
 }
 
 /// What [`EngineThread::start`] made of a request: its prefill, or a disk read to wait for.
@@ -774,10 +776,12 @@ impl EngineThread {
             let Loading {
                 request,
                 mut ticket,
+                admitted,
                 ..
             } = loading;
             match self.start(&request, Some(loaded)) {
-                Ok(Started::Prefill(key, prefill, constraint, image_key)) => {
+                Ok(Started::Prefill(key, mut prefill, constraint, image_key)) => {
+                    prefill.count_from(admitted);
                     ticket.image_key = image_key;
                     self.begin(key, ticket, prefill, constraint)
                 }
@@ -850,6 +854,7 @@ impl EngineThread {
                                 read,
                                 request: *request,
                                 ticket,
+                                admitted: std::time::Instant::now(),
                             });
                         }
                         Err(error) => self.fail(ticket, error),

@@ -454,6 +454,12 @@ impl Prefill {
         self.pieces.is_empty()
     }
 
+    /// Counts the request's time (TTFT, total) from `earlier`: a prefix read off the disk
+    /// before this prefill was made is part of the wait for the first token.
+    pub fn count_from(&mut self, earlier: Instant) {
+        self.started = self.started.min(earlier);
+    }
+
     pub fn prompt_tokens(&self) -> usize {
         self.prompt_ids.len()
     }

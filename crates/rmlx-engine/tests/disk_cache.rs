@@ -470,6 +470,11 @@ fn a_disk_read_does_not_stall_a_running_stream() {
     watcher.join().unwrap();
     assert!(completion.cached_tokens > 0, "served from disk");
     assert!(started - submitted >= delay, "the read took its time");
+    assert!(
+        completion.timings.ttft_ms >= delay.as_millis() as f64,
+        "the TTFT counts the read: {} ms",
+        completion.timings.ttft_ms
+    );
     let times = times.lock().unwrap();
     let during: Vec<Instant> = times
         .iter()

@@ -19,6 +19,11 @@
 #   G_PROMPT (32768) tokens of context with dense, 8-bit and 4-bit KV on the full-attention layers,
 #   one process each, G_ROUNDS (2) interleaved rounds of G_RUNS (2) timed runs: decode tok/s, TTFT
 #   and MLX's peak memory. Env: G_PROMPT, G_GEN (128), G_RUNS, G_ROUNDS, G_BITS ("dense 8 4").
+# MODE=disk_restart (step 2 instead; issue 29): the MODE=qwen3_5 checkpoint (Qwen3.6-35B-A3B
+#   layer shapes, 8 layers, 4-bit), then scripts/bench/disk_restart.py: turn 2 of a D_WORDS
+#   (11500, ~30k tokens) conversation after `rmlx serve` restarted, read back from the disk
+#   prefix cache vs prefilled cold, D_RUNS (3) runs, the page cache dropped before each server
+#   where allowed.
 # MODE=concurrency (step 2 instead): random Qwen3-4B-shaped bf16 and 4-bit checkpoints with the
 #   real vocabulary (make_qwen3_bench_model.py, on the GPU); on each, single-stream decode and
 #   warm TTFT through `rmlx serve` interleaved with mlx-lm's generate_step (bench.py), then
@@ -112,6 +117,20 @@ if [[ $MODE == qwen3_5 ]]; then
     --server-log "$OUT/rmlx-serve.log" --json-out "$OUT/h200-qwen3_5.json"
   rc=$?
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  step "done ($rc)"
+  exit $rc
+fi
+
+if [[ $MODE == disk_restart ]]; then
+  step "model qwen3_5"
+  python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" > /tmp/q35-path || exit 1
+  Q35=$(tail -1 /tmp/q35-path)
+  step "bench disk restart"
+  left=$(( LIMIT - SECONDS ))
+  RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/disk_restart.py --model "$Q35" \
+    --rmlx /tmp/rmlx/rmlx --words "${D_WORDS:-11500}" --runs "${D_RUNS:-3}" --drop-caches \
+    --json-out "$OUT/h200-disk-restart.json"
+  rc=$?
   step "done ($rc)"
   exit $rc
 fi

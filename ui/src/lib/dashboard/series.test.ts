@@ -58,13 +58,15 @@ describe('DashboardSeries', () => {
     const series = new DashboardSeries();
     series.ingest(snapshot([], {
       in_flight: 1, queue_depth: 2, kv_cache_bytes: 300, active_memory_bytes: 1000, peak_memory_bytes: 2000,
-      models: [{ model_id: 'a', prefix_cache_hits: 3, prefix_cache_misses: 1 }, { model_id: 'b', prefix_cache_hits: 1, prefix_cache_misses: 4 }],
+      models: [{ model_id: 'a', prefix_cache_hits: 3, prefix_cache_misses: 1, disk_cache_hits: 2 }, { model_id: 'b', prefix_cache_hits: 1, prefix_cache_misses: 4 }],
+      disk_cache: { path: '/c', budget_bytes: 9000, bytes: 4000, files: 3, read_bytes: 100, read_ms: 1, written_bytes: 5000, evicted_files: 0, evicted_bytes: 0, writing_stopped: false },
     }), 500);
     series.ingest(snapshot([], { mlx_active_bytes: 7, mlx_peak_bytes: 9 }), 1000);
     expect(series.samples[0]).toEqual({
-      t: 0.5, activeBytes: 1000, peakBytes: 2000, kvBytes: 300, inFlight: 1, queueDepth: 2, prefixHits: 4, prefixMisses: 5, snapshots: null, snapshotBytes: null,
+      t: 0.5, activeBytes: 1000, peakBytes: 2000, kvBytes: 300, inFlight: 1, queueDepth: 2, prefixHits: 4, diskHits: 2, prefixMisses: 5, snapshots: null, snapshotBytes: null,
+      diskBytes: 4000, diskBudget: 9000, diskRead: 100, diskWritten: 5000,
     });
-    expect(series.samples[1]).toMatchObject({ activeBytes: 7, peakBytes: 9, kvBytes: null, prefixHits: 0 });
+    expect(series.samples[1]).toMatchObject({ activeBytes: 7, peakBytes: 9, kvBytes: null, prefixHits: 0, diskHits: 0, diskBytes: null });
   });
 
   it('reports the share of prompt tokens the prefix cache served in the window, and the snapshots', () => {

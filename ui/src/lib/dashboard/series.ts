@@ -29,9 +29,16 @@ export interface Sample {
   inFlight: number;
   queueDepth: number;
   prefixHits: number;
+  /** Requests whose prefix came off the disk cache (summed over models). */
+  diskHits: number;
   prefixMisses: number;
   snapshots: number | null;
   snapshotBytes: number | null;
+  /** The disk cache's bytes held, budget, and bytes read and written since start (null: off). */
+  diskBytes: number | null;
+  diskBudget: number | null;
+  diskRead: number | null;
+  diskWritten: number | null;
 }
 
 export interface TokenPoint {
@@ -120,6 +127,7 @@ export class DashboardSeries {
       added++;
     }
     const models = Array.isArray(snapshot.models) ? snapshot.models : [];
+    const disk = snapshot.disk_cache && typeof snapshot.disk_cache === 'object' ? snapshot.disk_cache : null;
     this.samples.push({
       t: nowMs / 1000,
       activeBytes: num(snapshot.active_memory_bytes) ?? num(snapshot.mlx_active_bytes),
@@ -128,9 +136,14 @@ export class DashboardSeries {
       inFlight: num(snapshot.in_flight) ?? 0,
       queueDepth: num(snapshot.queue_depth) ?? 0,
       prefixHits: models.reduce((sum, m) => sum + (num(m.prefix_cache_hits) ?? 0), 0),
+      diskHits: models.reduce((sum, m) => sum + (num(m.disk_cache_hits) ?? 0), 0),
       prefixMisses: models.reduce((sum, m) => sum + (num(m.prefix_cache_misses) ?? 0), 0),
       snapshots: num(snapshot.prefix_snapshots),
       snapshotBytes: num(snapshot.prefix_snapshot_bytes),
+      diskBytes: num(disk?.bytes),
+      diskBudget: num(disk?.budget_bytes),
+      diskRead: num(disk?.read_bytes),
+      diskWritten: num(disk?.written_bytes),
     });
     this.trim(recent.map(requestKey));
     return added;

@@ -162,6 +162,11 @@ export class HttpTransport implements Transport {
     return this.getJson<MetricsSnapshot>('/metrics/cache');
   }
 
+  async clearDiskCache(): Promise<number> {
+    const cleared = await this.sendJson<{ freed_bytes: number }>('DELETE', '/admin/cache/disk');
+    return cleared.freed_bytes;
+  }
+
   private async downloadAction(method: string, path: string, body?: unknown): Promise<DownloadJob> {
     try {
       return await this.sendJson<DownloadJob>(method, path, body);

@@ -35,6 +35,9 @@ export class StubTransport implements Transport {
   async metrics(): Promise<MetricsSnapshot> {
     return { recent: [], in_flight: 0, queue_depth: 0 };
   }
+  clearDiskCache(): Promise<number> {
+    return unsupported('clearDiskCache');
+  }
   startDownload(_repo: string, _revision?: string | null): Promise<DownloadJob> {
     return unsupported('startDownload');
   }

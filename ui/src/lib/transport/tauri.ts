@@ -183,6 +183,11 @@ export class TauriTransport implements Transport {
     return call<MetricsSnapshot>('metrics_snapshot');
   }
 
+  async clearDiskCache(): Promise<number> {
+    const cleared = await call<{ freed_bytes: number }>('disk_cache_clear');
+    return cleared.freed_bytes;
+  }
+
   startDownload(repo: string, revision?: string | null): Promise<DownloadJob> {
     return call<DownloadJob>('download_start', { repo, revision: revision || null });
   }

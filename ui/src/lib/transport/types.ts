@@ -133,8 +133,24 @@ export interface RecentRequest {
 export interface ModelMetrics {
   model_id: string;
   prefix_cache_hits?: number;
+  /** Requests whose prefix was read back from the disk cache. */
+  disk_cache_hits?: number;
   prefix_cache_misses?: number;
   [key: string]: unknown;
+}
+
+/** `/metrics/cache` `disk_cache`: the prefix cache on disk (null when it is off). */
+export interface DiskCacheMetrics {
+  path: string;
+  budget_bytes: number;
+  bytes: number;
+  files: number;
+  read_bytes: number;
+  read_ms: number;
+  written_bytes: number;
+  evicted_files: number;
+  evicted_bytes: number;
+  writing_stopped: boolean;
 }
 
 /** `GET /metrics/cache`; only the fields the UI reads are typed, the rest pass through. */
@@ -151,6 +167,7 @@ export interface MetricsSnapshot {
   /** MLX's allocator (docs/SERVER.md's names; `mlx_active_bytes` / `mlx_peak_bytes` are read too). */
   active_memory_bytes?: number;
   peak_memory_bytes?: number;
+  disk_cache?: DiskCacheMetrics | null;
   [key: string]: unknown;
 }
 
@@ -174,6 +191,10 @@ export interface AppConfig {
   default_max_context: number | null;
   /** 8 or 4: the KV cache quantized (taken when the app starts); null or absent: dense. */
   kv_cache_bits?: number | null;
+  /** GB the disk prefix cache may hold: 0 off, null the default (min(16, 10 % of the free disk)). */
+  prefix_disk_gb?: number | null;
+  /** Its folder; null: ~/.rmlx/cache. */
+  prefix_disk_dir?: string | null;
   launch_at_login: boolean;
   update_channel: 'stable' | 'beta';
   /** Fields this UI does not know are kept and sent back. */
@@ -230,6 +251,8 @@ export interface Transport {
   /** Unloads and removes the model's folder (only `deletable` ones). */
   deleteModel(id: string): Promise<void>;
   metrics(): Promise<MetricsSnapshot>;
+  /** Deletes every file of the disk prefix cache; resolves to the bytes freed. */
+  clearDiskCache(): Promise<number>;
   startDownload(repo: string, revision?: string | null): Promise<DownloadJob>;
   listDownloads(): Promise<DownloadJob[]>;
   pauseDownload(id: string): Promise<DownloadJob>;

@@ -411,6 +411,10 @@ mod tests {
             with(Some(2.5), Some("/x")),
             (Some(PathBuf::from("/x")), Some(2_500_000_000))
         );
-        assert_eq!(with(Some(-1.0), Some("/x")).1, None, "a bad size is the default");
+        assert_eq!(
+            with(Some(-1.0), Some("/x")).1,
+            None,
+            "a bad size is the default"
+        );
     }
 }

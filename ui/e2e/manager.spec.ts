@@ -65,9 +65,14 @@ function scriptedServer(options: { admin?: boolean; failDownload?: boolean } = {
     if (p === '/metrics/cache') {
       polls++;
       const snapshot: MetricsSnapshot = {
-        models: [{ model_id: 'qwen3-tiny', prefix_cache_hits: 2 + polls, prefix_cache_misses: 3 }],
+        models: [{ model_id: 'qwen3-tiny', prefix_cache_hits: 2 + polls, disk_cache_hits: 1 + Math.floor(polls / 2), prefix_cache_misses: 3 }],
         recent, in_flight: polls % 3 === 0 ? 1 : 0, queue_depth: polls % 5 === 0 ? 1 : 0,
         kv_cache_bytes: (polls % 4) * 2_000_000, active_memory_bytes: 350_000_000 + polls * 3_000_000, peak_memory_bytes: 420_000_000 + polls * 3_000_000,
+        disk_cache: {
+          path: '/Users/me/.rmlx/cache', budget_bytes: 1_200_000_000, bytes: 600_000_000 + polls * 20_000_000, files: 40 + polls,
+          read_bytes: 150_000_000 + Math.floor(polls / 2) * 40_000_000, read_ms: 90, written_bytes: 200_000_000 + polls * 20_000_000,
+          evicted_files: 0, evicted_bytes: 0, writing_stopped: false,
+        },
       };
       return route.fulfill({ json: snapshot });
     }
@@ -272,7 +277,7 @@ describe('Models, Dashboard and Settings against a scripted server', () => {
       const page = await open('dashboard', server, colorScheme, 1400);
       const ttft = page.getByTestId('chart-ttft');
       await page.waitForFunction(() => document.querySelector('[data-testid=chart-ttft]')?.getAttribute('data-last-ttft') === '67.5');
-      expect(await page.locator('.chart canvas').count()).toBe(7);
+      expect(await page.locator('.chart canvas').count()).toBe(8);
       expect(await ttft.getAttribute('data-points')).toBe('6');
       expect(await ttft.getAttribute('data-last-id')).toBe('chatcmpl-5');
       // A new request arrives on a later poll: the last point is its TTFT exactly, and listed twice it is added once.
@@ -339,11 +344,23 @@ function fakeTauri() {
     cors_origins: ['http://localhost:3000'], default_max_context: null, launch_at_login: false, update_channel: 'stable',
   };
   let nextId = 1;
+  let diskBytes = 3_221_225_472;
   const handlers: Record<string, (args: Record<string, unknown>) => unknown> = {
     threads_load: () => null,
     threads_save: () => null,
     models_overview: () => ({ object: 'list', data: [{ id: 'qwen3-tiny', loaded: false, vision: false, context_length: 2048 }], memory: { total_bytes: 17179869184, available_bytes: 9663676416 } }),
-    metrics_snapshot: () => ({ recent: [], in_flight: 0, queue_depth: 0 }),
+    metrics_snapshot: () => ({
+      recent: [], in_flight: 0, queue_depth: 0,
+      disk_cache: {
+        path: '/Users/me/.rmlx/cache', budget_bytes: 16_000_000_000, bytes: diskBytes, files: 120, read_bytes: 0, read_ms: 0,
+        written_bytes: diskBytes, evicted_files: 0, evicted_bytes: 0, writing_stopped: false,
+      },
+    }),
+    disk_cache_clear: () => {
+      const freed = diskBytes;
+      diskBytes = 0;
+      return { freed_bytes: freed };
+    },
     downloads_list: () => [],
     settings_get: () => settings,
     settings_set: (args) => (settings = args.settings as typeof settings),
@@ -404,7 +421,7 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
       const calls = () => page.evaluate(() => (window as unknown as { __calls: [string, Record<string, unknown>][] }).__calls);
       expect(await page.getByLabel('Models folder').inputValue()).toBe('/Users/me/Models');
       expect(await page.getByTestId('server-status').innerText()).toContain('port 8080 is in use; choose another port');
-      for (const label of ['Hugging Face hub URL', 'Default max context (tokens)', 'KV cache', 'Host', 'Port', 'API key', 'CORS origins', 'Launch at login', 'Update channel']) {
+      for (const label of ['Hugging Face hub URL', 'Default max context (tokens)', 'KV cache', 'Prompt cache on disk', 'Prompt cache folder', 'Host', 'Port', 'API key', 'CORS origins', 'Launch at login', 'Update channel']) {
         expect(await page.getByLabel(label, { exact: true }).count(), label).toBe(1);
       }
       if (colorScheme === 'dark') {
@@ -413,7 +430,12 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
         await context.close();
         return;
       }
+      await page.getByTestId('disk-usage').waitFor();
+      expect(await page.getByTestId('disk-usage').innerText()).toContain('3.0 GB of 14.9 GB used in /Users/me/.rmlx/cache');
       await page.screenshot({ path: path.join(artifactsDir, 'settings-app-light.png'), fullPage: true });
+      await page.getByTestId('disk-usage').getByRole('button', { name: 'Clear' }).click();
+      await page.waitForFunction(() => document.querySelector('[data-testid=disk-usage]')?.textContent?.includes('0 B of'));
+      expect((await calls()).some(([c]) => c === 'disk_cache_clear')).toBe(true);
 
       await page.getByRole('button', { name: 'Use a free port' }).click();
       await page.waitForFunction(() => document.querySelector('[data-testid=server-status]')?.textContent?.includes('51234'));
@@ -427,6 +449,9 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
       await page.getByLabel('Default max context (tokens)').press('Tab');
       expect(await page.getByLabel('KV cache').inputValue()).toBe('off');
       await page.getByLabel('KV cache').selectOption('8');
+      expect(await page.getByLabel('Prompt cache on disk').inputValue()).toBe('auto');
+      await page.getByLabel('Prompt cache on disk').selectOption('8');
+      await page.getByLabel('Prompt cache folder').fill('/Volumes/fast/rmlx-cache');
       await page.getByLabel('API key').fill('k3y');
       await page.getByLabel('CORS origins').fill('https://a.example\nhttps://b.example');
       await page.getByLabel('Launch at login').check();
@@ -439,7 +464,8 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
       expect(log.filter(([c]) => c === 'settings_set').at(-1)?.[1]).toEqual({
         settings: {
           models_dir: '/Users/me/Models', hub_url: 'http://127.0.0.1:9999', server_enabled: true, server_host: '127.0.0.1', server_port: 9090,
-          api_key: 'k3y', cors_origins: ['https://a.example', 'https://b.example'], default_max_context: 32768, kv_cache_bits: 8, launch_at_login: true, update_channel: 'beta',
+          api_key: 'k3y', cors_origins: ['https://a.example', 'https://b.example'], default_max_context: 32768, kv_cache_bits: 8,
+          prefix_disk_gb: 8, prefix_disk_dir: '/Volumes/fast/rmlx-cache', launch_at_login: true, update_channel: 'beta',
         },
       });
       expect(log.filter(([c]) => c === 'server_set').at(-1)?.[1]).toEqual({ enabled: true, port: 9090 });

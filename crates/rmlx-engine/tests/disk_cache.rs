@@ -312,10 +312,31 @@ fn a_restart_answers_the_next_turn_from_disk_as_uncached() {
                 .unwrap()
             // The engine stops here: its queued writes finish, its RAM cache is gone.
         };
+        let (before, bytes_before) = (blocks(&disk), bytes_under(&disk));
         let restarted = disk_engine(&disk, None, None);
         let turn2 = two_turns(model, picture, Some(&turn1.text));
         let completion = restarted.submit(turn2.clone()).unwrap().wait().unwrap();
         let uncached = reference.submit(turn2).unwrap().wait().unwrap();
+        drop(restarted);
+        // What turn 2 wrote: blocks for its new positions and its tips, nothing of turn 1's
+        // again (every earlier file keeps its inode).
+        let after = blocks(&disk);
+        assert!(
+            before.iter().all(|file| after.contains(file)),
+            "{model}: a file was rewritten"
+        );
+        let added: Vec<_> = after.iter().filter(|file| !before.contains(file)).collect();
+        let tips = added.iter().filter(|(path, _)| is_tip(path)).count();
+        let new_tokens = completion.prompt_ids.len() + 8 - completion.cached_tokens;
+        eprintln!(
+            "{model}: turn 2 wrote {} bytes: {} blocks and {tips} tips for {new_tokens} new positions",
+            bytes_under(&disk) - bytes_before,
+            added.len() - tips
+        );
+        assert!(
+            tips <= 2 && added.len() - tips <= new_tokens / BLOCK_TOKENS + 1,
+            "{added:?}"
+        );
         let boundary = last_boundary(model, opener, &turn1.prompt_ids);
         eprintln!(
             "{model}: turn 2 after a restart: {} of {} prompt tokens from disk (turn 1's prompt \
@@ -329,7 +350,6 @@ fn a_restart_answers_the_next_turn_from_disk_as_uncached() {
             completion.cached_tokens
         );
         common::assert_same_as_uncached(model, &completion, &uncached, 1e-4);
-        drop(restarted);
         let _ = std::fs::remove_dir_all(&disk);
     }
 }
@@ -614,5 +634,55 @@ fn the_budget_holds_and_a_restart_keeps_what_is_valid() {
         "{stats:?}"
     );
     drop(engine);
+    let _ = std::fs::remove_dir_all(&disk);
+}
+
+/// A quantized KV cache (`--kv-bits 8`, on a checkpoint with real 128-wide heads) goes to disk
+/// as its packed triples and comes back bit for bit: turn 2 after a restart answers as an
+/// uncached engine at 8 bits.
+#[test]
+fn a_quantized_kv_cache_restarts_from_disk() {
+    let model = "head-sizes/qwen3-hd128";
+    let disk = scratch("quantized");
+    let prompt = common::text_ids(700, 11, 10, 500);
+    let request = |ids: Vec<u32>| Request {
+        model: fixture(model),
+        prompt: Prompt::Ids(ids),
+        params: GenerateParams {
+            max_tokens: 6,
+            ignore_eos: true,
+            logprobs: Some(1),
+            ..GenerateParams::default()
+        },
+        ..Request::default()
+    };
+    let turn1 = disk_engine(&disk, Some(8), None)
+        .submit(request(prompt.clone()))
+        .unwrap()
+        .wait()
+        .unwrap();
+    let next: Vec<u32> = [prompt, turn1.token_ids, common::text_ids(40, 12, 10, 500)].concat();
+    let completion = disk_engine(&disk, Some(8), None)
+        .submit(request(next.clone()))
+        .unwrap()
+        .wait()
+        .unwrap();
+    let uncached = Engine::start_with(EngineOptions {
+        prefix_cache_bytes: Some(0),
+        prefix_snapshot_bytes: Some(0),
+        kv_bits: Some(8),
+        ..EngineOptions::default()
+    })
+    .unwrap()
+    .submit(request(next))
+    .unwrap()
+    .wait()
+    .unwrap();
+    assert!(
+        completion.cached_tokens >= 700,
+        "{}",
+        completion.cached_tokens
+    );
+    common::assert_same_as_uncached("8-bit KV from disk", &completion, &uncached, 1e-4);
     let _ = std::fs::remove_dir_all(&disk);
 }

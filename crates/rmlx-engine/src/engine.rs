@@ -626,6 +626,8 @@ struct Loading {
     ticket: Ticket,
     /// When the request was first admitted: its TTFT counts the read.
     admitted: std::time::Instant,
+    /// Its prompt as rendered then.
+    rendered: Vec<u32>,
 }
 
 /// What [`EngineThread::start`] made of a request: its prefill, or a disk read to wait for.
@@ -633,7 +635,8 @@ struct Loading {
 #[allow(clippy::large_enum_variant)]
 enum Started {
     Prefill(PathBuf, Prefill, Grammars, Option<Vec<u32>>),
-    Read(crate::disk_cache::Plan),
+    /// The plan, and the prompt as rendered (before images are placed).
+    Read(crate::disk_cache::Plan, Vec<u32>),
 }
 
 struct Admission {
@@ -777,15 +780,16 @@ impl EngineThread {
                 request,
                 mut ticket,
                 admitted,
+                rendered,
                 ..
             } = loading;
-            match self.start(&request, Some(loaded)) {
+            match self.start(&request, Some((loaded, rendered))) {
                 Ok(Started::Prefill(key, mut prefill, constraint, image_key)) => {
                     prefill.count_from(admitted);
                     ticket.image_key = image_key;
                     self.begin(key, ticket, prefill, constraint)
                 }
-                Ok(Started::Read(_)) => unreachable!("a read prefix is never read again"),
+                Ok(Started::Read(..)) => unreachable!("a read prefix is never read again"),
                 Err(error) => self.fail(ticket, error),
             }
         }
@@ -848,13 +852,14 @@ impl EngineThread {
                             ticket.image_key = image_key;
                             self.begin(key, ticket, prefill, constraint)
                         }
-                        Ok(Started::Read(plan)) => {
+                        Ok(Started::Read(plan, rendered)) => {
                             let read = self.disk.as_mut().expect("planned").request(&plan);
                             self.loading.push(Loading {
                                 read,
                                 request: *request,
                                 ticket,
                                 admitted: std::time::Instant::now(),
+                                rendered,
                             });
                         }
                         Err(error) => self.fail(ticket, error),
@@ -1307,7 +1312,7 @@ impl EngineThread {
     fn start(
         &mut self,
         request: &Request,
-        read: Option<crate::disk_cache::store::Loaded>,
+        read: Option<(crate::disk_cache::store::Loaded, Vec<u32>)>,
     ) -> Result<Started> {
         let model_id = request.metrics_id();
         self.resident(&request.model)?;
@@ -1329,15 +1334,23 @@ impl EngineThread {
             )));
         }
         let prefill = request.assistant_prefill.as_deref().unwrap_or("");
-        let prompt_ids = match &request.prompt {
-            Prompt::Chat { messages, options } => {
+        // A request back from a disk read keeps its rendering (a long prompt's template and
+        // tokenizer take a while).
+        let (read, rendered) = match read {
+            Some((loaded, rendered)) => (Some(loaded), Some(rendered)),
+            None => (None, None),
+        };
+        let prompt_ids = match (rendered, &request.prompt) {
+            (Some(rendered), _) => rendered,
+            (None, Prompt::Chat { messages, options }) => {
                 tokenizer
                     .encode_chat_prefilled(messages, options, prefill)?
                     .1
             }
-            Prompt::Text(text) => tokenizer.encode_plain(&format!("{text}{prefill}"))?,
-            Prompt::Ids(ids) => [ids.clone(), tokenizer.encode(prefill, false)?].concat(),
+            (None, Prompt::Text(text)) => tokenizer.encode_plain(&format!("{text}{prefill}"))?,
+            (None, Prompt::Ids(ids)) => [ids.clone(), tokenizer.encode(prefill, false)?].concat(),
         };
+        let rendered = prompt_ids.clone();
         let model = resident.loaded.model.as_ref();
         let vocab = model.vocab_size() as u32;
         if let Some(bad) = prompt_ids.iter().find(|&&id| id >= vocab) {
@@ -1422,7 +1435,7 @@ impl EngineThread {
                 let needs_tip = !model.rewindable() || model.windowed();
                 if let Some(plan) = disk.plan(fingerprint, lookup_key, needs_tip) {
                     if plan.tokens > in_ram {
-                        return Ok(Started::Read(plan));
+                        return Ok(Started::Read(plan, rendered));
                     }
                 }
             }

@@ -46,7 +46,9 @@ def start_server(tmp: Path):
     server = subprocess.Popen(
         [binary, "serve", "--model", str(ROOT / "tests/fixtures/qwen3-tiny"), "--models-dir",
          str(models), "--hf-cache", str(empty_cache), "--hub-url", os.environ["RMLX_TEST_HUB"],
-         "--port", "0", "--no-ui", "--max-ctx", "256"],
+         "--port", "0", "--no-ui", "--max-ctx", "256",
+         # Every documented route answers, the disk cache's too.
+         "--prefix-disk-dir", str(tmp / "disk-cache"), "--prefix-disk-gb", "1"],
         stdout=subprocess.PIPE, stderr=sys.stderr, text=True,
     )
     line = server.stdout.readline()  # "rmlx serve: listening on http://127.0.0.1:PORT"

@@ -135,7 +135,7 @@ describe.skipIf(skipReason !== null)('rMLX UI against rmlx serve', () => {
     const entry = snapshot.recent.find((r) => r.id === id);
     expect(entry, `/metrics/cache has no entry for ${id}`).toBeDefined();
     expect(Number(await chart.getAttribute('data-last-ttft'))).toBe(entry!.ttft_ms);
-    expect(await page.locator('.chart canvas').count()).toBe(7);
+    expect(await page.locator('.chart canvas').count()).toBe(8);
     await shot(page, 'dashboard-real');
   });
 

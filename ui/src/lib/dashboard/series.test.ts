@@ -64,7 +64,7 @@ describe('DashboardSeries', () => {
     series.ingest(snapshot([], { mlx_active_bytes: 7, mlx_peak_bytes: 9 }), 1000);
     expect(series.samples[0]).toEqual({
       t: 0.5, activeBytes: 1000, peakBytes: 2000, kvBytes: 300, inFlight: 1, queueDepth: 2, prefixHits: 4, diskHits: 2, prefixMisses: 5, snapshots: null, snapshotBytes: null,
-      diskBytes: 4000, diskBudget: 9000, diskRead: 100, diskWritten: 5000,
+      diskBytes: 4000, diskBudget: 9000, diskRead: 100, diskWritten: 5000, diskEvicted: 0,
     });
     expect(series.samples[1]).toMatchObject({ activeBytes: 7, peakBytes: 9, kvBytes: null, prefixHits: 0, diskHits: 0, diskBytes: null });
   });

@@ -39,6 +39,7 @@ export interface Sample {
   diskBudget: number | null;
   diskRead: number | null;
   diskWritten: number | null;
+  diskEvicted: number | null;
 }
 
 export interface TokenPoint {
@@ -144,6 +145,7 @@ export class DashboardSeries {
       diskBudget: num(disk?.budget_bytes),
       diskRead: num(disk?.read_bytes),
       diskWritten: num(disk?.written_bytes),
+      diskEvicted: num(disk?.evicted_files),
     });
     this.trim(recent.map(requestKey));
     return added;

@@ -215,6 +215,20 @@ fn disk_engine(disk: &Path, kv_bits: Option<i32>, read_delay: Option<Duration>) 
     .unwrap()
 }
 
+/// One request on an engine with the disk cache in `disk`; the engine stops after it (its
+/// queued writes finish, its RAM cache is gone).
+fn on_disk(
+    disk: &Path,
+    kv_bits: Option<i32>,
+    request: Request,
+) -> rmlx_engine::generate::Completion {
+    disk_engine(disk, kv_bits, None)
+        .submit(request)
+        .unwrap()
+        .wait()
+        .unwrap()
+}
+
 fn uncached_engine() -> Engine {
     Engine::start_with(EngineOptions {
         prefix_cache_bytes: Some(0),
@@ -358,11 +372,7 @@ fn a_restart_answers_the_next_turn_from_disk_as_uncached() {
 fn a_damaged_block_is_a_miss_that_goes_and_the_answer_is_right() {
     let model = "qwen3-tiny";
     let disk = scratch("damaged");
-    let turn1 = disk_engine(&disk, None, None)
-        .submit(two_turns(model, None, None))
-        .unwrap()
-        .wait()
-        .unwrap();
+    let turn1 = on_disk(&disk, None, two_turns(model, None, None));
     // Block 0 of the prompt: every later block and tip hangs off it.
     let fingerprint = disk_cache::fingerprint(&fixture(model), KvStorage::Dense).unwrap();
     let first = disk.join(&fingerprint).join(format!(
@@ -375,11 +385,7 @@ fn a_damaged_block_is_a_miss_that_goes_and_the_answer_is_right() {
     std::fs::write(&first, &bytes).unwrap();
 
     let turn2 = two_turns(model, None, Some(&turn1.text));
-    let completion = disk_engine(&disk, None, None)
-        .submit(turn2.clone())
-        .unwrap()
-        .wait()
-        .unwrap();
+    let completion = on_disk(&disk, None, turn2.clone());
     let uncached = uncached_engine().submit(turn2).unwrap().wait().unwrap();
     assert_eq!(
         completion.cached_tokens, 0,
@@ -396,31 +402,15 @@ fn a_damaged_block_is_a_miss_that_goes_and_the_answer_is_right() {
 #[test]
 fn another_model_or_kv_bits_never_hits() {
     let disk = scratch("isolation");
-    let turn1 = disk_engine(&disk, None, None)
-        .submit(two_turns("qwen3-tiny", None, None))
-        .unwrap()
-        .wait()
-        .unwrap();
+    let turn1 = on_disk(&disk, None, two_turns("qwen3-tiny", None, None));
     // The same conversation: on the same model it hits; at 8 bits or on another checkpoint
     // (same tokenizer and ids) it never does.
     let next = |model: &str| two_turns(model, None, Some(&turn1.text));
-    let same = disk_engine(&disk, None, None)
-        .submit(next("qwen3-tiny"))
-        .unwrap()
-        .wait()
-        .unwrap();
+    let same = on_disk(&disk, None, next("qwen3-tiny"));
     assert!(same.cached_tokens > 0);
-    let quantized_kv = disk_engine(&disk, Some(8), None)
-        .submit(next("qwen3-tiny"))
-        .unwrap()
-        .wait()
-        .unwrap();
+    let quantized_kv = on_disk(&disk, Some(8), next("qwen3-tiny"));
     assert_eq!(quantized_kv.cached_tokens, 0, "--kv-bits 8 after dense KV");
-    let other = disk_engine(&disk, None, None)
-        .submit(next("qwen3-tiny-4bit"))
-        .unwrap()
-        .wait()
-        .unwrap();
+    let other = on_disk(&disk, None, next("qwen3-tiny-4bit"));
     assert_eq!(other.cached_tokens, 0, "another checkpoint");
     let _ = std::fs::remove_dir_all(&disk);
 }
@@ -432,11 +422,7 @@ fn another_model_or_kv_bits_never_hits() {
 fn a_disk_read_does_not_stall_a_running_stream() {
     let model = "qwen3-tiny";
     let disk = scratch("stall");
-    let turn1 = disk_engine(&disk, None, None)
-        .submit(two_turns(model, None, None))
-        .unwrap()
-        .wait()
-        .unwrap();
+    let turn1 = on_disk(&disk, None, two_turns(model, None, None));
     let delay = Duration::from_secs(2);
     let engine = disk_engine(&disk, None, Some(delay));
     let stream = engine
@@ -656,17 +642,9 @@ fn a_quantized_kv_cache_restarts_from_disk() {
         },
         ..Request::default()
     };
-    let turn1 = disk_engine(&disk, Some(8), None)
-        .submit(request(prompt.clone()))
-        .unwrap()
-        .wait()
-        .unwrap();
+    let turn1 = on_disk(&disk, Some(8), request(prompt.clone()));
     let next: Vec<u32> = [prompt, turn1.token_ids, common::text_ids(40, 12, 10, 500)].concat();
-    let completion = disk_engine(&disk, Some(8), None)
-        .submit(request(next.clone()))
-        .unwrap()
-        .wait()
-        .unwrap();
+    let completion = on_disk(&disk, Some(8), request(next.clone()));
     let uncached = Engine::start_with(EngineOptions {
         prefix_cache_bytes: Some(0),
         prefix_snapshot_bytes: Some(0),

@@ -1350,7 +1350,8 @@ impl EngineThread {
             (None, Prompt::Text(text)) => tokenizer.encode_plain(&format!("{text}{prefill}"))?,
             (None, Prompt::Ids(ids)) => [ids.clone(), tokenizer.encode(prefill, false)?].concat(),
         };
-        let rendered = prompt_ids.clone();
+        // With images the prompt is expanded below; a disk read needs it as rendered.
+        let rendered = (!request.images.is_empty()).then(|| prompt_ids.clone());
         let model = resident.loaded.model.as_ref();
         let vocab = model.vocab_size() as u32;
         if let Some(bad) = prompt_ids.iter().find(|&&id| id >= vocab) {
@@ -1435,6 +1436,7 @@ impl EngineThread {
                 let needs_tip = !model.rewindable() || model.windowed();
                 if let Some(plan) = disk.plan(fingerprint, lookup_key, needs_tip) {
                     if plan.tokens > in_ram {
+                        let rendered = rendered.unwrap_or_else(|| prompt_ids.clone());
                         return Ok(Started::Read(plan, rendered));
                     }
                 }

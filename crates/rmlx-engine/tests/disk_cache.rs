@@ -72,20 +72,7 @@ fn run(model: &str, disk: &Path, prompt: &[u32], kv_bits: Option<i32>) {
         ..EngineOptions::default()
     })
     .unwrap();
-    engine
-        .submit(Request {
-            model: fixture(model),
-            prompt: Prompt::Ids(prompt.to_vec()),
-            params: GenerateParams {
-                max_tokens: 4,
-                ignore_eos: true,
-                ..GenerateParams::default()
-            },
-            ..Request::default()
-        })
-        .unwrap()
-        .wait()
-        .unwrap();
+    answer(&engine, model, prompt.to_vec(), 4);
     // Dropping the engine finishes the queued writes.
 }
 
@@ -524,13 +511,13 @@ fn budget_engine(disk: &Path, budget: u64) -> Engine {
     engine
 }
 
-fn answer(engine: &Engine, model: &str, prompt: Vec<u32>) {
+fn answer(engine: &Engine, model: &str, prompt: Vec<u32>, max_tokens: usize) {
     engine
         .submit(Request {
             model: fixture(model),
             prompt: Prompt::Ids(prompt),
             params: GenerateParams {
-                max_tokens: 2,
+                max_tokens,
                 ignore_eos: true,
                 ..GenerateParams::default()
             },
@@ -561,7 +548,7 @@ fn the_budget_holds_and_a_restart_keeps_what_is_valid() {
         let probe = scratch("budget-probe");
         drop({
             let engine = budget_engine(&probe, u64::MAX);
-            answer(&engine, "qwen3-tiny", conversation(1));
+            answer(&engine, "qwen3-tiny", conversation(1), 2);
             engine
         });
         let bytes = bytes_under(&probe);
@@ -570,10 +557,10 @@ fn the_budget_holds_and_a_restart_keeps_what_is_valid() {
     };
     let budget = one * 5 / 2;
     let engine = budget_engine(&disk, budget);
-    answer(&engine, "qwen3-tiny", conversation(1));
+    answer(&engine, "qwen3-tiny", conversation(1), 2);
     let first_model = disk_cache::fingerprint(&fixture("qwen3-tiny"), KvStorage::Dense).unwrap();
     for seed in 2..9 {
-        answer(&engine, "qwen3-tiny-4bit", conversation(seed));
+        answer(&engine, "qwen3-tiny-4bit", conversation(seed), 2);
         let stats = engine.disk_stats().unwrap();
         assert!(stats.bytes_on_disk <= budget, "{stats:?}");
     }

@@ -96,6 +96,13 @@ fn common_metadata(
     metadata
 }
 
+/// A layer's stored parts as `layer.{i}.part.{j}` tensors ([`super::restore`] reads them back).
+fn push_parts(tensors: &mut Vec<(String, Array)>, layer: usize, parts: Vec<Array>) {
+    for (part, array) in parts.into_iter().enumerate() {
+        tensors.push((format!("layer.{layer}.part.{part}"), array));
+    }
+}
+
 fn ids(tokens: &[u32]) -> String {
     tokens
         .iter()
@@ -125,9 +132,7 @@ pub fn encode_block(
             return Ok(None);
         };
         layers.push(layer);
-        for (part, array) in parts.into_iter().enumerate() {
-            tensors.push((format!("layer.{layer}.part.{part}"), array));
-        }
+        push_parts(&mut tensors, layer, parts);
     }
     if layers.is_empty() {
         return Ok(None);
@@ -169,9 +174,7 @@ pub fn encode_tip(
                     let Some(parts) = cache.export_columns(first, p)? else {
                         return Ok(None);
                     };
-                    for (part, array) in parts.into_iter().enumerate() {
-                        tensors.push((format!("layer.{layer}.part.{part}"), array));
-                    }
+                    push_parts(&mut tensors, layer, parts);
                 }
             }
             Role::Recurrent => {
@@ -193,9 +196,7 @@ pub fn encode_tip(
                     return Ok(None);
                 };
                 windows.insert(layer.to_string(), start);
-                for (part, array) in parts.into_iter().enumerate() {
-                    tensors.push((format!("layer.{layer}.part.{part}"), array));
-                }
+                push_parts(&mut tensors, layer, parts);
             }
         }
     }

@@ -13,6 +13,15 @@ use crate::{
     error::{EngineError, Result},
 };
 
+/// Takes a layer's `layer.{i}.part.{j}` arrays out of a file's, in part order.
+fn take_parts(arrays: &mut BTreeMap<String, Array>, layer: usize) -> Vec<Array> {
+    let mut found = Vec::new();
+    while let Some(array) = arrays.remove(&format!("layer.{layer}.part.{}", found.len())) {
+        found.push(array);
+    }
+    found
+}
+
 fn mismatch(what: &str) -> EngineError {
     EngineError::InvalidRequest(format!("a disk-cache prefix does not fit: {what}"))
 }
@@ -61,12 +70,7 @@ pub fn rebuild(
         let columns: Vec<usize> = header.json("layers")?;
         for &layer in &columns {
             let slot = pieces.get_mut(layer).ok_or_else(|| mismatch("a layer"))?;
-            let mut part = 0;
-            let mut found = Vec::new();
-            while let Some(array) = arrays.remove(&format!("layer.{layer}.part.{part}")) {
-                found.push(array);
-                part += 1;
-            }
+            let found = take_parts(&mut arrays, layer);
             if found.is_empty() && end > start {
                 return Err(mismatch("a layer's columns"));
             }
@@ -86,12 +90,7 @@ pub fn rebuild(
             }
             for (layer, base) in header.json::<BTreeMap<String, i32>>("windows")? {
                 let layer: usize = layer.parse().map_err(|_| mismatch("a window"))?;
-                let mut found = Vec::new();
-                while let Some(array) =
-                    arrays.remove(&format!("layer.{layer}.part.{}", found.len()))
-                {
-                    found.push(array);
-                }
+                let found = take_parts(&mut arrays, layer);
                 *pieces.get_mut(layer).ok_or_else(|| mismatch("a layer"))? = vec![found];
                 windows.insert(layer, base);
             }

@@ -299,25 +299,12 @@ impl DiskCache {
         })
     }
 
-    pub fn root(&self) -> &Path {
-        &self.root
-    }
-
-    pub fn stats(&self) -> DiskStats {
-        self.stats_reader().stats()
-    }
-
     /// A handle that reads the counters from any thread.
     pub fn stats_reader(&self) -> StatsReader {
         StatsReader {
             root: self.root.clone(),
             shared: self.shared.clone(),
         }
-    }
-
-    /// Bytes written so far.
-    pub fn written(&self) -> u64 {
-        self.shared.written.load(Ordering::Relaxed)
     }
 
     fn known(&self, key: &FileKey) -> bool {

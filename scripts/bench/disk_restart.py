@@ -18,7 +18,7 @@ server's own (the `timings.ttft_ms` of the answer: from the request reaching the
 first token; both include the reads). Medians with min-max over runs; the ratio is cold/disk.
 
 Usage: disk_restart.py --model DIR --rmlx BIN [--words 6000] [--runs 3] [--json-out PATH]
-                       [--rmlx-args "..."]
+                       [--rmlx-args "..."] [--log-dir DIR]
 """
 
 import argparse
@@ -61,9 +61,15 @@ def conversation(seed, n_words):
     return [{"role": "user", "content": f"Conversation {seed}. {text}"}]
 
 
-def chat(server, model, messages, max_tokens):
+def chat(server, model, messages, max_tokens, what=""):
+    sent = time.perf_counter()
     reply = post(server, "/v1/chat/completions",
                  {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+    # Progress on stderr: a long prefill on a new machine compiles kernels for minutes.
+    usage = reply["usage"]
+    print(f"  {server.name} {what}: {usage['prompt_tokens']} prompt tokens "
+          f"({usage['prompt_tokens_details']['cached_tokens']} cached) in {time.perf_counter() - sent:.1f} s",
+          file=sys.stderr, flush=True)
     return reply
 
 
@@ -112,19 +118,22 @@ def main():
     ap.add_argument("--rmlx-args", default="")
     ap.add_argument("--json-out")
     ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before B and C (root)")
+    ap.add_argument("--log-dir", help="keep the servers' logs here (default: a scratch folder)")
     args = ap.parse_args()
     model = Path(args.model).name
     rows = []
     with tempfile.TemporaryDirectory(prefix="rmlx-disk-bench-") as scratch:
+        logs = args.log_dir or scratch
+        Path(logs).mkdir(parents=True, exist_ok=True)
         for run in range(args.runs):
             disk = Path(scratch) / f"cache-{run}"
             warm_seed, seed = 1000 + 2 * run, 1001 + 2 * run
             # 1. Turn 1 of the measured conversation and of the warm-up one.
-            server = start(args, f"a{run}", disk, scratch)
+            server = start(args, f"a{run}", disk, logs)
             firsts = {}
             for s in (warm_seed, seed):
                 messages = conversation(s, args.words)
-                reply = chat(server, model, messages, args.turn1_tokens)
+                reply = chat(server, model, messages, args.turn1_tokens, f"turn 1 of {s}")
                 firsts[s] = (messages, reply["choices"][0]["message"]["content"] or "")
             files = wait_for_writer(server)
             written = get(server, "/metrics/cache")["disk_cache"]["written_bytes"]
@@ -134,11 +143,11 @@ def main():
             for kind in order:
                 if args.drop_caches:
                     row["dropped"] = drop_page_cache()
-                server = start(args, f"{kind}{run}", disk, scratch, disk_on=kind == "disk")
+                server = start(args, f"{kind}{run}", disk, logs, disk_on=kind == "disk")
                 warm = turn2(*firsts[warm_seed])
-                chat(server, model, warm, 1)
+                chat(server, model, warm, 1, "warm-up turn 2")
                 before = get(server, "/metrics/cache")["disk_cache"] if kind == "disk" else None
-                reply = chat(server, model, turn2(*firsts[seed]), 1)
+                reply = chat(server, model, turn2(*firsts[seed]), 1, "measured turn 2")
                 after = get(server, "/metrics/cache")["disk_cache"] if kind == "disk" else None
                 server.close()
                 usage = reply["usage"]

@@ -23,7 +23,8 @@
 #   layer shapes, 8 layers, 4-bit), then scripts/bench/disk_restart.py: turn 2 of a D_WORDS
 #   (11500, ~30k tokens) conversation after `rmlx serve` restarted, read back from the disk
 #   prefix cache vs prefilled cold, D_RUNS (3) runs, the page cache dropped before each server
-#   where allowed.
+#   where allowed. A kernel warm-up (`rmlx bench` at D_WARM_TOKENS, 30000) runs first, once per
+#   machine. The servers' logs land in $OUT/disk-logs.
 # MODE=concurrency (step 2 instead): random Qwen3-4B-shaped bf16 and 4-bit checkpoints with the
 #   real vocabulary (make_qwen3_bench_model.py, on the GPU); on each, single-stream decode and
 #   warm TTFT through `rmlx serve` interleaved with mlx-lm's generate_step (bench.py), then
@@ -125,11 +126,21 @@ if [[ $MODE == disk_restart ]]; then
   step "model qwen3_5"
   python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" > /tmp/q35-path || exit 1
   Q35=$(tail -1 /tmp/q35-path)
+  # One long prefill first: MLX CUDA compiles (and keeps under /tmp/mlx) its kernels for every new
+  # shape, minutes at this one; the servers below then start from a warm kernel cache.
+  if [[ ! -f /tmp/.disk-restart-warm ]]; then
+    step "kernel warm-up: rmlx bench at ${D_WARM_TOKENS:-30000} tokens"
+    left=$(( LIMIT - SECONDS ))
+    RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench --model "$Q35" \
+      --prompt-tokens "${D_WARM_TOKENS:-30000}" --gen-tokens 4 --runs 2 --json > "$OUT/disk-warm-bench.json" \
+      && touch /tmp/.disk-restart-warm
+    cat "$OUT/disk-warm-bench.json"; echo
+  fi
   step "bench disk restart"
   left=$(( LIMIT - SECONDS ))
   RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/disk_restart.py --model "$Q35" \
     --rmlx /tmp/rmlx/rmlx --words "${D_WORDS:-11500}" --runs "${D_RUNS:-3}" --drop-caches \
-    --json-out "$OUT/h200-disk-restart.json"
+    --log-dir "$OUT/disk-logs" --json-out "$OUT/h200-disk-restart.json"
   rc=$?
   step "done ($rc)"
   exit $rc

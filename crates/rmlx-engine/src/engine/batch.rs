@@ -1,0 +1,277 @@
+//! One model's running batch: prefill steps join it, decode steps run it, finished requests
+//! leave it.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{atomic::Ordering, mpsc},
+};
+
+use crate::{
+    cache::KvCache,
+    error::EngineError,
+    generate::{self, Completion, DecodeRow, FinishReason, Sequence},
+};
+
+use super::{
+    admission::Admission, images::image_keyed, request::injected_panic, thread_loop::EngineThread,
+    ticket::Ticket, Event, Step,
+};
+
+/// One model's running requests: `rows[b]` owns row `b` of every layer's cache.
+pub(super) struct Batch {
+    pub(super) key: PathBuf,
+    /// Positions of KV the rows may hold together: the first row's context.
+    pub(super) context: usize,
+    pub(super) caches: Vec<KvCache>,
+    pub(super) rows: Vec<Row>,
+}
+
+impl Batch {
+    /// Columns every row's KV spans (the padded length).
+    fn columns(&self) -> usize {
+        self.caches
+            .first()
+            .map_or(0, |cache| cache.offset().max(0) as usize)
+    }
+}
+
+pub(super) struct Row {
+    sequence: Sequence,
+    ticket: Ticket,
+}
+
+impl DecodeRow for Row {
+    fn sequence(&mut self) -> &mut Sequence {
+        &mut self.sequence
+    }
+    fn cancelled(&self) -> bool {
+        self.ticket.cancel.load(Ordering::Relaxed)
+    }
+    fn emit(&mut self, delta: generate::Delta) {
+        send_delta(&self.ticket.events, delta);
+    }
+}
+
+fn send_delta(events: &mpsc::Sender<Event>, delta: generate::Delta) {
+    let _ = events.send(Event::Delta {
+        token_id: delta.token_id,
+        text: delta.text,
+        logprob: delta.logprob,
+    });
+}
+
+impl EngineThread {
+    /// One prefill chunk of the admitted request; a finished prompt joins the batch.
+    pub(super) fn prefill_step(&mut self) {
+        let Some(mut admission) = self.admitting.take() else {
+            return;
+        };
+        injected_panic(admission.ticket.panic_at, Step::Prefill);
+        if admission.ticket.cancel.load(Ordering::Relaxed) {
+            let (completion, _) = admission.prefill.cancelled();
+            self.finish_request(&admission.key, admission.ticket, completion, None);
+            return;
+        }
+        let Some(resident) = self.models.get(&admission.key) else {
+            self.fail(admission.ticket, EngineError::EngineStopped);
+            return;
+        };
+        let model = resident.loaded.model.as_ref();
+        if !admission.prefill.is_done() {
+            if let Err(error) = admission.prefill.step(model) {
+                self.fail(admission.ticket, error);
+                return;
+            }
+        }
+        if !admission.prefill.is_done() {
+            self.admitting = Some(admission);
+            return;
+        }
+        // The rows of a batch share one context's worth of KV (what `fits` reserves); a prompt
+        // that would take the padded batch past it waits, prefilled, until rows leave.
+        if let Some(batch) = &self.batch {
+            let columns = batch
+                .columns()
+                .max(admission.prefill.caches()[0].offset() as usize);
+            if (batch.rows.len() + 1) * columns > batch.context {
+                self.admitting = Some(admission);
+                return;
+            }
+        }
+        let Admission {
+            key,
+            ticket,
+            prefill,
+            constraint,
+        } = admission;
+        let (sequence, caches) = match prefill.into_sequence(model, &resident.tokenizer, constraint)
+        {
+            Ok(parts) => parts,
+            Err(error) => return self.fail(ticket, error),
+        };
+        let row = Row { sequence, ticket };
+        match self.batch.as_mut() {
+            None => {
+                self.batch = Some(Batch {
+                    key,
+                    context: row.sequence.context(),
+                    caches,
+                    rows: vec![row],
+                })
+            }
+            Some(batch) => {
+                self.joining = true;
+                let joined = batch
+                    .caches
+                    .iter_mut()
+                    .zip(&caches)
+                    .try_for_each(|(running, new)| running.join(new));
+                self.joining = false;
+                match joined {
+                    Ok(()) => batch.rows.push(row),
+                    Err(error) => {
+                        // The batch's caches may be half joined: every request in it fails.
+                        let batch = self.batch.take().expect("matched above");
+                        for row in batch.rows {
+                            self.fail(row.ticket, error.for_each_request());
+                        }
+                        self.fail(row.ticket, error);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One decode step of the batch, then the requests that ended leave it.
+    pub(super) fn decode_step(&mut self) {
+        let Some(mut batch) = self.batch.take() else {
+            return;
+        };
+        for row in &batch.rows {
+            injected_panic(row.ticket.panic_at, Step::Decode);
+        }
+        let Some(resident) = self.models.get(&batch.key) else {
+            for row in batch.rows {
+                self.fail(row.ticket, EngineError::EngineStopped);
+            }
+            return;
+        };
+        let model = resident.loaded.model.as_ref();
+        let tokenizer = &resident.tokenizer;
+        if let Err(error) =
+            generate::decode_iteration(model, tokenizer, &mut batch.caches, &mut batch.rows)
+        {
+            for row in batch.rows {
+                self.fail(row.ticket, error.for_each_request());
+            }
+            return;
+        }
+        if !batch.rows.iter().any(|row| row.sequence.is_finished()) {
+            self.batch = Some(batch);
+            return;
+        }
+        let single = batch.rows.len() == 1;
+        let mut keep = Vec::new();
+        let mut ended = Vec::new();
+        for (index, row) in std::mem::take(&mut batch.rows).into_iter().enumerate() {
+            if row.sequence.is_finished() {
+                ended.push((index, row));
+            } else {
+                keep.push(index);
+                batch.rows.push(row);
+            }
+        }
+        let mut finished = Vec::new();
+        for (index, row) in ended {
+            // Only a request whose KV can be reused takes its row out of the batch.
+            let reusable = row.ticket.keep_kv && !row.ticket.cancel.load(Ordering::Relaxed);
+            let caches = if !reusable {
+                Ok(Vec::new())
+            } else if single && !batch.caches.iter().any(KvCache::is_batched) {
+                Ok(std::mem::take(&mut batch.caches))
+            } else {
+                // A batched cache's arrays are slices of bigger buffers (rows and padding
+                // dropped): the prefix cache gets a copy of just this row, so its byte count
+                // is what it holds.
+                batch.caches.iter().map(|cache| cache.row(index)).collect()
+            };
+            let Row {
+                sequence,
+                mut ticket,
+            } = row;
+            match caches {
+                Ok(caches) => {
+                    let mut emit = |delta: generate::Delta| send_delta(&ticket.events, delta);
+                    let (completion, cached) = sequence.finish(tokenizer, caches, &mut emit);
+                    ticket.keep_kv &= reusable;
+                    finished.push((ticket, completion, cached));
+                }
+                Err(error) => self.fail(ticket, error),
+            }
+        }
+        let key = batch.key.clone();
+        if keep.is_empty() {
+            self.batch = None;
+        } else {
+            match batch
+                .caches
+                .iter_mut()
+                .try_for_each(|cache| cache.retain_rows(&keep))
+            {
+                Ok(()) => self.batch = Some(batch),
+                Err(error) => {
+                    for row in batch.rows {
+                        self.fail(row.ticket, error.for_each_request());
+                    }
+                }
+            }
+        }
+        for (ticket, completion, cached) in finished {
+            self.finish_request(&key, ticket, completion, Some(cached));
+        }
+    }
+
+    /// Records a finished request, offers its KV (and snapshots) to the prefix cache, and
+    /// tells the client.
+    fn finish_request(
+        &mut self,
+        key: &Path,
+        mut ticket: Ticket,
+        completion: Completion,
+        cached: Option<generate::CachedSequence>,
+    ) {
+        self.metrics
+            .record_completion(&ticket.model_id, ticket.request_id.as_deref(), &completion);
+        let reusable = completion.finish_reason != FinishReason::Cancelled && ticket.keep_kv;
+        // For the disk, after the client has its answer (clones share the arrays).
+        let mut for_disk = None;
+        if let (true, Some(sequence)) = (reusable, cached) {
+            let keyed = |tokens: Vec<u32>| image_keyed(tokens, ticket.image_key.as_deref());
+            if self.disk.is_some() {
+                for_disk = Some(self.disk_offer(key, &sequence, keyed(sequence.tokens.clone())));
+            }
+            self.prefix
+                .retire_windowed_prefixes(key, &keyed(sequence.tokens.clone()));
+            let mut evicted = 0;
+            for snapshot in sequence.snapshots {
+                evicted += self
+                    .prefix
+                    .insert(key, keyed(snapshot.tokens), snapshot.caches);
+            }
+            evicted += self
+                .prefix
+                .insert(key, keyed(sequence.tokens), sequence.caches);
+            self.metrics
+                .record_prefix_evictions(&ticket.model_id, evicted);
+            self.prefix_ids
+                .insert(key.to_path_buf(), ticket.model_id.clone());
+        }
+        self.publish_prefix_usage();
+        ticket.settle();
+        self.publish_in_flight();
+        ticket.send_last(Event::Done(completion));
+        if let Some(offer) = for_disk {
+            self.offer_to_disk(key, offer);
+        }
+    }
+}

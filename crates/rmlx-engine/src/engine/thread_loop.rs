@@ -1,0 +1,300 @@
+//! The engine thread's state and loop, and the resident models.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    path::{Path, PathBuf},
+    sync::{atomic::AtomicUsize, mpsc, Arc},
+};
+
+use crate::{
+    cache::KvStorage,
+    chat::ChatTokenizer,
+    constrain::{ConstraintFactory, Grammars},
+    disk_cache::DiskCache,
+    error::{EngineError, Result},
+    generate::GenerateParams,
+    metrics::Metrics,
+    models::{self, LoadedModel, ModelInfo},
+    prefix_cache::{self, ModelFootprint, PrefixCache},
+};
+
+use super::{
+    admission::{Admission, Loading},
+    batch::Batch,
+    Job,
+};
+
+pub(super) struct Resident {
+    pub(super) loaded: LoadedModel,
+    pub(super) tokenizer: ChatTokenizer,
+    /// What it needs in memory (sizes the prefix cache's default budgets).
+    footprint: ModelFootprint,
+    /// Built on the first constrained request: most models never see one.
+    constraints: Option<ConstraintFactory>,
+}
+
+impl Resident {
+    /// The request's `response_format` constraint and freeform tools' grammars.
+    pub(super) fn grammars(&mut self, params: &GenerateParams) -> Result<Grammars> {
+        if params.response_format.is_text()
+            && params.tool_grammars.is_empty()
+            && params.reasoning_budget.is_none()
+        {
+            return Ok(Grammars::default());
+        }
+        let factory = match &mut self.constraints {
+            Some(factory) => factory,
+            slot => slot.insert(ConstraintFactory::from_tokenizer(
+                &self.tokenizer,
+                self.loaded.model.vocab_size(),
+                self.tokenizer.eos_token_ids(),
+            )?),
+        };
+        Ok(Grammars {
+            format: factory.constraint(&params.response_format)?,
+            tools: factory
+                .tool_grammars(&params.tool_grammars, params.reasoning_budget.as_ref())?,
+        })
+    }
+}
+
+/// A model's weights, KV per token and recurrent state, from its folder.
+fn footprint(dir: &Path) -> Result<ModelFootprint> {
+    let io = |error: std::io::Error| EngineError::Io {
+        path: dir.to_path_buf(),
+        message: error.to_string(),
+    };
+    let text = std::fs::read_to_string(dir.join("config.json")).map_err(io)?;
+    let config: serde_json::Value =
+        serde_json::from_str(&text).map_err(|error| EngineError::Io {
+            path: dir.join("config.json"),
+            message: error.to_string(),
+        })?;
+    Ok(ModelFootprint {
+        weights: crate::runtime::memory_needed(dir).map_err(io)?,
+        kv_per_token: models::structure::kv_bytes_per_token(&config),
+        // Sliding windows count with the recurrent state: past the window the prefix cache
+        // keeps them as snapshots.
+        recurrent_state: models::structure::fixed_state_bytes(&config),
+    })
+}
+
+pub(super) struct EngineThread {
+    pub(super) models: HashMap<PathBuf, Resident>,
+    /// Resident model keys, least recently used first.
+    pub(super) lru: Vec<PathBuf>,
+    pub(super) max_loaded: usize,
+    pub(super) memory_budget: Option<u64>,
+    pub(super) prefix: PrefixCache,
+    /// The budgets asked for (None: sized from memory and the resident models).
+    pub(super) prefix_budgets: (Option<u64>, Option<u64>),
+    /// How new requests' caches store keys and values (`EngineOptions::kv_bits`).
+    pub(super) kv_storage: KvStorage,
+    /// The disk cache and each model's fingerprint (`EngineOptions::prefix_disk_dir`).
+    pub(super) disk: Option<DiskCache>,
+    pub(super) fingerprints: HashMap<PathBuf, String>,
+    /// The model id metrics know each cached model by.
+    pub(super) prefix_ids: HashMap<PathBuf, String>,
+    pub(super) metrics: Arc<Metrics>,
+    pub(super) queued: Arc<AtomicUsize>,
+    pub(super) waiting: Arc<AtomicUsize>,
+    /// The resident models as `Engine::loaded` reports them, LRU order.
+    pub(super) published: Arc<std::sync::Mutex<Vec<ModelInfo>>>,
+    pub(super) max_batch: usize,
+    /// Jobs taken from the channel and not yet handled, in arrival order.
+    pub(super) pending: VecDeque<Job>,
+    /// Requests whose prefix the disk cache's reader is reading; others decode meanwhile.
+    pub(super) loading: Vec<Loading>,
+    /// Requests whose prefix has been read, to start before any pending job.
+    pub(super) ready: VecDeque<(Loading, crate::disk_cache::store::Loaded)>,
+    /// The request whose prompt is being prefilled, a chunk per turn of the loop.
+    pub(super) admitting: Option<Admission>,
+    /// The requests decoding together.
+    pub(super) batch: Option<Batch>,
+    /// Set while a prefilled request's caches join the batch's: a panic then leaves the batch
+    /// half joined (see `guarded`).
+    pub(super) joining: bool,
+}
+
+impl EngineThread {
+    fn publish_resident(&self) {
+        let infos = self
+            .lru
+            .iter()
+            .map(|key| self.models[key].loaded.info.clone())
+            .collect();
+        *self.published.lock().unwrap_or_else(|p| p.into_inner()) = infos;
+    }
+
+    pub(super) fn run(mut self, inbox: mpsc::Receiver<Job>) {
+        let mut open = true;
+        loop {
+            // Block only with nothing to do; otherwise take what has arrived and go on.
+            let idle = self.batch.is_none()
+                && self.admitting.is_none()
+                && self.pending.is_empty()
+                && self.ready.is_empty();
+            if idle && !self.loading.is_empty() {
+                // Only disk reads to wait for: look for them and for new jobs in turn.
+                crate::profile::idle();
+                if let Some(loaded) = self
+                    .disk
+                    .as_ref()
+                    .and_then(|disk| disk.wait(std::time::Duration::from_millis(2)))
+                {
+                    self.take_read(loaded);
+                }
+            } else if idle {
+                if !open {
+                    break;
+                }
+                // Time spent idle is not time between decode steps.
+                crate::profile::idle();
+                match inbox.recv() {
+                    Ok(job) => self.pending.push_back(job),
+                    Err(_) => break,
+                }
+            }
+            loop {
+                match inbox.try_recv() {
+                    Ok(job) => self.pending.push_back(job),
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            self.guarded(Self::admit);
+            self.guarded(Self::prefill_step);
+            self.guarded(Self::decode_step);
+            self.publish_in_flight();
+        }
+    }
+
+    /// Runs one step of the loop; a panic in it (a bug) costs only the requests that step held:
+    /// their tickets unwind and tell their clients (see `Ticket`'s `Drop`), and the thread goes
+    /// on serving. Without this, one bad request would leave every later one unanswered.
+    fn guarded(&mut self, step: fn(&mut Self)) {
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(self)));
+        if outcome.is_err() {
+            // A batch left half joined is in no known state: its requests fail too.
+            if std::mem::take(&mut self.joining) {
+                drop(self.batch.take());
+            }
+            self.publish_in_flight();
+        }
+    }
+
+    pub(super) fn publish_in_flight(&self) {
+        let rows = self.batch.as_ref().map_or(0, |batch| batch.rows.len());
+        let kv: u64 = self
+            .batch
+            .iter()
+            .flat_map(|batch| &batch.caches)
+            .chain(self.admitting.iter().flat_map(|a| a.prefill.caches()))
+            .map(|cache| cache.nbytes() as u64)
+            .sum();
+        self.metrics
+            .set_in_flight(rows + self.admitting.is_some() as usize, kv);
+    }
+
+    pub(super) fn unload(&mut self, dir: &Path) -> bool {
+        let Ok(key) = dir.canonicalize() else {
+            return false;
+        };
+        self.lru.retain(|resident| *resident != key);
+        self.prefix.forget_model(&key);
+        self.metrics.set_prefix_cache_usage(self.prefix.usage());
+        let removed = self.models.remove(&key).is_some();
+        self.metrics
+            .set_model_prefix_bytes(self.prefix_ids.get(&key), 0);
+        self.refresh_prefix_budgets();
+        self.publish_resident();
+        // The weights' buffers go back to the system, not to MLX's buffer cache, unless a
+        // running batch may reuse them (unloading another model while one decodes).
+        if removed && self.batch.is_none() && self.admitting.is_none() {
+            crate::runtime::release_cached_memory();
+        }
+        removed
+    }
+
+    /// Sizes the prefix cache's budgets that were not set for the resident models.
+    fn refresh_prefix_budgets(&mut self) {
+        let footprints: Vec<ModelFootprint> =
+            self.models.values().map(|model| model.footprint).collect();
+        let memory = self.memory_budget.or_else(crate::runtime::total_memory);
+        let auto = prefix_cache::auto_budgets(&footprints, memory);
+        let budgets = prefix_cache::Budgets {
+            kv: self.prefix_budgets.0.unwrap_or(auto.kv),
+            snapshots: self.prefix_budgets.1.unwrap_or(auto.snapshots),
+        };
+        if budgets != self.prefix.budgets() {
+            self.prefix.set_budgets(budgets);
+            self.publish_prefix_usage();
+        }
+    }
+
+    /// `/metrics/cache`'s prefix figures: the totals and each cached model's bytes.
+    pub(super) fn publish_prefix_usage(&self) {
+        self.metrics.set_prefix_cache_usage(self.prefix.usage());
+        for (path, id) in &self.prefix_ids {
+            self.metrics
+                .set_model_prefix_bytes(Some(id), self.prefix.model_bytes(path));
+        }
+    }
+
+    /// Refuses, with the numbers, a model whose weights cannot fit next to what is resident;
+    /// loading it anyway would swap the machine to a halt (unified memory on a Mac).
+    fn check_fits(&self, dir: &Path) -> Result<()> {
+        let Some(available) = self.memory_budget.or_else(crate::runtime::available_memory) else {
+            return Ok(());
+        };
+        let needed = crate::runtime::memory_needed(dir).map_err(|error| EngineError::Io {
+            path: dir.to_path_buf(),
+            message: error.to_string(),
+        })?;
+        if needed > available {
+            return Err(EngineError::ModelTooLarge {
+                model: dir.to_path_buf(),
+                needed,
+                available,
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn resident(&mut self, dir: &Path) -> Result<&Resident> {
+        let key = dir.canonicalize().map_err(|error| EngineError::Io {
+            path: dir.to_path_buf(),
+            message: error.to_string(),
+        })?;
+        if !self.models.contains_key(&key) {
+            // Make room first: two large models side by side may not fit in memory.
+            while self.lru.len() >= self.max_loaded {
+                let oldest = self.lru[0].clone();
+                self.unload(&oldest);
+            }
+            self.check_fits(&key)?;
+            let tokenizer = ChatTokenizer::from_dir(&key)?;
+            let loaded = models::load_model(&key)?;
+            let footprint = footprint(&key)?;
+            self.models.insert(
+                key.clone(),
+                Resident {
+                    loaded,
+                    tokenizer,
+                    footprint,
+                    constraints: None,
+                },
+            );
+            self.refresh_prefix_budgets();
+        }
+        if self.lru.last() != Some(&key) {
+            self.lru.retain(|resident| *resident != key);
+            self.lru.push(key.clone());
+            self.publish_resident();
+        }
+        Ok(&self.models[&key])
+    }
+}

@@ -1,0 +1,328 @@
+//! A prompt's prefill, a bounded piece at a time, and where it snapshots its caches.
+
+use std::time::Instant;
+
+use mlx_rs::Array;
+
+use crate::{
+    cache::KvCache,
+    chat::{ChatTokenizer, StopMatcher, StreamDecoder},
+    constrain::{self, Grammars},
+    error::{EngineError, Result},
+    models::{LanguageModel, Logits},
+    multimodal::{self, ImagePrefill},
+    prefix_cache::Reuse,
+    sample::Sampler,
+};
+
+use super::{
+    as_input, effective_context, sequence::cancelled, CachedSequence, Completion, FinishReason,
+    GenerateParams, Sequence, Timings, DEFAULT_PREFILL_CHUNK, MAX_TOP_LOGPROBS,
+};
+
+/// A prompt's prefill, one bounded piece at a time: the engine runs a piece of a new request
+/// between decode steps of the running ones, so no stream waits longer than one piece.
+pub struct Prefill {
+    prompt_ids: Vec<u32>,
+    params: GenerateParams,
+    caches: Vec<KvCache>,
+    cached_tokens: usize,
+    max_ctx: usize,
+    pieces: std::collections::VecDeque<std::ops::Range<usize>>,
+    /// Prompt lengths whose recurrent state is snapshotted (empty for rewindable models).
+    cuts: Vec<usize>,
+    snapshots: Vec<CachedSequence>,
+    images: Option<ImagePrefill>,
+    started: Instant,
+}
+
+impl Prefill {
+    /// Checks the request (context, log-prob count, image blocks) before any compute and
+    /// plans the pieces: all prompt tokens but the last, from the reused prefix on.
+    pub fn new(
+        model: &dyn LanguageModel,
+        tokenizer: &ChatTokenizer,
+        prompt_ids: &[u32],
+        params: &GenerateParams,
+        reuse: Option<Reuse>,
+        images: Option<ImagePrefill>,
+    ) -> Result<Self> {
+        let started = images
+            .as_ref()
+            .and_then(|images| images.started)
+            .unwrap_or_else(Instant::now);
+        let max_ctx = effective_context(model, params, prompt_ids.len())?;
+        if params.logprobs.is_some_and(|top| top > MAX_TOP_LOGPROBS) {
+            return Err(EngineError::InvalidRequest(format!(
+                "at most {MAX_TOP_LOGPROBS} top log-probs per token"
+            )));
+        }
+        let (caches, cached_tokens) = match reuse {
+            Some(reuse) if reuse.cached_tokens < prompt_ids.len() => {
+                let mut caches = reuse.caches;
+                caches
+                    .iter_mut()
+                    .for_each(|cache| cache.set_max_ctx(max_ctx));
+                (caches, reuse.cached_tokens)
+            }
+            _ => {
+                let mut caches = model.new_cache(max_ctx);
+                caches
+                    .iter_mut()
+                    .filter(|cache| !cache.is_windowed())
+                    .for_each(|cache| cache.set_storage(params.kv_storage));
+                (caches, 0)
+            }
+        };
+        let chunk = params.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK).max(1);
+        // Each piece is one bounded graph, evaluated before the next (the Metal watchdog kills
+        // command buffers past ~10 s).
+        let body = cached_tokens..prompt_ids.len() - 1;
+        let (pieces, cuts) = match &images {
+            Some(images) => {
+                if model.as_vision().is_none() {
+                    return Err(EngineError::InvalidRequest(
+                        "this model has no vision: send text only".into(),
+                    ));
+                }
+                multimodal::check_blocks(images, body.clone())?;
+                let pieces = multimodal::plan_chunks(body.clone(), chunk, &images.blocks);
+                // Snapshots at message boundaries here too (see below); they fall between
+                // image blocks, never inside one.
+                let cuts = snapshot_cuts(model, tokenizer, prompt_ids, body);
+                let pieces = pieces
+                    .into_iter()
+                    .flat_map(|piece| {
+                        let len = piece.len();
+                        split_at_cuts(piece, len, &cuts)
+                    })
+                    .collect::<Vec<_>>();
+                (pieces, cuts)
+            }
+            None => {
+                let cuts = snapshot_cuts(model, tokenizer, prompt_ids, body.clone());
+                (split_at_cuts(body, chunk, &cuts), cuts)
+            }
+        };
+        Ok(Self {
+            prompt_ids: prompt_ids.to_vec(),
+            params: params.clone(),
+            caches,
+            cached_tokens,
+            max_ctx,
+            pieces: pieces.into(),
+            cuts,
+            snapshots: Vec::new(),
+            images,
+            started,
+        })
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.pieces.is_empty()
+    }
+
+    /// Counts the request's time (TTFT, total) from `earlier`: a prefix read off the disk
+    /// before this prefill was made is part of the wait for the first token.
+    pub fn count_from(&mut self, earlier: Instant) {
+        self.started = self.started.min(earlier);
+    }
+
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_ids.len()
+    }
+
+    pub fn max_ctx(&self) -> usize {
+        self.max_ctx
+    }
+
+    pub fn caches(&self) -> &[KvCache] {
+        &self.caches
+    }
+
+    /// Prefills the next piece and evaluates the caches.
+    pub fn step(&mut self, model: &dyn LanguageModel) -> Result<()> {
+        let Some(piece) = self.pieces.pop_front() else {
+            return Ok(());
+        };
+        match (&self.images, model.as_vision()) {
+            (Some(images), Some(vision)) => multimodal::prefill_piece(
+                vision,
+                images,
+                &self.prompt_ids,
+                piece.clone(),
+                &mut self.caches,
+            )?,
+            _ => {
+                model.forward(
+                    &as_input(&self.prompt_ids[piece.clone()]),
+                    &mut self.caches,
+                    Logits::Last,
+                )?;
+                crate::runtime::eval(self.caches.iter().flat_map(|cache| cache.state()))?;
+            }
+        }
+        if self.cuts.contains(&piece.end) {
+            self.snapshots.push(CachedSequence {
+                tokens: self.prompt_ids[..piece.end].to_vec(),
+                caches: self.caches.clone(),
+                snapshots: Vec::new(),
+            });
+        }
+        Ok(())
+    }
+
+    /// A request cancelled before its first token: what it had prefilled goes back.
+    pub fn cancelled(self) -> (Completion, CachedSequence) {
+        let sequence = CachedSequence::new(&self.prompt_ids, &[], self.caches);
+        (
+            cancelled(&self.prompt_ids, self.cached_tokens, self.started),
+            sequence,
+        )
+    }
+
+    /// The decode state and the caches of a fully prefilled prompt.
+    pub fn into_sequence(
+        self,
+        model: &dyn LanguageModel,
+        tokenizer: &ChatTokenizer,
+        grammars: Grammars,
+    ) -> Result<(Sequence, Vec<KvCache>)> {
+        let params = self.params;
+        let constraint = match grammars.format {
+            Some(constraint) => Some(constraint),
+            None => constrain::one_off_constraint(
+                tokenizer,
+                model.vocab_size(),
+                &params.response_format,
+            )?,
+        };
+        let tools = match grammars.tools.is_empty() {
+            false => grammars.tools,
+            true => constrain::one_off_tool_grammars(
+                tokenizer,
+                model.vocab_size(),
+                &params.tool_grammars,
+                params.reasoning_budget.as_ref(),
+            )?,
+        };
+        let mut stop_ids: Vec<u32> = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            stop_ids.extend_from_slice(tokenizer.eos_token_ids());
+        }
+        let last = *self
+            .prompt_ids
+            .last()
+            .expect("checked: the prompt is not empty");
+        let max_new = params
+            .max_tokens
+            .min(self.max_ctx - self.prompt_ids.len() + 1);
+        let sequence = Sequence {
+            sampler: Sampler::new(&params.sampling)?,
+            constraint,
+            tools,
+            stop_ids,
+            history: self.prompt_ids.clone(),
+            decoder: StreamDecoder::new(tokenizer),
+            stops: StopMatcher::new(params.stop.clone()),
+            text: String::new(),
+            token_ids: Vec::new(),
+            logprobs: params.logprobs.map(|_| Vec::new()),
+            timings: Timings::default(),
+            started: self.started,
+            last_token_at: self.started,
+            max_new,
+            context: self.max_ctx,
+            prompt_ids: self.prompt_ids,
+            cached_tokens: self.cached_tokens,
+            snapshots: self.snapshots,
+            queued: 0,
+            unread: std::collections::VecDeque::new(),
+            input: Array::from_slice(&[last as i32], &[1]),
+            input_row: None,
+            finish: (max_new == 0).then_some(FinishReason::Length),
+            stop_sequence: None,
+            document_complete: false,
+            batched_with: 1,
+            params,
+        };
+        Ok((sequence, self.caches))
+    }
+}
+
+/// Where a prefill snapshots its caches for the prefix cache. A recurrent state cannot be cut
+/// back to a shorter prefix, so it is snapshotted where a later prompt is likely to diverge:
+/// before each message of the rendered prompt and at the end of the prompt (turn N+1 of a chat
+/// re-renders everything after its last unchanged message). A windowed model's caches can be
+/// cut back only within their windows, which are large: it snapshots before the last message
+/// and at the end. Models whose caches always cut back need none.
+fn snapshot_cuts(
+    model: &dyn LanguageModel,
+    tokenizer: &ChatTokenizer,
+    prompt: &[u32],
+    body: std::ops::Range<usize>,
+) -> Vec<usize> {
+    if body.is_empty() || (model.rewindable() && !model.windowed()) {
+        return Vec::new();
+    }
+    let mut cuts = snapshot_points(prompt, body, tokenizer.token_id(model.message_opener()));
+    if model.rewindable() {
+        let end = cuts.pop();
+        cuts = cuts.pop().into_iter().chain(end).collect();
+    }
+    cuts
+}
+
+/// Prompt lengths to snapshot a recurrent model's state at, within `range` (the positions to
+/// prefill): before every `message_start` token, and the end of the range.
+pub(crate) fn snapshot_points(
+    prompt: &[u32],
+    range: std::ops::Range<usize>,
+    message_start: Option<u32>,
+) -> Vec<usize> {
+    let mut cuts: Vec<usize> = (range.start + 1..range.end)
+        .filter(|&at| Some(prompt[at]) == message_start)
+        .collect();
+    cuts.push(range.end);
+    cuts
+}
+
+/// `range` in pieces of at most `chunk` positions that also end at every cut.
+fn split_at_cuts(
+    range: std::ops::Range<usize>,
+    chunk: usize,
+    cuts: &[usize],
+) -> Vec<std::ops::Range<usize>> {
+    let mut pieces = Vec::new();
+    let mut start = range.start;
+    while start < range.end {
+        let mut end = (start + chunk.max(1)).min(range.end);
+        if let Some(&cut) = cuts.iter().find(|&&cut| cut > start && cut < end) {
+            end = cut;
+        }
+        pieces.push(start..end);
+        start = end;
+    }
+    pieces
+}
+
+#[cfg(test)]
+mod snapshot_tests {
+    use super::*;
+
+    #[test]
+    fn pieces_end_at_every_message_boundary_and_stay_within_the_chunk() {
+        // 7 = the message opener.
+        let prompt = [7, 1, 2, 3, 7, 4, 5, 6, 7, 8, 9];
+        let cuts = snapshot_points(&prompt, 0..10, Some(7));
+        assert_eq!(cuts, vec![4, 8, 10]);
+        assert_eq!(
+            split_at_cuts(0..10, 3, &cuts),
+            vec![0..3, 3..4, 4..7, 7..8, 8..10]
+        );
+        assert_eq!(split_at_cuts(0..10, 100, &cuts), vec![0..4, 4..8, 8..10]);
+        // A reused prefix: only boundaries after it count.
+        assert_eq!(snapshot_points(&prompt, 4..10, Some(7)), vec![8, 10]);
+        assert_eq!(snapshot_points(&prompt, 0..10, None), vec![10]);
+    }
+}

@@ -14,7 +14,7 @@ use mlx_rs::{
 
 use crate::{
     cache::{Fetched, KvCache},
-    error::{EngineError, Result},
+    error::Result,
 };
 
 /// The mask of one attention call.
@@ -35,13 +35,17 @@ impl Mask {
 }
 
 /// `len` new queries against keys `start..cache.offset()` of an updated cache: causal for a
-/// prompt chunk, none for one query, the padding mask for one query of a padded batch.
+/// prompt chunk, none for one query, the padding mask for one query of a padded batch, and
+/// each row's own causal mask for a speculative step of a padded or ragged batch.
 pub(crate) fn cached_mask(cache: &KvCache, len: i32, start: i32) -> Result<Mask> {
     if len > 1 {
-        if cache.is_padded() {
-            return Err(EngineError::InvalidRequest(
-                "a batch decodes one token per row at a time; prompts prefill alone".into(),
-            ));
+        if cache.is_padded() || cache.is_ragged() {
+            return Ok(Mask::Array(cache.rows_mask(
+                start,
+                cache.offset(),
+                len,
+                None,
+            )?));
         }
         return Ok(Mask::Causal);
     }

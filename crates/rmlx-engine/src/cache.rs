@@ -9,6 +9,12 @@
 //! see: before growing it drops the columns older than the window (plus a little slack for a
 //! speculative rollback), so its memory is bounded by the window and a prefill chunk, not the
 //! context. Positions stay absolute (`offset`, paddings); the arrays start at `base`.
+//! A speculative step writes several tokens per row and then keeps a prefix of them per row
+//! (`keep_written`): KV caches cut back by offset, windows within their slack, and a linear-
+//! attention layer replays the kept steps' recurrence from the inputs it stashed during the
+//! step (`stash_steps`). Rows that keep different counts end at different columns (`lags`):
+//! each row then writes its next tokens at its own end (one scatter) and attention masks each
+//! row past its own end, so no row's history is ever copied to realign it.
 //! A quantized cache (`--kv-bits 8|4`) stores keys and values as MLX affine-quantized triples
 //! (packed words, scales, biases; groups along the head dim) and attention reads them through
 //! quantized matmuls (`attention::attend_update`); every column operation applies to each part.
@@ -126,15 +132,23 @@ pub struct KvCache {
     rows: Option<Rows>,
     /// A sliding-window layer's window: a query at position p sees keys p - window + 1 ..= p.
     window: Option<i32>,
+    /// Set for the forward of a speculative step: a linear-attention layer then stashes its
+    /// step's inputs here, so `keep_written` can rewind its state to any prefix of the step.
+    speculating: bool,
+    stashed: Option<StepInputs>,
     /// First position the arrays hold (column 0); positions before it were dropped (windowed
     /// caches only).
     base: i32,
 }
 
-/// The rows of a batched cache. Row `b` holds its tokens in columns `left_padding[b]..offset`.
+/// The rows of a batched cache. Row `b` holds its tokens in columns
+/// `left_padding[b]..offset - lags[b]`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Rows {
     left_padding: Vec<i32>,
+    /// Columns between each row's end and `offset` (the furthest row's end): a row that kept
+    /// fewer tokens of a speculative step than another ends earlier. All 0 otherwise.
+    lags: Vec<i32>,
     /// Each row's `rope_delta`.
     rope_deltas: Vec<i32>,
     /// Each row's `rope_history`.
@@ -156,6 +170,18 @@ pub struct RecurrentState {
     pub state: Array,
 }
 
+/// What a linear-attention layer keeps of a speculative step of `T` tokens: its state before
+/// the step, the conv's input window `[B, kernel - 1 + T, C]`, and the recurrence's per-token
+/// inputs. Rewinding to `kept[b]` tokens replays only the recurrence (`replay`, given those
+/// inputs, the state before, and a `[B, T]` mask of the steps to apply), never the model.
+#[derive(Clone)]
+pub struct StepInputs {
+    pub before: Array,
+    pub conv_input: Array,
+    pub inputs: Vec<Array>,
+    pub replay: fn(&[Array], &Array, &Array) -> Result<Array>,
+}
+
 impl KvCache {
     pub fn new(max_ctx: usize) -> Self {
         Self {
@@ -169,6 +195,8 @@ impl KvCache {
             rows: None,
             window: None,
             base: 0,
+            speculating: false,
+            stashed: None,
         }
     }
 
@@ -312,14 +340,35 @@ impl KvCache {
             .is_some_and(|rows| rows.left_padding.iter().any(|&pad| pad > 0))
     }
 
+    /// Whether some row ends before `offset` (it kept fewer tokens of a speculative step).
+    pub fn is_ragged(&self) -> bool {
+        self.rows
+            .as_ref()
+            .is_some_and(|rows| rows.lags.iter().any(|&lag| lag > 0))
+    }
+
     /// Tokens each row holds: the next token's position in that row.
     pub fn row_offsets(&self) -> Vec<i32> {
         match &self.rows {
             Some(rows) => rows
                 .left_padding
                 .iter()
-                .map(|pad| self.offset - pad)
+                .zip(&rows.lags)
+                .map(|(pad, lag)| self.offset - lag - pad)
                 .collect(),
+            None => vec![self.offset],
+        }
+    }
+
+    /// The column after the last token of the row that ends first (`offset` unless ragged).
+    pub fn shortest_end(&self) -> i32 {
+        self.row_ends().into_iter().min().unwrap_or(self.offset)
+    }
+
+    /// The column after each row's last token (`offset` for every row unless ragged).
+    fn row_ends(&self) -> Vec<i32> {
+        match &self.rows {
+            Some(rows) => rows.lags.iter().map(|lag| self.offset - lag).collect(),
             None => vec![self.offset],
         }
     }
@@ -339,7 +388,7 @@ impl KvCache {
 
     /// The `offset` of `fast::rope` for the next tokens.
     pub fn rope_offset(&self) -> RopeOffset {
-        if !self.is_padded() {
+        if !self.is_padded() && !self.is_ragged() {
             return RopeOffset::At(self.offset);
         }
         let offsets = self.row_offsets();
@@ -356,9 +405,13 @@ impl KvCache {
         }))
     }
 
-    /// Which of key columns `start..end` each row may attend to, `[B, 1, 1, end - start]`;
-    /// None when no row is padded (every column holds a token).
+    /// Which of key columns `start..end` each row's one new query may attend to (the cache
+    /// already holds it: `end` is the offset), `[B, 1, 1, end - start]`; None when every
+    /// column holds a token of every row.
     pub fn padding_mask(&self, start: i32, end: i32) -> Result<Option<Array>> {
+        if self.is_ragged() {
+            return self.rows_mask(start, end, 1, None).map(Some);
+        }
         let Some(rows) = self.rows.as_ref().filter(|_| self.is_padded()) else {
             return Ok(None);
         };
@@ -378,6 +431,33 @@ impl KvCache {
         let mask = ops::ge(&columns, &pads)?.reshape(&[batch, 1, 1, end - start])?;
         STEP_ARRAYS.with(|memo| memo.borrow_mut().mask = Some((key, mask.clone())));
         Ok(Some(mask))
+    }
+
+    /// Which of key columns `start..end` the `len` newest queries of each row see once the
+    /// cache holds them (`end`: the offset after they are written), `[B, 1, len, end - start]`:
+    /// a row's query at its column q sees its own columns from its first token through q, and
+    /// with a `window` only the last `window` of them. Built on device from paddings and ends.
+    pub fn rows_mask(&self, start: i32, end: i32, len: i32, window: Option<i32>) -> Result<Array> {
+        let (pads, lags) = match &self.rows {
+            Some(rows) => (rows.left_padding.clone(), rows.lags.clone()),
+            None => (vec![0], vec![0]),
+        };
+        let batch = pads.len() as i32;
+        let keys = end - start;
+        // Row b's query t sits at column end - lag_b - len + t.
+        let firsts: Vec<i32> = lags.iter().map(|lag| end - lag - len).collect();
+        let firsts = Array::from_slice(&firsts, &[batch, 1, 1, 1]);
+        let steps = ops::arange::<_, i32>(0, len, None)?.reshape(&[1, 1, len, 1])?;
+        let queries = ops::add(&firsts, &steps)?;
+        let columns = ops::arange::<_, i32>(start, end, None)?.reshape(&[1, 1, 1, keys])?;
+        let pads = Array::from_slice(&pads, &[batch, 1, 1, 1]);
+        let mut visible =
+            ops::logical_and(ops::ge(&columns, &pads)?, ops::le(&columns, &queries)?)?;
+        if let Some(window) = window {
+            let near = ops::lt(&ops::subtract(&queries, &columns)?, Array::from_int(window))?;
+            visible = ops::logical_and(&visible, &near)?;
+        }
+        Ok(visible)
     }
 
     /// Appends the rows of `other` (one request's cache, or another batch) after this cache's.
@@ -455,41 +535,44 @@ impl KvCache {
             };
             self.recurrent = Some(state);
         }
-        let (mut pads, mut deltas, mut histories) = self.row_layout();
-        let (their_pads, their_deltas, their_histories) = other.row_layout();
-        pads.iter_mut().for_each(|pad| *pad += pad_mine);
-        pads.extend(their_pads.iter().map(|pad| pad + pad_theirs));
-        deltas.extend(their_deltas);
-        histories.extend(their_histories);
-        self.rows = Some(Rows {
-            left_padding: pads,
-            rope_deltas: deltas,
-            rope_histories: histories,
-        });
+        // Each row keeps its lag: both sides end at `end` less their own lags.
+        let mut rows = self.row_layout();
+        let theirs_rows = other.row_layout();
+        rows.left_padding
+            .iter_mut()
+            .for_each(|pad| *pad += pad_mine);
+        rows.left_padding
+            .extend(theirs_rows.left_padding.iter().map(|pad| pad + pad_theirs));
+        rows.lags.extend(theirs_rows.lags);
+        rows.rope_deltas.extend(theirs_rows.rope_deltas);
+        rows.rope_histories.extend(theirs_rows.rope_histories);
+        self.rows = Some(rows);
         self.offset = end;
         // Each row's own context is enforced by its request (its token budget).
         self.max_ctx = i32::MAX;
         Ok(())
     }
 
-    fn row_layout(&self) -> (Vec<i32>, Vec<i32>, Vec<RopeHistory>) {
+    fn row_layout(&self) -> Rows {
         match &self.rows {
-            Some(rows) => (
-                rows.left_padding.clone(),
-                rows.rope_deltas.clone(),
-                rows.rope_histories.clone(),
-            ),
-            None => (
-                vec![0],
-                vec![self.rope_delta],
-                vec![self.rope_history.clone()],
-            ),
+            Some(rows) => rows.clone(),
+            None => Rows {
+                left_padding: vec![0],
+                lags: vec![0],
+                rope_deltas: vec![self.rope_delta],
+                rope_histories: vec![self.rope_history.clone()],
+            },
         }
     }
 
     /// Keeps only rows `keep` (in that order), then drops the leading columns no row uses.
     pub fn retain_rows(&mut self, keep: &[usize]) -> Result<()> {
-        let (pads, deltas, histories) = self.row_layout();
+        let Rows {
+            left_padding: pads,
+            lags,
+            rope_deltas: deltas,
+            rope_histories: histories,
+        } = self.row_layout();
         if keep.len() == pads.len() && keep.iter().enumerate().all(|(i, &row)| i == row) {
             return Ok(());
         }
@@ -521,12 +604,15 @@ impl KvCache {
                 state: take(&state.state)?,
             });
         }
+        // The kept rows' furthest end becomes the offset (columns past it hold no token).
+        let shortest_lag = keep.iter().map(|&row| lags[row]).min().unwrap_or(0);
         self.rows = Some(Rows {
             left_padding: keep.iter().map(|&row| pads[row] - trim).collect(),
+            lags: keep.iter().map(|&row| lags[row] - shortest_lag).collect(),
             rope_deltas: keep.iter().map(|&row| deltas[row]).collect(),
             rope_histories: keep.iter().map(|&row| histories[row].clone()).collect(),
         });
-        self.offset -= trim;
+        self.offset -= trim + shortest_lag;
         self.base = (self.base - trim).max(0);
         if let [only] = keep {
             self.rope_delta = deltas[*only];
@@ -537,14 +623,20 @@ impl KvCache {
 
     /// Row `row` as one request's cache of its own (its columns copied out, no padding).
     pub fn row(&self, row: usize) -> Result<KvCache> {
-        let (pads, deltas, histories) = self.row_layout();
+        let Rows {
+            left_padding: pads,
+            lags,
+            rope_deltas: deltas,
+            rope_histories: histories,
+        } = self.row_layout();
         let (pad, b) = (pads[row], row as i32);
-        // The row's tokens are positions pad.. of the batch; the arrays hold them from `first`.
+        let end = self.offset - lags[row];
+        // The row's tokens are positions pad..end of the batch; the arrays hold them from `first`.
         let first = pad.max(self.base);
         let own = |array: &Array, columns: bool| -> Result<Array> {
             let rows = array.index(b..b + 1);
             let rows = if columns {
-                rows.index((.., .., (first - self.base)..(self.offset - self.base), ..))
+                rows.index((.., .., (first - self.base)..(end - self.base), ..))
             } else {
                 rows
             };
@@ -554,7 +646,7 @@ impl KvCache {
         cache.storage = self.storage;
         cache.window = self.window;
         cache.base = first - pad;
-        cache.offset = self.offset - pad;
+        cache.offset = end - pad;
         cache.max_ctx = cache.offset;
         cache.rope_delta = deltas[row];
         cache.rope_history = histories[row].clone();
@@ -591,6 +683,76 @@ impl KvCache {
         }
         self.recurrent = Some(state);
         self.offset = end;
+        Ok(())
+    }
+
+    /// Marks the next forward as a speculative step: a linear-attention layer stashes its
+    /// step's inputs (see [`StepInputs`]) until [`Self::keep_written`].
+    pub fn begin_speculative(&mut self) {
+        self.speculating = true;
+        self.stashed = None;
+    }
+
+    /// Whether the running forward is a speculative step (a linear-attention layer then calls
+    /// [`Self::stash_steps`]).
+    pub fn is_speculating(&self) -> bool {
+        self.speculating
+    }
+
+    pub fn stash_steps(&mut self, steps: StepInputs) {
+        self.stashed = Some(steps);
+    }
+
+    /// After a speculative step that wrote `written` tokens for every row, keeps the first
+    /// `kept[b]` (1..=written) of row `b`'s: attention caches forget the rest by moving the
+    /// row's end (a windowed cache's slack covers any step, see [`WINDOW_SLACK`]); a linear-
+    /// attention layer replays the kept steps' recurrence from what it stashed and takes its
+    /// conv window ending at the last kept token. Rows keeping different counts become ragged.
+    pub fn keep_written(&mut self, written: i32, kept: &[i32]) -> Result<()> {
+        self.speculating = false;
+        let stashed = self.stashed.take();
+        let rows = self.batch_size();
+        if kept.len() != rows || kept.iter().any(|&k| k < 1 || k > written) {
+            return Err(EngineError::InvalidRequest(format!(
+                "a speculative step kept {kept:?} of {written} tokens for {rows} rows"
+            )));
+        }
+        if kept.iter().all(|&k| k == written) {
+            return Ok(());
+        }
+        if let Some(steps) = stashed {
+            let batch = rows as i32;
+            let kept_rows = Array::from_slice(kept, &[batch, 1]);
+            let step_index = ops::arange::<_, i32>(0, written, None)?.reshape(&[1, written])?;
+            let apply = ops::lt(&step_index, &kept_rows)?;
+            let state = (steps.replay)(&steps.inputs, &steps.before, &apply)?;
+            // The conv keeps the `kernel - 1` inputs ending at the last kept token.
+            let window = steps.conv_input.shape()[1] - written;
+            let channels = steps.conv_input.shape()[2];
+            let taps = ops::arange::<_, i32>(0, window, None)?.reshape(&[1, window, 1])?;
+            let index = ops::add(&taps, kept_rows.reshape(&[batch, 1, 1])?)?;
+            let index = ops::broadcast_to(&index, &[batch, window, channels])?;
+            let conv = steps.conv_input.take_along_axis(&index, 1)?;
+            self.recurrent = Some(RecurrentState { conv, state });
+        } else if self.recurrent.is_some() {
+            return Err(EngineError::InvalidRequest(
+                "a linear-attention layer kept no inputs of its speculative step".into(),
+            ));
+        }
+        let ends: Vec<i32> = self
+            .row_ends()
+            .iter()
+            .zip(kept)
+            .map(|(end, kept)| end - written + kept)
+            .collect();
+        let furthest = ends.iter().copied().max().unwrap_or(self.offset);
+        match self.rows.as_mut() {
+            Some(layout) => {
+                layout.lags = ends.iter().map(|end| furthest - end).collect();
+                self.offset = furthest;
+            }
+            None => self.cut_to(furthest),
+        }
         Ok(())
     }
 
@@ -631,6 +793,11 @@ impl KvCache {
             self.can_truncate_to(len),
             "a recurrent state cannot be rewound"
         );
+        self.cut_to(len);
+    }
+
+    /// Moves the offset back to `len` (a recurrent state, if any, already holds that length).
+    fn cut_to(&mut self, len: i32) {
         self.offset = self.offset.min(len.max(0));
         let offset = self.offset;
         if self.rope_history.last().is_some_and(|&(at, _)| at > offset) {
@@ -722,12 +889,23 @@ impl KvCache {
             self.grow(&incoming, end)?;
         }
         let (start, stop) = (self.offset - self.base, end - self.base);
-        let stored = self
-            .parts
-            .iter()
-            .zip(&incoming)
-            .map(|(part, new)| slice_update_seq(part, new, start, stop))
-            .collect::<Result<Vec<_>>>()?;
+        let stored = match self.is_ragged() {
+            // Each row writes at its own end.
+            true => {
+                let starts: Vec<i32> = self.row_ends().iter().map(|end| end - self.base).collect();
+                self.parts
+                    .iter()
+                    .zip(&incoming)
+                    .map(|(part, new)| put_rows(part, new, &starts))
+                    .collect::<Result<Vec<_>>>()?
+            }
+            false => self
+                .parts
+                .iter()
+                .zip(&incoming)
+                .map(|(part, new)| slice_update_seq(part, new, start, stop))
+                .collect::<Result<Vec<_>>>()?,
+        };
         self.offset = end;
         let fetched: Vec<Array> = stored
             .iter()
@@ -761,7 +939,8 @@ impl KvCache {
         let Some(keep) = self.keep() else {
             return;
         };
-        let first = (self.offset - keep).max(0);
+        // The row that ends first decides: its next query sees the furthest back.
+        let first = (self.shortest_end() - keep).max(0);
         if first <= self.base {
             return;
         }
@@ -862,6 +1041,16 @@ pub(crate) fn contiguous(array: &Array) -> Result<Array> {
 fn dims4(array: &Array) -> [i32; 4] {
     let shape = array.shape();
     [shape[0], shape[1], shape[2], shape[3]]
+}
+
+/// `dst[b, :, starts[b]..starts[b] + L, :] = update[b]` for every row, in one scatter (in place
+/// when MLX can donate `dst`, as for a slice update).
+fn put_rows(dst: &Array, update: &Array, starts: &[i32]) -> Result<Array> {
+    let [batch, _, len, _] = dims4(update);
+    let starts = Array::from_slice(starts, &[batch, 1, 1, 1]);
+    let steps = ops::arange::<_, i32>(0, len, None)?.reshape(&[1, 1, len, 1])?;
+    let index = ops::broadcast_to(&ops::add(&starts, &steps)?, update.shape())?;
+    Ok(dst.put_along_axis(&index, update, 2)?)
 }
 
 /// `dst[:, :, start:end, :] = update` as a new array (MLX updates in place when it can).

@@ -18,6 +18,7 @@ pub mod profile;
 pub mod quant;
 pub mod runtime;
 pub mod sample;
+pub mod speculative;
 pub mod vision;
 pub mod weights;
 

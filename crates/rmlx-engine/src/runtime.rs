@@ -128,7 +128,18 @@ pub fn on_cuda_gpu() -> bool {
 /// segfault in the CPU backend's `copy_general_general`). So on failure this waits for the
 /// stream to drain while the caller's arrays still hold the graph.
 pub fn eval<'a>(arrays: impl IntoIterator<Item = &'a mlx_rs::Array>) -> crate::Result<()> {
+    EVALS.with(|evals| evals.set(evals.get() + 1));
     mlx_rs::transforms::eval(arrays).map_err(drain_after_failure)
+}
+
+/// Calls of [`eval`] on this thread so far: each waits for the device (tests count a decode's
+/// host synchronisations with it).
+pub fn evals() -> usize {
+    EVALS.with(std::cell::Cell::get)
+}
+
+thread_local! {
+    static EVALS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// `mlx.async_eval`, safe to fail in the same way as [`eval`].

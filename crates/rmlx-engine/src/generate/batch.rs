@@ -58,6 +58,10 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
             .sum::<u64>()
             / rows.max(1) as u64
     };
+    if let Some(drafts) = super::verify::drafts(rows, tokenizer, kv_bytes(caches, rows.len()))? {
+        let bytes = kv_bytes(caches, rows.len());
+        return super::verify::verify_iteration(model, tokenizer, caches, rows, &drafts, bytes);
+    }
     let pipelined = !rows.iter_mut().any(|row| row.sequence().is_constrained());
     if !pipelined {
         let bytes = kv_bytes(caches, rows.len());
@@ -137,8 +141,10 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
 }
 
 /// `logits` `[B, vocab]` plus each row's logit bias (one add; unchanged when no row has one).
-fn with_bias_rows<R: DecodeRow>(logits: &Array, rows: &mut [R]) -> Result<Array> {
-    let (vocab, dtype) = (logits.shape()[1] as usize, logits.dtype());
+/// `[B, T, vocab]` logits (a speculative step's) get each row's bias at every position.
+pub(super) fn with_bias_rows<R: DecodeRow>(logits: &Array, rows: &mut [R]) -> Result<Array> {
+    let shape = logits.shape().to_vec();
+    let (vocab, dtype) = (shape[shape.len() - 1] as usize, logits.dtype());
     let biases = rows
         .iter_mut()
         .map(|row| row.sequence().sampler.bias_row(vocab, dtype))
@@ -151,10 +157,11 @@ fn with_bias_rows<R: DecodeRow>(logits: &Array, rows: &mut [R]) -> Result<Array>
         .into_iter()
         .map(|bias| bias.unwrap_or_else(|| zeros.clone()))
         .collect();
-    Ok(mlx_rs::ops::add(
-        logits,
-        mlx_rs::ops::concatenate(&rows, 0)?,
-    )?)
+    let mut biases = mlx_rs::ops::concatenate(&rows, 0)?;
+    if shape.len() == 3 {
+        biases = biases.reshape(&[shape[0], 1, vocab as i32])?;
+    }
+    Ok(mlx_rs::ops::add(logits, biases)?)
 }
 
 /// The `[B, 1]` input of a decode step: the rows' next tokens. When every row still holds its
@@ -194,7 +201,7 @@ fn batch_input<R: DecodeRow>(rows: &mut [R]) -> Result<Array> {
 }
 
 /// Reads `row`'s unread tokens until `keep` remain (or it finishes).
-fn read_all<R: DecodeRow>(
+pub(super) fn read_all<R: DecodeRow>(
     row: &mut R,
     tokenizer: &ChatTokenizer,
     kv_bytes: u64,

@@ -3,13 +3,14 @@
 //! `stream_generate`).
 //!
 //! Files: `params.rs` (a request's settings and its answer), `solo.rs` (one request alone),
-//! `prefill.rs`, `sequence.rs` (one request's decode state), `batch.rs` (a batch's decode step).
+//! `prefill.rs`, `sequence.rs` (one request's decode state), `batch.rs` (a batch's decode step), `verify.rs` (a speculative step).
 
 mod batch;
 mod params;
 mod prefill;
 mod sequence;
 mod solo;
+mod verify;
 
 use mlx_rs::Array;
 

@@ -6,6 +6,7 @@ use crate::{
     error::{EngineError, Result},
     models::LanguageModel,
     sample::SamplingParams,
+    speculative::SpeculativeParams,
 };
 
 use super::one;
@@ -47,6 +48,10 @@ pub struct GenerateParams {
     /// stay dense.
     #[serde(skip)]
     pub kv_storage: KvStorage,
+    /// Drafting tokens and checking them in one forward (greedy rows without a grammar or
+    /// penalties; the others decode one token per step).
+    #[serde(default)]
+    pub speculative: SpeculativeParams,
 }
 
 impl Default for GenerateParams {
@@ -64,6 +69,7 @@ impl Default for GenerateParams {
             tool_grammars: Vec::new(),
             reasoning_budget: None,
             kv_storage: KvStorage::Dense,
+            speculative: SpeculativeParams::default(),
         }
     }
 }
@@ -88,6 +94,12 @@ pub struct Timings {
     pub prefill_tps: f64,
     pub decode_tps: f64,
     pub total_ms: f64,
+    /// Tokens speculative decoding drafted for this request, and how many of them the model
+    /// agreed with (each saved one decode step).
+    #[serde(default)]
+    pub draft_tokens: usize,
+    #[serde(default)]
+    pub accepted_tokens: usize,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]

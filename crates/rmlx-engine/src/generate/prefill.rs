@@ -244,6 +244,9 @@ impl Prefill {
             stop_sequence: None,
             document_complete: false,
             batched_with: 1,
+            proposer: crate::speculative::Proposer::new(&params.speculative),
+            drafted: 0,
+            accepted: 0,
             params,
         };
         Ok((sequence, self.caches))

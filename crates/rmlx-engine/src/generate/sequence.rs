@@ -10,6 +10,7 @@ use crate::{
     constrain::{Constraint, ToolGrammars},
     error::Result,
     sample::Sampler,
+    speculative::Proposer,
 };
 
 use super::{
@@ -33,7 +34,7 @@ impl Step {
 }
 
 /// The chosen token's log-prob and the top-`n` (ids, values), all still on device.
-fn logprob_arrays(row: &Array, token: &Array, top: usize) -> Result<[Array; 3]> {
+pub(super) fn logprob_arrays(row: &Array, token: &Array, top: usize) -> Result<[Array; 3]> {
     let row = row.reshape(&[-1])?;
     let chosen = row.take_axis(token.reshape(&[1])?, 0)?;
     let top = top.clamp(1, MAX_TOP_LOGPROBS).min(row.shape()[0] as usize) as i32;
@@ -114,6 +115,11 @@ pub struct Sequence {
     pub(super) document_complete: bool,
     /// The most rows that decoded together while this request did.
     pub(super) batched_with: usize,
+    /// Drafts this request's next tokens (None: plain decode).
+    pub(super) proposer: Option<Proposer>,
+    /// Draft tokens proposed and kept so far.
+    pub(super) drafted: usize,
+    pub(super) accepted: usize,
 }
 
 impl Sequence {
@@ -197,6 +203,66 @@ impl Sequence {
         Ok(())
     }
 
+    /// Whether this request drafts its next tokens: it has a proposer, its token is the
+    /// argmax after at most a logit bias (the rows a speculative step checks; sampled,
+    /// constrained and penalised rows decode one token per step), and it wants two or more.
+    pub(super) fn can_speculate(&self) -> bool {
+        self.proposer.is_some()
+            && self.is_batchable_greedy()
+            && self.wants_step()
+            && self.max_new - self.queued >= 2
+    }
+
+    /// Drafts for the next step, every unread token read first (the caller's job): at most the
+    /// request's `max_draft`, and one fewer than the tokens it may still generate.
+    pub(super) fn propose(&mut self) -> Vec<u32> {
+        let room = (self.max_new - self.queued).saturating_sub(1);
+        let max = self.params.speculative.max_draft.min(room);
+        match self.proposer.as_mut() {
+            Some(proposer) if max > 0 => proposer.propose(&self.history, max),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Takes the tokens a speculative step settled for this request (the drafts the model
+    /// agreed with, then its own next token), each as if read from a plain step, until the
+    /// request finishes; `logprobs[i]` are token i's arrays when asked for. Returns how many
+    /// it took, and feeds the last of them next.
+    pub(super) fn take_verified(
+        &mut self,
+        tokens: &[u32],
+        logprobs: &[Option<[Array; 3]>],
+        tokenizer: &ChatTokenizer,
+        kv_bytes: u64,
+        cancelled: bool,
+        emit: &mut dyn FnMut(Delta),
+    ) -> Result<usize> {
+        let mut taken = 0;
+        for (index, &token) in tokens.iter().enumerate() {
+            if self.finish.is_some() {
+                break;
+            }
+            let logprob = match (
+                logprobs.get(index).and_then(Option::as_ref),
+                self.params.logprobs,
+            ) {
+                (Some(arrays), Some(top)) => {
+                    crate::runtime::eval(arrays.iter())?;
+                    Some(read_logprob(tokenizer, token, arrays, top))
+                }
+                _ => None,
+            };
+            self.take_token(token, logprob, tokenizer, kv_bytes, cancelled, emit)?;
+            taken += 1;
+        }
+        self.queued += taken;
+        if let Some(&last) = tokens[..taken].last() {
+            self.input = Array::from_slice(&[last as i32], &[1]);
+            self.input_row = None;
+        }
+        Ok(taken)
+    }
+
     /// Reads the oldest unread token and handles it: timings, log-probs, stops, the delta.
     pub(super) fn read_one(
         &mut self,
@@ -215,6 +281,26 @@ impl Sequence {
             Some((batch, row)) => batch.get(*row)?,
             None => current.token.item_cast::<u32>(),
         };
+        let logprob = match (&current.logprobs, self.params.logprobs) {
+            (Some(arrays), Some(top)) => {
+                crate::runtime::eval(arrays.iter())?;
+                Some(read_logprob(tokenizer, token, arrays, top))
+            }
+            _ => None,
+        };
+        self.take_token(token, logprob, tokenizer, kv_bytes, cancelled, emit)
+    }
+
+    /// Handles one generated token: timings, log-probs, stops, the delta.
+    fn take_token(
+        &mut self,
+        token: u32,
+        logprob: Option<TokenLogprob>,
+        tokenizer: &ChatTokenizer,
+        kv_bytes: u64,
+        cancelled: bool,
+        emit: &mut dyn FnMut(Delta),
+    ) -> Result<()> {
         let now = Instant::now();
         if self.token_ids.is_empty() {
             self.timings.ttft_ms = ms(now - self.started);
@@ -224,13 +310,6 @@ impl Sequence {
         self.last_token_at = now;
         self.token_ids.push(token);
         self.history.push(token);
-        let logprob = match (&current.logprobs, self.params.logprobs) {
-            (Some(arrays), Some(top)) => {
-                crate::runtime::eval(arrays.iter())?;
-                Some(read_logprob(tokenizer, token, arrays, top))
-            }
-            _ => None,
-        };
         if let (Some(all), Some(one)) = (self.logprobs.as_mut(), &logprob) {
             all.push(one.clone());
         }
@@ -304,6 +383,8 @@ impl Sequence {
         }
         let mut timings = self.timings;
         timings.total_ms = ms(self.started.elapsed());
+        timings.draft_tokens = self.drafted;
+        timings.accepted_tokens = self.accepted;
         timings.prefill_tps = self.prompt_ids.len() as f64 / (timings.ttft_ms / 1000.0).max(1e-9);
         let decode_ms: f64 = timings.itl_ms.iter().sum();
         timings.decode_tps = if timings.itl_ms.is_empty() {

@@ -110,7 +110,17 @@ impl ChunkMasks {
     /// `cache`: the first layer's, whose rows (a padded batch) the decode masks follow.
     fn new(cache: &KvCache, len: i32, window: i32, images: &[Range<usize>]) -> Result<Self> {
         let offset = cache.offset();
-        let sliding_start = (offset - window + 1).max(0);
+        // The row that ends first sees furthest back (rows end together unless a speculative
+        // step left the batch ragged; then each row's own window is masked).
+        let sliding_start = (cache.shortest_end() - window + 1).max(0);
+        if cache.is_ragged() || (len > 1 && cache.is_padded()) {
+            let end = offset + len;
+            return Ok(Self {
+                full: Mask::Array(cache.rows_mask(0, end, len, None)?),
+                sliding: Mask::Array(cache.rows_mask(sliding_start, end, len, Some(window))?),
+                sliding_start,
+            });
+        }
         if len == 1 {
             let padding = |start| -> Result<Mask> {
                 Ok(match cache.padding_mask(start, offset + 1)? {
@@ -123,11 +133,6 @@ impl ChunkMasks {
                 sliding: padding(sliding_start)?,
                 sliding_start,
             });
-        }
-        if cache.is_padded() {
-            return Err(EngineError::InvalidRequest(
-                "a batch decodes one token per row at a time; prompts prefill alone".into(),
-            ));
         }
         let full = if images.is_empty() {
             Mask::Causal

@@ -66,6 +66,23 @@ pub fn gated_delta_ops(
     sequential_ops(q, k, v, g, beta, state)
 }
 
+/// The state after only the steps `apply` (`[B, T]` booleans) marks of a speculative step whose
+/// recurrence inputs were `[q, k, v, g, beta]`, from `before`: a step left out neither decays
+/// (g = 1) nor writes (β = 0), so the state passes it unchanged, bit for bit. Same kernel and
+/// ops as the step itself (the Metal kernel on a Mac's GPU), and no model forward.
+pub fn replay_kept(inputs: &[Array], before: &Array, apply: &Array) -> Result<Array> {
+    let [q, k, v, g, beta] = inputs else {
+        return Err(crate::error::EngineError::InvalidRequest(
+            "a speculative step's recurrence needs q, k, v, g and beta".into(),
+        ));
+    };
+    let apply = apply.expand_dims(-1)?;
+    let g = ops::select(&apply, g, Array::from_f32(1.0).as_dtype(g.dtype())?)?;
+    let beta = ops::select(&apply, beta, Array::from_f32(0.0).as_dtype(beta.dtype())?)?;
+    let (_, state) = gated_delta_ops(q, k, v, &g, &beta, before)?;
+    Ok(state)
+}
+
 /// Prefill pieces at least this long take the chunked form elsewhere than on a Mac's GPU: it
 /// replaces T small steps by a few dozen matmuls. Shorter pieces (decode, short turns, the
 /// golden prompts) take the sequential steps, the form the references' goldens are made with.

@@ -12,7 +12,7 @@ use super::{
 };
 use crate::{
     attention::attend_update,
-    cache::{KvCache, RecurrentState},
+    cache::{KvCache, RecurrentState, StepInputs},
     config::QuantizationConfig,
     error::Result,
     models::{
@@ -136,6 +136,15 @@ impl GatedDeltaNet {
         let k = ops::multiply(scalar(inv_scale, &k)?, fast::rms_norm(&k, None, 1e-6)?)?;
         let beta = ops::sigmoid(&b)?;
         let g = gated_delta::decay(&self.a_log, &a, &self.dt_bias)?;
+        if cache.is_speculating() {
+            // Kept so that a speculative step can be cut back to any prefix without a forward.
+            cache.stash_steps(StepInputs {
+                before: state.clone(),
+                conv_input: conv_input.clone(),
+                inputs: vec![q.clone(), k.clone(), v.clone(), g.clone(), beta.clone()],
+                replay: gated_delta::replay_kept,
+            });
+        }
         let (y, state) = gated_delta::gated_delta_ops(&q, &k, &v, &g, &beta, &state)?;
         cache.set_recurrent(
             RecurrentState {

@@ -1,0 +1,146 @@
+//! One speculative step of a batch: every row feeds its next token and its drafts (none for
+//! some rows) in one forward; a greedy row keeps the drafts the model agrees with plus the
+//! model's own next token, a row without drafts gets its one token as in a plain step, and every
+//! cache keeps exactly the tokens its row kept (`KvCache::keep_written`).
+//!
+//! Ragged rows: a row with fewer drafts is right-padded to the step's width with tokens it never
+//! keeps. Rows that keep different counts then end at different columns; the caches remember
+//! each row's end, the next step writes each row at its own end (one scatter per cache part)
+//! and masks each row past it, so no row's history is copied to realign the batch. The cost is
+//! the columns between a row's end and the longest row's, masked like left padding.
+//! Reference: mlx-vlm `speculative` (`_speculative_walk`: greedy acceptance); Ollama
+//! `x/mlxrunner/speculate.go` (one forward over `[current, d0..dn-1]`, one host read per round).
+
+use mlx_rs::{ops::indexing::IndexOp, Array, Dtype};
+
+use crate::{
+    cache::KvCache,
+    chat::ChatTokenizer,
+    error::Result,
+    models::{LanguageModel, Logits},
+};
+
+use super::{
+    batch::{read_all, with_bias_rows, DecodeRow},
+    sequence::logprob_arrays,
+};
+
+/// Drafts for every row that speculates (empty for the others), or None when no row drafted
+/// anything (the step is then a plain one). A drafting row's unread tokens are read first: its
+/// proposer needs its last token.
+pub(super) fn drafts<R: DecodeRow>(
+    rows: &mut [R],
+    tokenizer: &ChatTokenizer,
+    kv_bytes: u64,
+) -> Result<Option<Vec<Vec<u32>>>> {
+    let mut drafts = vec![Vec::new(); rows.len()];
+    let mut any = false;
+    for (row, draft) in rows.iter_mut().zip(drafts.iter_mut()) {
+        if !row.sequence().can_speculate() {
+            continue;
+        }
+        read_all(row, tokenizer, kv_bytes, 0)?;
+        if row.sequence().can_speculate() {
+            *draft = row.sequence().propose();
+            any |= !draft.is_empty();
+        }
+    }
+    Ok(any.then_some(drafts))
+}
+
+/// The speculative step (see the module doc). `drafts[b]` are row `b`'s drafted tokens.
+pub(super) fn verify_iteration<R: DecodeRow>(
+    model: &dyn LanguageModel,
+    tokenizer: &ChatTokenizer,
+    caches: &mut [KvCache],
+    rows: &mut [R],
+    drafts: &[Vec<u32>],
+    kv_bytes: u64,
+) -> Result<()> {
+    let count = rows.len();
+    let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
+    let mut inputs = Vec::with_capacity(count);
+    for (row, draft) in rows.iter_mut().zip(drafts) {
+        let sequence = row.sequence();
+        sequence.batched_with = sequence.batched_with.max(count);
+        let first = sequence.input.as_dtype(Dtype::Int32)?.reshape(&[1, 1])?;
+        let mut rest: Vec<i32> = draft.iter().map(|&token| token as i32).collect();
+        // Padding the row never keeps (its step ends at its last draft).
+        rest.resize(width - 1, 0);
+        let rest = Array::from_slice(&rest, &[1, width as i32 - 1]);
+        inputs.push(mlx_rs::ops::concatenate(&[first, rest], 1)?);
+    }
+    let input = mlx_rs::ops::concatenate(&inputs, 0)?;
+    caches.iter_mut().for_each(KvCache::begin_speculative);
+    let logits = model.forward(&input, caches, Logits::All)?;
+    // The plain batched step's ops at every position: bias, log-softmax, argmax (the same
+    // tie-break), so a kept draft is exactly the token the plain step would have chosen.
+    let logprobs = crate::sample::log_softmax(&with_bias_rows(&logits, rows)?)?;
+    let argmax = crate::sample::greedy(&logprobs)?;
+    let mut sampled = vec![false; count];
+    for (b, row) in rows.iter_mut().enumerate() {
+        let sequence = row.sequence();
+        if sequence.wants_step() && !sequence.is_batchable_greedy() {
+            // Sampled, constrained or penalised: one token from the first position.
+            let b = b as i32;
+            sequence.sample(&logits.index((b..b + 1, 0, ..)))?;
+            sampled[b as usize] = true;
+        }
+    }
+    // The step's one wait for the device (rows without log-probs read nothing else).
+    crate::runtime::eval([&argmax])?;
+    let chosen: Vec<u32> = argmax.as_slice::<u32>().to_vec();
+    let mut kept = Vec::with_capacity(count);
+    for (b, (row, draft)) in rows.iter_mut().zip(drafts).enumerate() {
+        if sampled[b] || !row.sequence().wants_step() {
+            // One token (or none for a finished row that only feeds its last one).
+            kept.push(1);
+            continue;
+        }
+        let targets = &chosen[b * width..(b + 1) * width];
+        let agreed = draft
+            .iter()
+            .zip(targets)
+            .take_while(|(draft, target)| draft == target)
+            .count();
+        let tokens = &targets[..=agreed];
+        let sequence = row.sequence();
+        let logprobs: Vec<Option<[Array; 3]>> = match sequence.params.logprobs {
+            Some(top) => tokens
+                .iter()
+                .enumerate()
+                .map(|(t, &token)| {
+                    let at = logprobs.index((b as i32, t as i32, ..));
+                    let token = Array::from_slice(&[token], &[1]);
+                    logprob_arrays(&at, &token, top).map(Some)
+                })
+                .collect::<Result<_>>()?,
+            None => Vec::new(),
+        };
+        sequence.drafted += draft.len();
+        let cancelled = row.cancelled();
+        let mut deltas = Vec::new();
+        let taken = row.sequence().take_verified(
+            tokens,
+            &logprobs,
+            tokenizer,
+            kv_bytes,
+            cancelled,
+            &mut |delta| deltas.push(delta),
+        )?;
+        deltas.into_iter().for_each(|delta| row.emit(delta));
+        // Drafts taken (the model's own token, the last one taken, is not a draft).
+        row.sequence().accepted += taken.min(agreed);
+        // The caches keep the fed token and every taken token but the last (fed next).
+        kept.push(taken.max(1) as i32);
+    }
+    for cache in caches.iter_mut() {
+        cache.keep_written(width as i32, &kept)?;
+    }
+    for (row, sampled) in rows.iter_mut().zip(sampled) {
+        if sampled {
+            read_all(row, tokenizer, kv_bytes, 0)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,66 @@
+//! Prompt lookup: the conversation's last `n` tokens (n from `MAX_NGRAM` down to `MIN_NGRAM`)
+//! found earlier in it propose what followed their latest earlier occurrence. Agents' code
+//! edits repeat their input, so these drafts are often right; a miss costs nothing (no draft).
+//! Reference: Hugging Face transformers `prompt_lookup_num_tokens` (`PromptLookupCandidateGenerator`),
+//! vLLM's `NgramProposer`.
+
+/// Longest suffix tried first.
+pub const MAX_NGRAM: usize = 4;
+/// A single repeated token says too little about what follows.
+pub const MIN_NGRAM: usize = 2;
+
+#[derive(Debug, Default)]
+pub struct PromptLookup;
+
+impl PromptLookup {
+    /// Up to `max` tokens following the latest earlier occurrence of the longest matching suffix.
+    pub fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
+        if max == 0 {
+            return Vec::new();
+        }
+        for n in (MIN_NGRAM..=MAX_NGRAM).rev() {
+            if history.len() <= n {
+                continue;
+            }
+            let suffix = &history[history.len() - n..];
+            // Latest first: the nearest repetition is the likeliest to continue the same way.
+            let found = (0..history.len() - n)
+                .rev()
+                .find(|&start| &history[start..start + n] == suffix);
+            if let Some(start) = found {
+                let from = start + n;
+                let to = (from + max).min(history.len());
+                return history[from..to].to_vec();
+            }
+        }
+        Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_latest_longest_match_proposes_what_followed_it() {
+        let mut lookup = PromptLookup;
+        // "5 6" occurs twice before the end; the later one was followed by 9 9.
+        let history = [1, 5, 6, 7, 8, 5, 6, 9, 9, 3, 5, 6];
+        assert_eq!(lookup.propose(&history, 3), vec![9, 9, 3]);
+        // A longer suffix wins over a later short one: "2 3 4" matched at the start.
+        let history = [2, 3, 4, 10, 11, 3, 4, 12, 2, 3, 4];
+        assert_eq!(lookup.propose(&history, 2), vec![10, 11]);
+        // Drafts stop at the end of the history.
+        let history = [7, 8, 9, 7, 8];
+        assert_eq!(lookup.propose(&history, 5), vec![9, 7, 8]);
+    }
+
+    #[test]
+    fn no_repetition_no_draft() {
+        let mut lookup = PromptLookup;
+        assert!(lookup.propose(&[1, 2, 3, 4, 5], 4).is_empty());
+        assert!(lookup.propose(&[1, 2, 1, 2], 0).is_empty());
+        // A lone repeated token is not enough.
+        assert!(lookup.propose(&[4, 1, 2, 4], 3).is_empty());
+    }
+}

@@ -1,0 +1,95 @@
+//! Speculative decoding: a proposer guesses a row's next tokens, one forward of the model checks
+//! them all (`generate/verify.rs`), and the row keeps the guesses the model agrees with plus the
+//! model's own next token. Greedy output is unchanged token for token: a guess is kept only where
+//! it equals the argmax the plain step would have taken.
+//! Reference: ../shared/research/speculative-decoding.md (the MLX peers, their traps); vLLM's
+//! n-gram proposer and Hugging Face's `prompt_lookup_num_tokens` for prompt lookup.
+//!
+//! Files: `lookup.rs` (drafts from n-grams already in the conversation).
+
+pub mod lookup;
+
+use std::sync::Arc;
+
+/// Which proposer a request's decode uses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SpeculativeMode {
+    /// Plain decode: one token per step.
+    #[default]
+    Off,
+    /// Prompt lookup: the tokens that followed the latest earlier occurrence of the
+    /// conversation's last few tokens.
+    Lookup,
+}
+
+/// Tokens drafted per step at most, unless a request says otherwise.
+pub const DEFAULT_MAX_DRAFT: usize = 4;
+
+/// A request's speculative decoding.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct SpeculativeParams {
+    #[serde(default)]
+    pub mode: SpeculativeMode,
+    /// Tokens drafted per step at most (k).
+    #[serde(default = "default_max_draft")]
+    pub max_draft: usize,
+    /// A proposer given by the caller instead of `mode`'s (tests pass oracles and adversaries).
+    #[serde(skip)]
+    pub drafter: Option<Drafter>,
+}
+
+fn default_max_draft() -> usize {
+    DEFAULT_MAX_DRAFT
+}
+
+impl Default for SpeculativeParams {
+    fn default() -> Self {
+        Self {
+            mode: SpeculativeMode::Off,
+            max_draft: DEFAULT_MAX_DRAFT,
+            drafter: None,
+        }
+    }
+}
+
+/// Drafts at most `max` tokens to follow `history` (the prompt and every token generated so
+/// far; its last token is the one the next step feeds).
+pub type DraftFn = dyn Fn(&[u32], usize) -> Vec<u32> + Send + Sync;
+
+#[derive(Clone)]
+pub struct Drafter(pub Arc<DraftFn>);
+
+impl std::fmt::Debug for Drafter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Drafter")
+    }
+}
+
+/// A request's proposer, built from its [`SpeculativeParams`].
+pub(crate) enum Proposer {
+    Lookup(lookup::PromptLookup),
+    Given(Drafter),
+}
+
+impl Proposer {
+    pub(crate) fn new(params: &SpeculativeParams) -> Option<Self> {
+        if params.max_draft == 0 {
+            return None;
+        }
+        match (&params.drafter, params.mode) {
+            (Some(drafter), _) => Some(Self::Given(drafter.clone())),
+            (None, SpeculativeMode::Lookup) => Some(Self::Lookup(lookup::PromptLookup)),
+            (None, SpeculativeMode::Off) => None,
+        }
+    }
+
+    pub(crate) fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
+        let mut draft = match self {
+            Self::Lookup(lookup) => lookup.propose(history, max),
+            Self::Given(drafter) => (drafter.0)(history, max),
+        };
+        draft.truncate(max);
+        draft
+    }
+}

@@ -4,7 +4,9 @@
 //! of rows with different proposers. The proposers are adversaries of known accuracy: an oracle
 //! (always right: every draft kept), an always-wrong one (none kept), and one right for j tokens
 //! then wrong with j cycling through 0..=k, so every cache kind is cut back by every length.
-//! A solo step is one host synchronisation (counted).
+//! A solo step is one host synchronisation (counted). Prompt lookup and its depth control keep
+//! output exact; stops inside drafts end where plain decode ends; the prefix cache stores only
+//! kept tokens.
 
 mod common;
 
@@ -58,7 +60,7 @@ fn params(max_tokens: usize, drafter: Option<Drafter>) -> GenerateParams {
         ignore_eos: true,
         logprobs: Some(2),
         speculative: SpeculativeParams {
-            mode: SpeculativeMode::Off,
+            mode: Some(SpeculativeMode::Off),
             max_draft: MAX_DRAFT,
             drafter,
         },
@@ -237,4 +239,213 @@ fn a_speculative_step_waits_on_the_device_once() {
     // 21 tokens = 4 steps of 1 + 4 drafts, then one token left: a plain step.
     assert_eq!(speculative.timings.draft_tokens, 16);
     assert_eq!(evals - prefill_only, 4);
+}
+
+/// Prompt lookup on a prompt that repeats itself: exact on every family, and drafts are kept
+/// at lookup's fixed depth (the tiny random models repeat their own output more than the
+/// prompt; `auto` may switch off before a repeat, and the Qwen3.5 fixture's
+/// answer has no repeated pair, so only its exactness is checked).
+#[test]
+fn prompt_lookup_is_exact_and_its_drafts_are_kept() {
+    let mut kept = 0;
+    for dir in [
+        "releases/qwen3-0.6b",
+        "releases/qwen3.5-0.8b",
+        "releases/gemma-4-e2b-it",
+        "releases/qwen3-vl-2b-instruct",
+    ] {
+        let loaded = load_model(&fixture(dir)).unwrap();
+        let model = loaded.model.as_ref();
+        let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+        let phrase = text_ids(12, 3, 10, 900);
+        let prompt: Vec<u32> = phrase.iter().cycle().take(12 * 6).copied().collect();
+        let cancel = AtomicBool::new(false);
+        let plain = generate(
+            model,
+            &tokenizer,
+            &prompt,
+            &params(96, None),
+            &cancel,
+            |_| {},
+        )
+        .unwrap();
+        for mode in [SpeculativeMode::Lookup, SpeculativeMode::Auto] {
+            let mut lookup = params(96, None);
+            lookup.speculative.mode = Some(mode);
+            let speculative =
+                generate(model, &tokenizer, &prompt, &lookup, &cancel, |_| {}).unwrap();
+            assert_same(&plain, &speculative, &format!("{dir} {mode:?}"));
+            let timings = &speculative.timings;
+            eprintln!(
+                "{dir} {mode:?}: {} drafted, {} kept",
+                timings.draft_tokens, timings.accepted_tokens
+            );
+            if mode == SpeculativeMode::Lookup && !dir.contains("qwen3.5") {
+                assert!(timings.accepted_tokens > 0, "{dir} {mode:?}: no draft kept");
+            }
+            kept += timings.accepted_tokens;
+        }
+    }
+    assert!(kept > 0);
+}
+
+/// `auto` with a proposer that is always wrong drafts for a few steps, then only probes.
+#[test]
+fn auto_stops_drafting_when_drafts_are_wrong() {
+    let dir = "releases/qwen3-0.6b";
+    let loaded = load_model(&fixture(dir)).unwrap();
+    let model = loaded.model.as_ref();
+    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+    let prompt = text_ids(20, 9, 10, 900);
+    let cancel = AtomicBool::new(false);
+    let plain = generate(
+        model,
+        &tokenizer,
+        &prompt,
+        &params(80, None),
+        &cancel,
+        |_| {},
+    )
+    .unwrap();
+    let wrong = drafter(
+        plain.token_ids.clone(),
+        prompt.len(),
+        Adversary::AlwaysWrong,
+        1024,
+    );
+    let mut auto = params(80, Some(wrong));
+    auto.speculative.mode = Some(SpeculativeMode::Auto);
+    let speculative = generate(model, &tokenizer, &prompt, &auto, &cancel, |_| {}).unwrap();
+    assert_same(&plain, &speculative, "auto, always wrong");
+    // At most 8 steps before it stops (4 drafts each), then probes of 1 after 8, 16, 32 plain
+    // steps: far fewer than the 4 per step `lookup`'s fixed depth would draft.
+    let drafted = speculative.timings.draft_tokens;
+    assert!((1..=8 * 4 + 3).contains(&drafted), "{drafted} drafted");
+}
+
+/// A stop token or a stop string inside the drafts ends the answer where plain decode ends it.
+#[test]
+fn stops_inside_drafts_end_the_answer_where_plain_decode_does() {
+    let dir = "releases/qwen3.5-0.8b";
+    let loaded = load_model(&fixture(dir)).unwrap();
+    let model = loaded.model.as_ref();
+    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+    let prompt = text_ids(20, 13, 10, 900);
+    let cancel = AtomicBool::new(false);
+    let free = generate(
+        model,
+        &tokenizer,
+        &prompt,
+        &params(24, None),
+        &cancel,
+        |_| {},
+    )
+    .unwrap();
+    let oracle = drafter(free.token_ids.clone(), prompt.len(), Adversary::Oracle, 1);
+    let stop_token = free.token_ids[6];
+    let stop_text = tokenizer.decode(&free.token_ids[9..11], false).unwrap();
+    type Set = Box<dyn Fn(&mut GenerateParams)>;
+    let cases: [(&str, Set); 2] = [
+        (
+            "stop token",
+            Box::new(move |p: &mut GenerateParams| p.stop_token_ids = vec![stop_token]),
+        ),
+        (
+            "stop string",
+            Box::new(move |p: &mut GenerateParams| p.stop = vec![stop_text.clone()]),
+        ),
+    ];
+    for (what, set) in cases {
+        let mut plain_params = params(24, None);
+        set(&mut plain_params);
+        let plain = generate(model, &tokenizer, &prompt, &plain_params, &cancel, |_| {}).unwrap();
+        let mut spec_params = params(24, Some(oracle.clone()));
+        set(&mut spec_params);
+        let speculative =
+            generate(model, &tokenizer, &prompt, &spec_params, &cancel, |_| {}).unwrap();
+        assert!(
+            plain.token_ids.len() < 24,
+            "{what}: the plain run did not stop early"
+        );
+        assert_same(&plain, &speculative, what);
+        assert_eq!(plain.text, speculative.text, "{what}");
+        assert_eq!(plain.finish_reason, speculative.finish_reason, "{what}");
+        assert_eq!(plain.stop_sequence, speculative.stop_sequence, "{what}");
+    }
+}
+
+/// The prefix cache keeps only the tokens a speculative answer kept: the next turn reuses
+/// them and answers as a cold run does (a KV family and a Gated DeltaNet hybrid).
+#[test]
+fn the_next_turn_reuses_a_speculative_answer_exactly() {
+    for dir in ["releases/qwen3-0.6b", "releases/qwen3.5-0.8b"] {
+        let loaded = load_model(&fixture(dir)).unwrap();
+        let model = loaded.model.as_ref();
+        let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+        let vocab = model.vocab_size() as u32;
+        let cancel = AtomicBool::new(false);
+        let first = text_ids(24, 21, 10, 900);
+        let plain_first = generate(
+            model,
+            &tokenizer,
+            &first,
+            &params(20, None),
+            &cancel,
+            |_| {},
+        )
+        .unwrap();
+        let mut second = first.clone();
+        second.extend(&plain_first.token_ids);
+        second.extend(text_ids(6, 22, 10, 900));
+        let plain_second = generate(
+            model,
+            &tokenizer,
+            &second,
+            &params(12, None),
+            &cancel,
+            |_| {},
+        )
+        .unwrap();
+        drop(loaded);
+        let engine = Engine::start(4).unwrap();
+        let run = |prompt: &[u32], max_tokens: usize, drafts: Drafter| {
+            engine
+                .submit(Request {
+                    model: fixture(dir),
+                    prompt: Prompt::Ids(prompt.to_vec()),
+                    params: params(max_tokens, Some(drafts)),
+                    ..Request::default()
+                })
+                .unwrap()
+                .wait()
+                .unwrap()
+        };
+        let answer = run(
+            &first,
+            20,
+            drafter(
+                plain_first.token_ids.clone(),
+                first.len(),
+                Adversary::RightThenWrong,
+                vocab,
+            ),
+        );
+        assert_same(&plain_first, &answer, &format!("{dir} turn 1"));
+        let next = run(
+            &second,
+            12,
+            drafter(
+                plain_second.token_ids.clone(),
+                second.len(),
+                Adversary::Oracle,
+                vocab,
+            ),
+        );
+        assert!(
+            next.cached_tokens >= first.len(),
+            "{dir}: turn 2 reused {} tokens",
+            next.cached_tokens
+        );
+        assert_same(&plain_second, &next, &format!("{dir} turn 2"));
+    }
 }

@@ -217,6 +217,10 @@ impl Prefill {
         let max_new = params
             .max_tokens
             .min(self.max_ctx - self.prompt_ids.len() + 1);
+        let (proposer, depth) = match crate::speculative::Proposer::new(&params.speculative) {
+            Some((proposer, depth)) => (Some(proposer), depth),
+            None => (None, None),
+        };
         let sequence = Sequence {
             sampler: Sampler::new(&params.sampling)?,
             constraint,
@@ -244,7 +248,8 @@ impl Prefill {
             stop_sequence: None,
             document_complete: false,
             batched_with: 1,
-            proposer: crate::speculative::Proposer::new(&params.speculative),
+            proposer,
+            depth,
             drafted: 0,
             accepted: 0,
             params,

@@ -10,7 +10,7 @@ use crate::{
     constrain::{Constraint, ToolGrammars},
     error::Result,
     sample::Sampler,
-    speculative::Proposer,
+    speculative::{depth::DepthControl, Proposer},
 };
 
 use super::{
@@ -117,6 +117,8 @@ pub struct Sequence {
     pub(super) batched_with: usize,
     /// Drafts this request's next tokens (None: plain decode).
     pub(super) proposer: Option<Proposer>,
+    /// How many to draft per step (`auto`); None drafts `max_draft` whenever it can.
+    pub(super) depth: Option<DepthControl>,
     /// Draft tokens proposed and kept so far.
     pub(super) drafted: usize,
     pub(super) accepted: usize,
@@ -203,7 +205,7 @@ impl Sequence {
         Ok(())
     }
 
-    /// Whether this request drafts its next tokens: it has a proposer, its token is the
+    /// Whether this request may draft its next tokens: it has a proposer, its token is the
     /// argmax after at most a logit bias (the rows a speculative step checks; sampled,
     /// constrained and penalised rows decode one token per step), and it wants two or more.
     pub(super) fn can_speculate(&self) -> bool {
@@ -213,14 +215,28 @@ impl Sequence {
             && self.max_new - self.queued >= 2
     }
 
-    /// Drafts for the next step, every unread token read first (the caller's job): at most the
-    /// request's `max_draft`, and one fewer than the tokens it may still generate.
-    pub(super) fn propose(&mut self) -> Vec<u32> {
-        let room = (self.max_new - self.queued).saturating_sub(1);
-        let max = self.params.speculative.max_draft.min(room);
+    /// Tokens to draft this step (0: a plain step): the depth control's choice, or
+    /// `max_draft`, and one fewer than the tokens the request may still generate.
+    pub(super) fn draft_depth(&mut self) -> usize {
+        if !self.can_speculate() {
+            return 0;
+        }
+        let depth = match self.depth.as_mut() {
+            Some(control) => control.next_depth(),
+            None => self.params.speculative.max_draft,
+        };
+        depth.min(self.max_new - self.queued - 1)
+    }
+
+    /// At most `max` drafts for the next step, every unread token read first (the caller's
+    /// job: the proposer continues the last one).
+    pub(super) fn propose(&mut self, max: usize) -> Vec<u32> {
+        if max == 0 || !self.can_speculate() {
+            return Vec::new();
+        }
         match self.proposer.as_mut() {
-            Some(proposer) if max > 0 => proposer.propose(&self.history, max),
-            _ => Vec::new(),
+            Some(proposer) => proposer.propose(&self.history, max),
+            None => Vec::new(),
         }
     }
 
@@ -252,7 +268,7 @@ impl Sequence {
                 }
                 _ => None,
             };
-            self.take_token(token, logprob, tokenizer, kv_bytes, cancelled, emit)?;
+            self.take_token(false, token, logprob, tokenizer, kv_bytes, cancelled, emit)?;
             taken += 1;
         }
         self.queued += taken;
@@ -288,12 +304,15 @@ impl Sequence {
             }
             _ => None,
         };
-        self.take_token(token, logprob, tokenizer, kv_bytes, cancelled, emit)
+        self.take_token(true, token, logprob, tokenizer, kv_bytes, cancelled, emit)
     }
 
-    /// Handles one generated token: timings, log-probs, stops, the delta.
+    /// Handles one generated token: timings, log-probs, stops, the delta. `plain_step`: the
+    /// token came from a step of its own (its gap is a plain step's cost).
+    #[allow(clippy::too_many_arguments)]
     fn take_token(
         &mut self,
+        plain_step: bool,
         token: u32,
         logprob: Option<TokenLogprob>,
         tokenizer: &ChatTokenizer,
@@ -305,7 +324,11 @@ impl Sequence {
         if self.token_ids.is_empty() {
             self.timings.ttft_ms = ms(now - self.started);
         } else {
-            self.timings.itl_ms.push(ms(now - self.last_token_at));
+            let gap = ms(now - self.last_token_at);
+            self.timings.itl_ms.push(gap);
+            if let (Some(control), true) = (self.depth.as_mut(), plain_step) {
+                control.observe_plain(gap);
+            }
         }
         self.last_token_at = now;
         self.token_ids.push(token);

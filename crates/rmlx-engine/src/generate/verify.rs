@@ -36,14 +36,13 @@ pub(super) fn drafts<R: DecodeRow>(
     let mut drafts = vec![Vec::new(); rows.len()];
     let mut any = false;
     for (row, draft) in rows.iter_mut().zip(drafts.iter_mut()) {
-        if !row.sequence().can_speculate() {
+        let depth = row.sequence().draft_depth();
+        if depth == 0 {
             continue;
         }
         read_all(row, tokenizer, kv_bytes, 0)?;
-        if row.sequence().can_speculate() {
-            *draft = row.sequence().propose();
-            any |= !draft.is_empty();
-        }
+        *draft = row.sequence().propose(depth);
+        any |= !draft.is_empty();
     }
     Ok(any.then_some(drafts))
 }
@@ -89,6 +88,7 @@ pub(super) fn verify_iteration<R: DecodeRow>(
     }
     // The step's one wait for the device (rows without log-probs read nothing else).
     crate::runtime::eval([&argmax])?;
+    let now = std::time::Instant::now();
     let chosen: Vec<u32> = argmax.as_slice::<u32>().to_vec();
     let mut kept = Vec::with_capacity(count);
     for (b, (row, draft)) in rows.iter_mut().zip(drafts).enumerate() {
@@ -118,6 +118,11 @@ pub(super) fn verify_iteration<R: DecodeRow>(
             None => Vec::new(),
         };
         sequence.drafted += draft.len();
+        if let Some(control) = sequence.depth.as_mut().filter(|_| !draft.is_empty()) {
+            // On the clock plain steps are measured by: the gap since the row's last token.
+            let step_ms = (now - sequence.last_token_at).as_secs_f64() * 1000.0;
+            control.observe_step(draft.len(), agreed, width, step_ms);
+        }
         let cancelled = row.cancelled();
         let mut deltas = Vec::new();
         let taken = row.sequence().take_verified(

@@ -5,8 +5,10 @@
 //! Reference: ../shared/research/speculative-decoding.md (the MLX peers, their traps); vLLM's
 //! n-gram proposer and Hugging Face's `prompt_lookup_num_tokens` for prompt lookup.
 //!
-//! Files: `lookup.rs` (drafts from n-grams already in the conversation).
+//! Files: `lookup.rs` (drafts from n-grams already in the conversation), `depth.rs` (how many
+//! tokens to draft per step, from measured acceptance and step costs).
 
+pub mod depth;
 pub mod lookup;
 
 use std::sync::Arc;
@@ -18,9 +20,30 @@ pub enum SpeculativeMode {
     /// Plain decode: one token per step.
     #[default]
     Off,
-    /// Prompt lookup: the tokens that followed the latest earlier occurrence of the
-    /// conversation's last few tokens.
+    /// Prompt lookup at the full depth whenever it finds a match.
     Lookup,
+    /// Prompt lookup, its depth chosen per request from measured acceptance and step costs
+    /// (`depth.rs`): it switches itself off where it loses.
+    Auto,
+}
+
+impl SpeculativeMode {
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "off" => Some(Self::Off),
+            "lookup" => Some(Self::Lookup),
+            "auto" => Some(Self::Auto),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Off => "off",
+            Self::Lookup => "lookup",
+            Self::Auto => "auto",
+        }
+    }
 }
 
 /// Tokens drafted per step at most, unless a request says otherwise.
@@ -29,8 +52,9 @@ pub const DEFAULT_MAX_DRAFT: usize = 4;
 /// A request's speculative decoding.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct SpeculativeParams {
+    /// None: the engine's default (`EngineOptions::speculative`; off when run alone).
     #[serde(default)]
-    pub mode: SpeculativeMode,
+    pub mode: Option<SpeculativeMode>,
     /// Tokens drafted per step at most (k).
     #[serde(default = "default_max_draft")]
     pub max_draft: usize,
@@ -46,7 +70,7 @@ fn default_max_draft() -> usize {
 impl Default for SpeculativeParams {
     fn default() -> Self {
         Self {
-            mode: SpeculativeMode::Off,
+            mode: None,
             max_draft: DEFAULT_MAX_DRAFT,
             drafter: None,
         }
@@ -73,15 +97,19 @@ pub(crate) enum Proposer {
 }
 
 impl Proposer {
-    pub(crate) fn new(params: &SpeculativeParams) -> Option<Self> {
-        if params.max_draft == 0 {
+    /// The proposer and, for `auto`, its depth control.
+    pub(crate) fn new(params: &SpeculativeParams) -> Option<(Self, Option<depth::DepthControl>)> {
+        let mode = params.mode.unwrap_or_default();
+        if params.max_draft == 0 || (params.drafter.is_none() && mode == SpeculativeMode::Off) {
             return None;
         }
-        match (&params.drafter, params.mode) {
-            (Some(drafter), _) => Some(Self::Given(drafter.clone())),
-            (None, SpeculativeMode::Lookup) => Some(Self::Lookup(lookup::PromptLookup)),
-            (None, SpeculativeMode::Off) => None,
-        }
+        let proposer = match &params.drafter {
+            Some(drafter) => Self::Given(drafter.clone()),
+            None => Self::Lookup(lookup::PromptLookup),
+        };
+        let control =
+            (mode == SpeculativeMode::Auto).then(|| depth::DepthControl::new(params.max_draft));
+        Some((proposer, control))
     }
 
     pub(crate) fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {

@@ -90,6 +90,11 @@ struct GenerateArgs {
     /// Store the full-attention layers' KV cache quantized, 8 or 4 bits [default: dense]
     #[arg(long, value_name = "8|4")]
     kv_bits: Option<i32>,
+    /// Speculative decoding: `lookup` drafts the tokens that followed the conversation's last
+    /// few tokens where they occurred before, checked in one forward (greedy requests; output
+    /// unchanged); `auto` does so where it measures a gain and switches itself off elsewhere
+    #[arg(long, value_name = "auto|off|lookup", value_parser = parse_speculative, default_value = DEFAULT_SPECULATIVE)]
+    speculative: rmlx_engine::speculative::SpeculativeMode,
     /// Keep going through end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
@@ -111,6 +116,17 @@ struct GenerateArgs {
     /// Print exactly one JSON object (text, ids, usage, timings) instead of streaming.
     #[arg(long)]
     json: bool,
+}
+
+/// `--speculative`'s default: the engine's.
+const DEFAULT_SPECULATIVE: &str = "off";
+
+/// `--speculative auto|off|lookup`.
+pub(crate) fn parse_speculative(
+    text: &str,
+) -> Result<rmlx_engine::speculative::SpeculativeMode, String> {
+    rmlx_engine::speculative::SpeculativeMode::parse(text)
+        .ok_or_else(|| format!("`{text}` is none of auto, off, lookup"))
 }
 
 fn main() -> ExitCode {
@@ -233,6 +249,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let engine = Engine::start_with(rmlx_engine::engine::EngineOptions {
         max_queue: 1,
         kv_bits: args.kv_bits,
+        speculative: args.speculative,
         ..Default::default()
     })?;
     let handle = engine.submit(request)?;

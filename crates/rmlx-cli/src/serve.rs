@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use rmlx_server::ServerConfig;
 
+use crate::{parse_speculative, DEFAULT_SPECULATIVE};
+
 #[derive(clap::Args)]
 pub struct ServeArgs {
     /// Model folder to serve under its folder name (repeatable).
@@ -64,6 +66,11 @@ pub struct ServeArgs {
     /// [default: min(16, 10 % of the free disk)]
     #[arg(long, value_name = "GB", env = "RMLX_PREFIX_DISK_GB")]
     prefix_disk_gb: Option<f64>,
+    /// Speculative decoding: `lookup` drafts the tokens that followed the conversation's last
+    /// few tokens where they occurred before, checked in one forward (greedy requests; output
+    /// unchanged); `auto` does so where it measures a gain and switches itself off elsewhere
+    #[arg(long, value_name = "auto|off|lookup", value_parser = parse_speculative, env = "RMLX_SPECULATIVE", default_value = DEFAULT_SPECULATIVE)]
+    speculative: rmlx_engine::speculative::SpeculativeMode,
     /// Folder of the disk prefix cache [default: ~/.rmlx/cache]
     #[arg(long, value_name = "DIR", env = "RMLX_PREFIX_DISK_DIR")]
     prefix_disk_dir: Option<PathBuf>,
@@ -117,6 +124,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             })
             .flatten(),
         prefix_disk_bytes: args.prefix_disk_gb.map(|gb| (gb * 1e9) as u64),
+        speculative: args.speculative,
         ui_dir: args.ui_dir,
         embedded_ui: !args.no_ui,
     };

@@ -134,6 +134,9 @@ pub struct RequestRecord {
     pub tokens_in: usize,
     pub tokens_out: usize,
     pub cached_tokens: usize,
+    /// Tokens speculative decoding drafted, and how many the model kept.
+    pub draft_tokens: usize,
+    pub accepted_tokens: usize,
     pub finish_reason: FinishReason,
     /// Unix time in milliseconds.
     pub ended: u64,
@@ -150,6 +153,8 @@ struct ModelState {
     tokens_out: u64,
     prefix_hits: u64,
     disk_hits: u64,
+    draft_tokens: u64,
+    accepted_tokens: u64,
     prefix_misses: u64,
     prefix_evictions: u64,
     prefix_bytes: u64,
@@ -189,6 +194,9 @@ pub struct ModelSnapshot {
     pub disk_cache_hits: u64,
     /// Requests that found no prefix in RAM or on disk.
     pub prefix_cache_misses: u64,
+    /// Tokens speculative decoding drafted for finished requests, and how many were kept.
+    pub draft_tokens: u64,
+    pub accepted_tokens: u64,
     pub prefix_cache_evictions: u64,
     /// Bytes the prefix cache keeps for this model.
     pub prefix_cache_bytes: u64,
@@ -263,6 +271,8 @@ impl Metrics {
                 tokens_out: 0,
                 prefix_hits: 0,
                 disk_hits: 0,
+                draft_tokens: 0,
+                accepted_tokens: 0,
                 prefix_misses: 0,
                 prefix_evictions: 0,
                 prefix_bytes: 0,
@@ -287,6 +297,8 @@ impl Metrics {
             tokens_in: completion.prompt_tokens,
             tokens_out: completion.completion_tokens,
             cached_tokens: completion.cached_tokens,
+            draft_tokens: completion.timings.draft_tokens,
+            accepted_tokens: completion.timings.accepted_tokens,
             finish_reason: completion.finish_reason,
             ended: now_ms(),
         };
@@ -294,6 +306,8 @@ impl Metrics {
             entry.requests += 1;
             entry.tokens_in += completion.prompt_tokens as u64;
             entry.tokens_out += completion.completion_tokens as u64;
+            entry.draft_tokens += completion.timings.draft_tokens as u64;
+            entry.accepted_tokens += completion.timings.accepted_tokens as u64;
             if completion.completion_tokens > 0 {
                 entry.ttft.push(completion.timings.ttft_ms);
                 entry.ttft_histogram.observe(completion.timings.ttft_ms);
@@ -376,6 +390,8 @@ impl Metrics {
                 prefix_cache_hits: entry.prefix_hits,
                 disk_cache_hits: entry.disk_hits,
                 prefix_cache_misses: entry.prefix_misses,
+                draft_tokens: entry.draft_tokens,
+                accepted_tokens: entry.accepted_tokens,
                 prefix_cache_evictions: entry.prefix_evictions,
                 prefix_cache_bytes: entry.prefix_bytes,
                 ttft_ms: entry.ttft.summary(),
@@ -449,6 +465,16 @@ impl MetricsSnapshot {
             "Prefix-cache entries evicted.",
         );
         family(
+            "rmlx_draft_tokens_total",
+            "counter",
+            "Tokens speculative decoding drafted.",
+        );
+        family(
+            "rmlx_accepted_tokens_total",
+            "counter",
+            "Drafted tokens the model kept.",
+        );
+        family(
             "rmlx_ttft_ms",
             "histogram",
             "Time to first token, milliseconds.",
@@ -490,6 +516,8 @@ impl MetricsSnapshot {
                     "rmlx_prefix_cache_evictions_total",
                     model.prefix_cache_evictions,
                 ),
+                ("rmlx_draft_tokens_total", model.draft_tokens),
+                ("rmlx_accepted_tokens_total", model.accepted_tokens),
             ] {
                 let _ = writeln!(out, "{name}{{{label}}} {value}");
             }

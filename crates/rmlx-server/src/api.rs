@@ -48,6 +48,10 @@ pub struct Timings {
     pub total_ms: f64,
     /// The most requests that decoded together with this one in one batch (1: alone).
     pub batched_with: usize,
+    /// Tokens speculative decoding drafted for this answer (`rmlx serve --speculative`).
+    pub draft_tokens: usize,
+    /// Drafted tokens the model agreed with: each saved a decode step.
+    pub accepted_tokens: usize,
 }
 
 /// A figure JSON can carry: serde_json writes NaN and infinities as `null`, which the schema's
@@ -69,6 +73,8 @@ impl Timings {
             decode_tps: finite(t.decode_tps),
             total_ms: finite(t.total_ms),
             batched_with: completion.batched_with,
+            draft_tokens: t.draft_tokens,
+            accepted_tokens: t.accepted_tokens,
         }
     }
 }
@@ -722,6 +728,10 @@ pub struct ModelCacheMetrics {
     pub disk_cache_hits: u64,
     pub prefix_cache_misses: u64,
     pub prefix_cache_evictions: u64,
+    /// Tokens speculative decoding drafted for this model's finished requests.
+    pub draft_tokens: u64,
+    /// Drafted tokens the model kept (each saved a decode step).
+    pub accepted_tokens: u64,
     /// Bytes the prefix cache keeps for this model (KV entries and snapshots).
     pub prefix_cache_bytes: u64,
     pub kv_cache_bytes: u64,
@@ -752,6 +762,9 @@ pub struct RecentRequest {
     pub tokens_in: usize,
     pub cached_tokens: usize,
     pub tokens_out: usize,
+    /// Tokens speculative decoding drafted for it, and how many were kept.
+    pub draft_tokens: usize,
+    pub accepted_tokens: usize,
     /// Unix time in milliseconds.
     pub ended: u64,
 }

@@ -88,6 +88,8 @@ pub struct ServerConfig {
     pub prefix_disk_dir: Option<PathBuf>,
     /// Bytes the disk cache may hold (None: min(16 GB, 10 % of the free disk)).
     pub prefix_disk_bytes: Option<u64>,
+    /// Speculative decoding (off, lookup or auto) for every request.
+    pub speculative: rmlx_engine::speculative::SpeculativeMode,
     /// A built web UI to serve at `/` (no API key needed for its files; its API calls still
     /// send one).
     pub ui_dir: Option<PathBuf>,
@@ -118,6 +120,7 @@ impl Default for ServerConfig {
             kv_bits: None,
             prefix_disk_dir: None,
             prefix_disk_bytes: None,
+            speculative: EngineOptions::default().speculative,
             ui_dir: None,
             embedded_ui: false,
             // A 2560x2560 RGBA PNG is at most ~26 MB, ~35 MB as base64 in a data URI.
@@ -151,6 +154,7 @@ impl AppState {
             kv_bits: config.kv_bits,
             prefix_disk_dir: config.prefix_disk_dir.clone(),
             prefix_disk_bytes: config.prefix_disk_bytes,
+            speculative: config.speculative,
             ..EngineOptions::default()
         })
         .context("cannot start the engine")?;

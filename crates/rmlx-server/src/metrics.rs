@@ -62,6 +62,8 @@ pub fn cache_metrics(snapshot: &MetricsSnapshot) -> CacheMetrics {
             disk_cache_hits: model.disk_cache_hits,
             prefix_cache_misses: model.prefix_cache_misses,
             prefix_cache_evictions: model.prefix_cache_evictions,
+            draft_tokens: model.draft_tokens,
+            accepted_tokens: model.accepted_tokens,
             prefix_cache_bytes: model.prefix_cache_bytes,
             kv_cache_bytes: snapshot.kv_cache_bytes,
             active_memory_bytes: snapshot.mlx_active_bytes,
@@ -80,6 +82,8 @@ pub fn cache_metrics(snapshot: &MetricsSnapshot) -> CacheMetrics {
             tokens_in: record.tokens_in,
             cached_tokens: record.cached_tokens,
             tokens_out: record.tokens_out,
+            draft_tokens: record.draft_tokens,
+            accepted_tokens: record.accepted_tokens,
             ended: record.ended,
         })
         .collect();

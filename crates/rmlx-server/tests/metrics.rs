@@ -272,3 +272,42 @@ async fn cache_metrics_with_key(app: &axum::Router) -> Value {
     .await
     .json()
 }
+
+/// `--speculative lookup`: the answer is the one plain decode gives, and its drafted and kept
+/// tokens show in its timings, its `recent` entry and the model's totals.
+#[tokio::test]
+async fn speculative_decoding_shows_in_timings_and_metrics() {
+    let chat = json!({"model": MODEL, "max_tokens": 24, "temperature": 0, "messages": [
+        {"role": "user", "content": "Repeat after me: the cat sat on the mat."},
+        {"role": "assistant", "content": "The cat sat on the mat."},
+        {"role": "user", "content": "Again: the cat sat on the mat."}]});
+    let mut answers = Vec::new();
+    for mode in ["off", "lookup"] {
+        let (app, _) = router(ServerConfigExt::with(|config| {
+            config.speculative = rmlx_engine::speculative::SpeculativeMode::parse(mode).unwrap();
+        }));
+        let reply = post(&app, "/v1/chat/completions", &chat).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+        let body = reply.json();
+        let timings = &body["timings"];
+        let metrics = cache_metrics(&app).await;
+        let recent = &metrics["recent"][0];
+        let model = &metrics["models"][0];
+        let drafted = timings["draft_tokens"].as_u64().unwrap();
+        assert_eq!(recent["draft_tokens"].as_u64(), Some(drafted), "{mode}");
+        assert_eq!(model["draft_tokens"].as_u64(), Some(drafted), "{mode}");
+        assert_eq!(
+            recent["accepted_tokens"], timings["accepted_tokens"],
+            "{mode}"
+        );
+        if mode == "off" {
+            assert_eq!(drafted, 0);
+        } else {
+            assert!(drafted > 0, "nothing drafted: {timings}");
+        }
+        let prometheus = get(&app, "/metrics").await.text;
+        assert!(prometheus.contains("rmlx_draft_tokens_total{"), "{mode}");
+        answers.push(body["choices"][0]["message"]["content"].clone());
+    }
+    assert_eq!(answers[0], answers[1]);
+}

@@ -366,6 +366,7 @@ impl EngineThread {
         let resident = &self.models[&key];
         let mut params = request.params.clone();
         params.kv_storage = self.kv_storage;
+        params.speculative.mode.get_or_insert(self.speculative);
         let prefill = Prefill::new(
             resident.loaded.model.as_ref(),
             &resident.tokenizer,

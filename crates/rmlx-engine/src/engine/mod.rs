@@ -89,6 +89,8 @@ pub struct EngineOptions {
     /// Bytes the disk cache may hold (least recently used files go first); None: min(16 GB,
     /// 10 % of the free disk).
     pub prefix_disk_bytes: Option<u64>,
+    /// Speculative decoding for requests that do not choose (`GenerateParams::speculative`).
+    pub speculative: crate::speculative::SpeculativeMode,
     /// Holds every disk-cache read back this long (tests: a slow disk).
     #[doc(hidden)]
     pub disk_read_delay: Option<std::time::Duration>,
@@ -106,6 +108,7 @@ impl Default for EngineOptions {
             kv_bits: None,
             prefix_disk_dir: None,
             prefix_disk_bytes: None,
+            speculative: crate::speculative::SpeculativeMode::default(),
             disk_read_delay: None,
         }
     }
@@ -211,6 +214,7 @@ impl Engine {
                     ),
                     prefix_budgets: (options.prefix_cache_bytes, options.prefix_snapshot_bytes),
                     kv_storage,
+                    speculative: options.speculative,
                     disk,
                     fingerprints: HashMap::new(),
                     prefix_ids: HashMap::new(),

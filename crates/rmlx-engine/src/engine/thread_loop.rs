@@ -90,6 +90,8 @@ pub(super) struct EngineThread {
     pub(super) prefix_budgets: (Option<u64>, Option<u64>),
     /// How new requests' caches store keys and values (`EngineOptions::kv_bits`).
     pub(super) kv_storage: KvStorage,
+    /// Speculative decoding for requests that do not choose (`EngineOptions::speculative`).
+    pub(super) speculative: crate::speculative::SpeculativeMode,
     /// The disk cache and each model's fingerprint (`EngineOptions::prefix_disk_dir`).
     pub(super) disk: Option<DiskCache>,
     pub(super) fingerprints: HashMap<PathBuf, String>,

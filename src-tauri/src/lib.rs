@@ -19,6 +19,7 @@ use std::{
     time::Duration,
 };
 
+use rmlx_engine::speculative::SpeculativeMode;
 use rmlx_server::{AppState, ServerConfig};
 use tauri::{AppHandle, Emitter, Manager, WindowEvent};
 
@@ -86,6 +87,12 @@ fn server_config(settings: &Settings, data: &Path) -> ServerConfig {
             .prefix_disk_gb
             .filter(|gb| *gb > 0.0 && gb.is_finite())
             .map(|gb| (gb * 1e9) as u64),
+        // A hand-edited value the engine does not know means the default.
+        speculative: settings
+            .speculative
+            .as_deref()
+            .and_then(SpeculativeMode::parse)
+            .unwrap_or(ServerConfig::default().speculative),
         api_key: settings.api_key.clone(),
         cors_origins: settings.cors_origins.clone(),
         ..ServerConfig::default()
@@ -387,6 +394,32 @@ mod tests {
                 ..Settings::default()
             };
             assert_eq!(server_config(&settings, &data).kv_bits, engine, "{saved:?}");
+        }
+    }
+
+    /// The speculative decoding setting reaches the engine; None or a value it does not know
+    /// is the server's default.
+    #[test]
+    fn speculative_setting_reaches_the_server_config() {
+        let data = std::env::temp_dir();
+        let default = ServerConfig::default().speculative;
+        for (saved, engine) in [
+            (Some("auto"), SpeculativeMode::Auto),
+            (Some("lookup"), SpeculativeMode::Lookup),
+            (Some("off"), SpeculativeMode::Off),
+            (Some("always"), default),
+            (None, default),
+        ] {
+            let settings = Settings {
+                speculative: saved.map(String::from),
+                models_dir: Some(data.clone()),
+                ..Settings::default()
+            };
+            assert_eq!(
+                server_config(&settings, &data).speculative,
+                engine,
+                "{saved:?}"
+            );
         }
     }
 

@@ -35,6 +35,9 @@ pub struct Settings {
     pub prefix_disk_gb: Option<f64>,
     /// Its folder; None: ~/.rmlx/cache, shared with `rmlx serve`.
     pub prefix_disk_dir: Option<PathBuf>,
+    /// Speculative decoding (`--speculative`): auto, off or lookup; None: the engine's default.
+    /// Taken when the app starts.
+    pub speculative: Option<String>,
     /// Opt-in: the app never registers itself as a login item on its own.
     pub launch_at_login: bool,
     pub update_channel: UpdateChannel,
@@ -65,6 +68,7 @@ impl Default for Settings {
             kv_cache_bits: None,
             prefix_disk_gb: None,
             prefix_disk_dir: None,
+            speculative: None,
             launch_at_login: false,
             update_channel: UpdateChannel::Stable,
             other: serde_json::Map::new(),
@@ -113,6 +117,7 @@ mod tests {
             server_enabled: true,
             server_port: 9123,
             kv_cache_bits: Some(4),
+            speculative: Some("lookup".into()),
             ..Settings::default()
         };
         saved.save(&path).unwrap();

@@ -5,7 +5,7 @@ import { mkdirSync, readFileSync } from 'node:fs';
 import path from 'node:path';
 import type { Browser, Page } from 'playwright-core';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { formatMs, formatRate, tokensPerSecond } from '../src/lib/chat/stats';
+import { draftAcceptance, formatDrafts, formatMs, formatRate, tokensPerSecond } from '../src/lib/chat/stats';
 import type { MetricsSnapshot } from '../src/lib/transport/types';
 import {
   api, artifactsDir, ask, attachedCount, dropImage, lastAnswer, launchBrowser, liveAnswer, openApp, pasteImage, pickModel,
@@ -119,6 +119,10 @@ describe.skipIf(skipReason !== null)('rMLX UI against rmlx serve', () => {
     if ((entry.itl_ms ?? []).length > 1) {
       expect(Number(await answer.getByTestId('sparkline').getAttribute('data-points'))).toBe(entry.itl_ms!.length);
     }
+    // Speculative decoding's drafts (with `--speculative`, RMLX_SPECULATIVE): shown when there were any.
+    const drafts = draftAcceptance(entry.draft_tokens, entry.accepted_tokens);
+    expect(await metric('drafts').count()).toBe(drafts ? 1 : 0);
+    if (drafts) expect(await metric('drafts').innerText()).toBe(formatDrafts(drafts));
   });
 
   it('plots that request on the dashboard: its last TTFT point is the /metrics/cache entry', async () => {
@@ -135,7 +139,7 @@ describe.skipIf(skipReason !== null)('rMLX UI against rmlx serve', () => {
     const entry = snapshot.recent.find((r) => r.id === id);
     expect(entry, `/metrics/cache has no entry for ${id}`).toBeDefined();
     expect(Number(await chart.getAttribute('data-last-ttft'))).toBe(entry!.ttft_ms);
-    expect(await page.locator('.chart canvas').count()).toBe(8);
+    expect(await page.locator('.chart canvas').count()).toBe(9);
     await shot(page, 'dashboard-real');
   });
 

@@ -31,6 +31,9 @@ function scriptedServer(options: { admin?: boolean; failDownload?: boolean } = {
   let job: DownloadJob | null = null;
   let recent: RecentRequest[] = [];
   let polls = 0;
+  // Speculative decoding's counters: some tokens drafted and kept on most polls.
+  let drafted = 0;
+  let kept = 0;
   const notFound = (route: Route, p: string) =>
     route.fulfill({ status: 404, json: { error: { message: `no route for ${p}`, type: 'invalid_request_error', param: null, code: 'not_found' } } });
 
@@ -64,8 +67,10 @@ function scriptedServer(options: { admin?: boolean; failDownload?: boolean } = {
 
     if (p === '/metrics/cache') {
       polls++;
+      drafted += [0, 24, 16, 32, 8][polls % 5];
+      kept += [0, 20, 9, 30, 2][polls % 5];
       const snapshot: MetricsSnapshot = {
-        models: [{ model_id: 'qwen3-tiny', prefix_cache_hits: 2 + polls, disk_cache_hits: 1 + Math.floor(polls / 2), prefix_cache_misses: 3 }],
+        models: [{ model_id: 'qwen3-tiny', prefix_cache_hits: 2 + polls, disk_cache_hits: 1 + Math.floor(polls / 2), prefix_cache_misses: 3, draft_tokens: drafted, accepted_tokens: kept }],
         recent, in_flight: polls % 3 === 0 ? 1 : 0, queue_depth: polls % 5 === 0 ? 1 : 0,
         kv_cache_bytes: (polls % 4) * 2_000_000, active_memory_bytes: 350_000_000 + polls * 3_000_000, peak_memory_bytes: 420_000_000 + polls * 3_000_000,
         disk_cache: {
@@ -274,10 +279,10 @@ describe('Models, Dashboard and Settings against a scripted server', () => {
         tokens_in: 40 + i * 25, tokens_out: 20 + i * 4, ended: now - (6 - i) * 15_000,
       }));
       server.setRecent(entries);
-      const page = await open('dashboard', server, colorScheme, 1400);
+      const page = await open('dashboard', server, colorScheme, 1660);
       const ttft = page.getByTestId('chart-ttft');
       await page.waitForFunction(() => document.querySelector('[data-testid=chart-ttft]')?.getAttribute('data-last-ttft') === '67.5');
-      expect(await page.locator('.chart canvas').count()).toBe(8);
+      expect(await page.locator('.chart canvas').count()).toBe(9);
       expect(await ttft.getAttribute('data-points')).toBe('6');
       expect(await ttft.getAttribute('data-last-id')).toBe('chatcmpl-5');
       // A new request arrives on a later poll: the last point is its TTFT exactly, and listed twice it is added once.
@@ -293,15 +298,22 @@ describe('Models, Dashboard and Settings against a scripted server', () => {
       const samples = Number(await page.getByTestId('chart-memory').getAttribute('data-points'));
       await page.waitForTimeout(1100);
       expect(Number(await page.getByTestId('chart-memory').getAttribute('data-points'))).toBeGreaterThan(samples);
-      // Drawn: the TTFT canvas has non-background pixels.
-      const inked = await page.evaluate(() => {
-        const canvas = document.querySelector('[data-testid=chart-ttft] canvas') as HTMLCanvasElement;
+      // Drawn: the TTFT and speculative decoding canvases have non-background pixels.
+      const inked = (chart: string) => page.evaluate((testid) => {
+        const canvas = document.querySelector(`[data-testid=${testid}] canvas`) as HTMLCanvasElement;
         const data = canvas.getContext('2d')!.getImageData(0, 0, canvas.width, canvas.height).data;
         let n = 0;
         for (let i = 3; i < data.length; i += 4) if (data[i] > 0) n++;
         return n;
-      });
-      expect(inked).toBeGreaterThan(500);
+      }, chart);
+      expect(await inked('chart-ttft')).toBeGreaterThan(500);
+      expect(await inked('chart-drafts')).toBeGreaterThan(500);
+      // Drafted and kept: the server's cumulative counters, and the share kept in the headline.
+      const drafts = page.getByTestId('chart-drafts');
+      const [drafted, kept] = [Number(await drafts.getAttribute('data-drafted')), Number(await drafts.getAttribute('data-kept'))];
+      expect(drafted).toBeGreaterThan(kept);
+      expect(await page.getByRole('img', { name: /^Speculative decoding: in this window \d+ drafted, \d+ kept \(\d+% acceptance\); since start/ }).count()).toBe(1);
+      expect(await page.getByTestId('headline-drafts').innerText()).toMatch(/^\d+%\n?\d+ of \d+ drafted$/);
       await page.screenshot({ path: path.join(artifactsDir, `dashboard-${colorScheme}.png`), fullPage: true });
       await page.context().close();
     });
@@ -421,7 +433,7 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
       const calls = () => page.evaluate(() => (window as unknown as { __calls: [string, Record<string, unknown>][] }).__calls);
       expect(await page.getByLabel('Models folder').inputValue()).toBe('/Users/me/Models');
       expect(await page.getByTestId('server-status').innerText()).toContain('port 8080 is in use; choose another port');
-      for (const label of ['Hugging Face hub URL', 'Default max context (tokens)', 'KV cache', 'Prompt cache on disk', 'Prompt cache folder', 'Host', 'Port', 'API key', 'CORS origins', 'Launch at login', 'Update channel']) {
+      for (const label of ['Hugging Face hub URL', 'Default max context (tokens)', 'KV cache', 'Prompt cache on disk', 'Prompt cache folder', 'Speculative decoding', 'Host', 'Port', 'API key', 'CORS origins', 'Launch at login', 'Update channel']) {
         expect(await page.getByLabel(label, { exact: true }).count(), label).toBe(1);
       }
       if (colorScheme === 'dark') {
@@ -452,6 +464,8 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
       expect(await page.getByLabel('Prompt cache on disk').inputValue()).toBe('auto');
       await page.getByLabel('Prompt cache on disk').selectOption('8');
       await page.getByLabel('Prompt cache folder').fill('/Volumes/fast/rmlx-cache');
+      expect(await page.getByLabel('Speculative decoding').inputValue()).toBe('default');
+      await page.getByLabel('Speculative decoding').selectOption('lookup');
       await page.getByLabel('API key').fill('k3y');
       await page.getByLabel('CORS origins').fill('https://a.example\nhttps://b.example');
       await page.getByLabel('Launch at login').check();
@@ -465,7 +479,7 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
         settings: {
           models_dir: '/Users/me/Models', hub_url: 'http://127.0.0.1:9999', server_enabled: true, server_host: '127.0.0.1', server_port: 9090,
           api_key: 'k3y', cors_origins: ['https://a.example', 'https://b.example'], default_max_context: 32768, kv_cache_bits: 8,
-          prefix_disk_gb: 8, prefix_disk_dir: '/Volumes/fast/rmlx-cache', launch_at_login: true, update_channel: 'beta',
+          prefix_disk_gb: 8, prefix_disk_dir: '/Volumes/fast/rmlx-cache', speculative: 'lookup', launch_at_login: true, update_channel: 'beta',
         },
       });
       expect(log.filter(([c]) => c === 'server_set').at(-1)?.[1]).toEqual({ enabled: true, port: 9090 });

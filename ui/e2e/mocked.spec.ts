@@ -14,7 +14,10 @@ const answer = [
   '- fast\n- local\n\n<img src=x onerror="window.__xss = 1">',
 ];
 const itl = [12.1, 11.8, 12.6, 14.2, 11.9, 25.3, 12.2, 12.0, 13.1, 12.4, 11.7, 12.9];
-const entry = { id: 'chatcmpl-mock-1', model: 'qwen3-tiny', ttft_ms: 41.37, itl_p50_ms: 12.3, itl_ms: itl, tokens_in: 27, tokens_out: 13, ended: 1 };
+const entry = {
+  id: 'chatcmpl-mock-1', model: 'qwen3-tiny', ttft_ms: 41.37, itl_p50_ms: 12.3, itl_ms: itl, tokens_in: 27, tokens_out: 13,
+  draft_tokens: 8, accepted_tokens: 6, ended: 1,
+};
 
 async function scriptServer(page: Page, options: { fail?: boolean } = {}): Promise<void> {
   await page.route('**/v1/models', (route) =>
@@ -68,6 +71,7 @@ describe('rMLX UI against a scripted server', () => {
       const rate = 13 / (itl.reduce((a, b) => a + b, 0) / 1000);
       expect(await message.locator('[data-metric="tps"]').innerText()).toBe(`${rate.toFixed(1)} tok/s`);
       expect(await message.locator('[data-metric="tokens"]').innerText()).toBe('27 in · 13 out');
+      expect(await message.locator('[data-metric="drafts"]').innerText()).toBe('drafted 8 · kept 6 (75%)');
       expect(await message.getByTestId('sparkline').getAttribute('data-points')).toBe(String(itl.length));
       expect(await message.getByRole('img', { name: /Inter-token latency/ }).getAttribute('aria-label')).toContain('max 25.3 ms');
 

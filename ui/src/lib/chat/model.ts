@@ -22,6 +22,10 @@ export interface RequestStats {
   tokensOut: number;
   /** Inter-token latencies in ms; empty when the server did not report them. */
   itlMs: number[];
+  /** Tokens speculative decoding drafted, and how many the model kept (absent in answers saved
+   * before the server reported them). */
+  draftTokens?: number;
+  acceptedTokens?: number;
 }
 
 export type AnswerStatus = 'streaming' | 'done' | 'stopped' | 'error';

@@ -57,7 +57,7 @@ describe('ChatSession', () => {
     });
     const answer = store.active!.messages[1] as AssistantMessage;
     expect(answer).toMatchObject({ status: 'done', completionId: 'chatcmpl-1', finishReason: 'stop' });
-    expect(answer.stats).toEqual({ ttftMs: 5, tokensIn: 10, tokensOut: 2, itlMs: [2, 2] });
+    expect(answer.stats).toEqual({ ttftMs: 5, tokensIn: 10, tokensOut: 2, itlMs: [2, 2], draftTokens: 0, acceptedTokens: 0 });
     expect(session.liveText).toBe('answer 1');
     expect(session.busy).toBe(false);
   });

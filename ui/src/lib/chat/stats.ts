@@ -1,6 +1,7 @@
 // The numbers under an answer come from the engine's own record of that request
 // (`/metrics/cache` `recent`, matched by completion id), never from client-side timing.
 
+import { formatPercent } from '../format';
 import type { MetricsSnapshot } from '../transport/types';
 import type { RequestStats } from './model';
 
@@ -12,7 +13,28 @@ export function findRequestStats(snapshot: MetricsSnapshot, completionId: string
     tokensIn: entry.tokens_in,
     tokensOut: entry.tokens_out,
     itlMs: Array.isArray(entry.itl_ms) ? entry.itl_ms : [],
+    draftTokens: entry.draft_tokens ?? 0,
+    acceptedTokens: entry.accepted_tokens ?? 0,
   };
+}
+
+export interface DraftAcceptance {
+  drafted: number;
+  kept: number;
+  /** kept / drafted. */
+  rate: number;
+}
+
+/** What speculative decoding drafted and the model kept; null when it drafted nothing. */
+export function draftAcceptance(drafted: number | null | undefined, kept: number | null | undefined): DraftAcceptance | null {
+  if (!drafted || drafted <= 0 || !Number.isFinite(drafted)) return null;
+  const accepted = Math.min(drafted, Math.max(0, kept ?? 0));
+  return { drafted, kept: accepted, rate: accepted / drafted };
+}
+
+/** "drafted 8 · kept 6 (75%)". */
+export function formatDrafts(drafts: DraftAcceptance): string {
+  return `drafted ${drafts.drafted} · kept ${drafts.kept} (${formatPercent(drafts.rate)})`;
 }
 
 /** Decode speed: tokens out over the summed inter-token gaps; null without latencies. */

@@ -65,8 +65,40 @@ describe('DashboardSeries', () => {
     expect(series.samples[0]).toEqual({
       t: 0.5, activeBytes: 1000, peakBytes: 2000, kvBytes: 300, inFlight: 1, queueDepth: 2, prefixHits: 4, diskHits: 2, prefixMisses: 5, snapshots: null, snapshotBytes: null,
       diskBytes: 4000, diskBudget: 9000, diskRead: 100, diskWritten: 5000, diskEvicted: 0,
+      draftTokens: 0, acceptedTokens: 0, drafted: null, kept: null,
     });
     expect(series.samples[1]).toMatchObject({ activeBytes: 7, peakBytes: 9, kvBytes: null, prefixHits: 0, diskHits: 0, diskBytes: null });
+  });
+
+  it('turns the per-model draft counters into tokens drafted and kept per sample interval', () => {
+    const series = new DashboardSeries();
+    const models = (...counters: [string, number, number][]) => ({
+      models: counters.map(([model_id, draft_tokens, accepted_tokens]) => ({ model_id, draft_tokens, accepted_tokens })),
+    });
+    // Counted before the dashboard opened: the totals, but no interval yet.
+    series.ingest(snapshot([], models(['a', 40, 30])), 1000);
+    series.ingest(snapshot([], models(['a', 40, 30])), 1500);
+    series.ingest(snapshot([], models(['a', 64, 48], ['b', 10, 2])), 2000);
+    // Counters lower than before: a restarted server, all of it new ('b' not listed: nothing).
+    series.ingest(snapshot([], models(['a', 5, 4])), 2500);
+    series.ingest(snapshot([], models(['a', 8, 8], ['b', 12, 3])), 3000);
+    expect(series.samples.map((x) => [x.drafted, x.kept])).toEqual([[null, null], [0, 0], [34, 20], [5, 4], [5, 5]]);
+    expect(series.samples.map((x) => [x.draftTokens, x.acceptedTokens])).toEqual([[40, 30], [40, 30], [74, 50], [5, 4], [20, 11]]);
+    const [xs, drafted, kept] = series.sampleColumns((x) => x.drafted, (x) => x.kept);
+    expect(xs).toEqual([1, 1.5, 2, 2.5, 3]);
+    expect(drafted).toEqual([null, 0, 34, 5, 5]);
+    expect(kept).toEqual([null, 0, 20, 4, 5]);
+    // The window's totals: what the intervals in it add up to.
+    expect(series.draftsSince(0)).toEqual({ drafted: 44, kept: 29 });
+    expect(series.draftsSince(2.5)).toEqual({ drafted: 10, kept: 9 });
+    series.clear();
+    series.ingest(snapshot([], models(['a', 8, 8])), 4000);
+    expect(series.lastSample).toMatchObject({ drafted: null, kept: null, draftTokens: 8 });
+    // An older server without the fields: nothing drafted.
+    const older = new DashboardSeries();
+    older.ingest(snapshot([], { models: [{ model_id: 'a', prefix_cache_hits: 1 }] }), 1000);
+    older.ingest(snapshot([], { models: [{ model_id: 'a', prefix_cache_hits: 2 }] }), 1500);
+    expect(older.lastSample).toMatchObject({ draftTokens: 0, acceptedTokens: 0, drafted: 0, kept: 0 });
   });
 
   it('reports the share of prompt tokens the prefix cache served in the window, and the snapshots', () => {

@@ -1,5 +1,6 @@
 // The dashboard's data: each metrics snapshot adds one time sample (memory, queue, in flight,
-// prefix cache counters), and each request in `recent` adds one point, once (deduplicated by
+// prefix cache counters, and the tokens speculative decoding drafted and kept since the previous
+// snapshot), and each request in `recent` adds one point, once (deduplicated by
 // id), at the time it ended: TTFT, median ITL, tokens in/out, tok/s; its inter-token gaps add
 // one point per token. Every history is bounded. Times are seconds (uPlot's unit).
 
@@ -40,6 +41,13 @@ export interface Sample {
   diskRead: number | null;
   diskWritten: number | null;
   diskEvicted: number | null;
+  /** Tokens speculative decoding drafted and the models kept since the server started (summed
+   * over models). */
+  draftTokens: number;
+  acceptedTokens: number;
+  /** Of those, the ones since the previous sample; null on the first (no interval yet). */
+  drafted: number | null;
+  kept: number | null;
 }
 
 export interface TokenPoint {
@@ -112,6 +120,8 @@ export class DashboardSeries {
   samples: Sample[] = [];
   tokens: TokenPoint[] = [];
   private seen = new Set<string>();
+  /** Each model's drafted and kept counters at the previous sample. */
+  private draftCounters = new Map<string, { drafted: number; kept: number }>();
 
   constructor(readonly limits: SeriesLimits = DEFAULT_LIMITS) {}
 
@@ -129,6 +139,7 @@ export class DashboardSeries {
     }
     const models = Array.isArray(snapshot.models) ? snapshot.models : [];
     const disk = snapshot.disk_cache && typeof snapshot.disk_cache === 'object' ? snapshot.disk_cache : null;
+    const drafts = this.draftInterval(models);
     this.samples.push({
       t: nowMs / 1000,
       activeBytes: num(snapshot.active_memory_bytes) ?? num(snapshot.mlx_active_bytes),
@@ -146,9 +157,44 @@ export class DashboardSeries {
       diskRead: num(disk?.read_bytes),
       diskWritten: num(disk?.written_bytes),
       diskEvicted: num(disk?.evicted_files),
+      ...drafts,
     });
     this.trim(recent.map(requestKey));
     return added;
+  }
+
+  /** The summed draft counters and what they grew by since the previous sample, model by model: a
+   * model seen for the first time after the first sample, or whose counters went down (a
+   * restarted server), counts whole. */
+  private draftInterval(models: NonNullable<MetricsSnapshot['models']>): Pick<Sample, 'draftTokens' | 'acceptedTokens' | 'drafted' | 'kept'> {
+    const first = this.samples.length === 0;
+    let draftTokens = 0;
+    let acceptedTokens = 0;
+    let drafted = 0;
+    let kept = 0;
+    for (const model of models) {
+      const now = { drafted: num(model.draft_tokens) ?? 0, kept: num(model.accepted_tokens) ?? 0 };
+      const before = this.draftCounters.get(model.model_id);
+      const restarted = !before || now.drafted < before.drafted || now.kept < before.kept;
+      drafted += restarted ? now.drafted : now.drafted - before.drafted;
+      kept += restarted ? now.kept : now.kept - before.kept;
+      draftTokens += now.drafted;
+      acceptedTokens += now.kept;
+      this.draftCounters.set(model.model_id, now);
+    }
+    return { draftTokens, acceptedTokens, drafted: first ? null : drafted, kept: first ? null : kept };
+  }
+
+  /** Tokens drafted and kept over the samples taken since `since` (seconds). */
+  draftsSince(since: number): { drafted: number; kept: number } {
+    let drafted = 0;
+    let kept = 0;
+    for (const sample of this.samples) {
+      if (sample.t < since) continue;
+      drafted += sample.drafted ?? 0;
+      kept += sample.kept ?? 0;
+    }
+    return { drafted, kept };
   }
 
   private trim(current: string[]): void {
@@ -199,5 +245,6 @@ export class DashboardSeries {
     this.samples = [];
     this.tokens = [];
     this.seen.clear();
+    this.draftCounters.clear();
   }
 }

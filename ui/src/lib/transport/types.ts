@@ -126,6 +126,9 @@ export interface RecentRequest {
   /** Prompt tokens served from the prefix cache (KV entries or recurrent snapshots). */
   cached_tokens?: number;
   tokens_out: number;
+  /** Tokens speculative decoding drafted for it (`rmlx serve --speculative`), and how many the model kept. */
+  draft_tokens?: number;
+  accepted_tokens?: number;
   ended: number;
 }
 
@@ -136,6 +139,9 @@ export interface ModelMetrics {
   /** Requests whose prefix was read back from the disk cache. */
   disk_cache_hits?: number;
   prefix_cache_misses?: number;
+  /** Tokens speculative decoding drafted for this model's finished requests, and how many were kept (cumulative). */
+  draft_tokens?: number;
+  accepted_tokens?: number;
   [key: string]: unknown;
 }
 
@@ -195,6 +201,8 @@ export interface AppConfig {
   prefix_disk_gb?: number | null;
   /** Its folder; null: ~/.rmlx/cache. */
   prefix_disk_dir?: string | null;
+  /** Speculative decoding: 'auto', 'off' or 'lookup' (taken when the app starts); null or absent: the engine's default. */
+  speculative?: 'auto' | 'off' | 'lookup' | null;
   launch_at_login: boolean;
   update_channel: 'stable' | 'beta';
   /** Fields this UI does not know are kept and sent back. */

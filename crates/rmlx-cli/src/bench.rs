@@ -14,7 +14,7 @@ use rmlx_engine::{
 #[derive(clap::Args)]
 pub struct BenchArgs {
     #[arg(long, required_unless_present = "kv_table")]
-    model: Option<PathBuf>,
+    pub model: Option<PathBuf>,
     /// Store the full-attention layers' KV cache at 8 or 4 bits (as `rmlx serve --kv-bits`).
     #[arg(long, value_name = "8|4")]
     kv_bits: Option<i32>,
@@ -24,30 +24,42 @@ pub struct BenchArgs {
     #[arg(long, num_args = 1.., value_name = "DIR")]
     kv_table: Vec<PathBuf>,
     #[arg(long, default_value_t = 512)]
-    prompt_tokens: usize,
+    pub prompt_tokens: usize,
     #[arg(long, default_value_t = 64)]
-    gen_tokens: usize,
+    pub gen_tokens: usize,
     #[arg(long)]
-    prefill_chunk: Option<usize>,
+    pub prefill_chunk: Option<usize>,
     /// Timed runs after the warm-up; medians and min-max are reported.
     #[arg(long, default_value_t = 3)]
-    runs: usize,
+    pub runs: usize,
     /// Requests sent at once in each run (each with its own prompt).
     #[arg(long, default_value_t = 1)]
-    concurrency: usize,
+    pub concurrency: usize,
     /// Requests decoding together (the engine's batch cap, as `rmlx serve --max-batch`).
     #[arg(long, default_value_t = DEFAULT_MAX_BATCH)]
     max_batch: usize,
     /// Seed of the first timed run's prompt ids (run r, stream s: seed + r * concurrency + s;
     /// the warm-up uses seed - 1 and below). scripts/bench/bench.py draws the same ids.
     #[arg(long, default_value_t = 1000)]
-    seed: u64,
+    pub seed: u64,
     /// Also print where the timed runs' decode steps spent their time, by batch width
     /// (building the graph, handing it to MLX, waiting for tokens, the loop between steps).
     #[arg(long)]
     step_profile: bool,
     #[arg(long)]
-    json: bool,
+    pub json: bool,
+    /// Instead of the plain bench: speculative decoding against plain decode, with a proposer
+    /// whose every drafted token is right with probability p (comma-separated values; see
+    /// `bench_spec.rs`). The output must equal plain decode's, token for token.
+    #[arg(long, value_delimiter = ',', value_name = "P")]
+    pub draft_accuracy: Vec<f64>,
+    /// With --draft-accuracy: the most tokens `auto` drafts per step.
+    #[arg(long, default_value_t = rmlx_engine::speculative::DEFAULT_MAX_DRAFT)]
+    pub draft_tokens: usize,
+    /// With --draft-accuracy: draft exactly this many per step (no depth control; comma-
+    /// separated depths are measured one after another).
+    #[arg(long, value_delimiter = ',', value_name = "K")]
+    pub draft_depth: Vec<usize>,
 }
 
 /// The LCG of scripts/bench/bench.py's `prompt_ids`, from state `seed`.
@@ -101,6 +113,9 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         ..EngineOptions::default()
     })?;
     let vocab = engine.model_info(&model)?.vocab_size;
+    if !args.draft_accuracy.is_empty() {
+        return crate::bench_spec::bench_speculative(&args, &engine, vocab);
+    }
     let run = |seeds: Vec<u64>| -> anyhow::Result<Run> {
         let started = Instant::now();
         let waiters = seeds
@@ -234,7 +249,7 @@ fn step_rows(profile: &StepProfile) -> Vec<serde_json::Value> {
         .collect()
 }
 
-fn median_and_spread(mut values: Vec<f64>) -> (f64, f64, f64) {
+pub fn median_and_spread(mut values: Vec<f64>) -> (f64, f64, f64) {
     values.sort_by(f64::total_cmp);
     (
         values[values.len() / 2],

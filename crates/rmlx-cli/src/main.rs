@@ -7,6 +7,7 @@ use std::{
 };
 
 mod bench;
+mod bench_spec;
 mod launch;
 mod pull;
 mod serve;

@@ -18,8 +18,13 @@ applies it to qwen3_5_moe: affine 4-bit g64 everywhere, 8-bit g64 `mlp.gate` and
 `mlp.shared_expert_gate` (the model's quant_predicate), A_log fp32 (cast_predicate), vision
 unquantized. mlx layout (language_model.model.*), as mlx-community ships.
 
+`--release Qwen__Qwen3.6-27B --bits 16`: the dense 27B's layer shapes instead (hidden 5120, MLP
+17408, GDN 16 key / 48 value heads of 128, attention 24 / 4 heads of 256), bf16 as released, its
+release fixture's tokenizer (tests/fixtures/releases/qwen3.6-27b).
+
 Usage: python3 scripts/bench/h200/make_qwen3_5_bench_model.py --out DIR [--device gpu]
        [--layers 8] [--experts 256] [--vocab 248320]   (smaller values: a quick local check)
+       [--release Qwen__Qwen3.6-27B] [--bits 4|16]
 """
 
 import argparse
@@ -34,6 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 REAL = ROOT / "tests" / "fixtures" / "real-configs" / "Qwen__Qwen3.6-35B-A3B"
 FIXTURE = ROOT / "tests" / "fixtures" / "releases" / "qwen3.6-35b-a3b-4bit"
+# Other releases this script builds, and the release fixture whose tokenizer each takes.
+FIXTURES = {"Qwen__Qwen3.6-35B-A3B": "qwen3.6-35b-a3b-4bit", "Qwen__Qwen3.6-27B": "qwen3.6-27b"}
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "preprocessor_config.json", "video_preprocessor_config.json"]
 TOP_IDS = ["image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"]
@@ -50,7 +57,8 @@ def config(layers, experts, vocab):
     assert layers % text["full_attention_interval"] == 0
     text["num_hidden_layers"] = layers
     text["layer_types"] = text["layer_types"][:layers]
-    text["num_experts"] = experts
+    if "num_experts" in text:
+        text["num_experts"] = experts
     text["vocab_size"] = vocab
     for key in TOP_IDS:
         cfg[key] = fixture[key]
@@ -111,8 +119,17 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=248320)
-    ap.add_argument("--name", default=NAME)
+    ap.add_argument("--name", default=None, help=f"default {NAME}, or the release's shape and bits")
+    ap.add_argument("--release", default="Qwen__Qwen3.6-35B-A3B", choices=sorted(FIXTURES))
+    ap.add_argument("--bits", type=int, choices=[4, 16], default=4)
     args = ap.parse_args()
+    global REAL, FIXTURE
+    REAL = REAL.parent / args.release
+    FIXTURE = FIXTURE.parent / FIXTURES[args.release]
+    if args.name is None:
+        short = args.release.split("__")[1].lower()
+        args.name = NAME if args.release == "Qwen__Qwen3.6-35B-A3B" and args.bits == 4 else \
+            f"{short}-shape-{args.layers}l-{'bf16' if args.bits == 16 else '4bit'}"
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -138,10 +155,12 @@ def main():
             return False
         return own(p, m) if own is not None else True
 
-    model, quantized = quantize_model(model, copy.deepcopy(cfg), 64, 4, mode="affine", quant_predicate=predicate)
-    mx.eval(model.parameters())
-    cfg["quantization"] = quantized["quantization"]
-    cfg["quantization_config"] = quantized["quantization"]
+    if args.bits == 4:
+        model, quantized = quantize_model(model, copy.deepcopy(cfg), 64, 4, mode="affine",
+                                          quant_predicate=predicate)
+        mx.eval(model.parameters())
+        cfg["quantization"] = quantized["quantization"]
+        cfg["quantization_config"] = quantized["quantization"]
     cfg = dict(sorted(cfg.items()))
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():

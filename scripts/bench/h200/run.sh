@@ -25,6 +25,9 @@
 #   prefix cache vs prefilled cold, D_RUNS (3) runs, the page cache dropped before each server
 #   where allowed. A kernel warm-up (`rmlx bench` at D_WARM_TOKENS, 30000) runs first, once per
 #   machine. The servers' logs land in $OUT/disk-logs.
+# MODE=spec (step 2 instead; issue 30): Qwen3.6-27B-shaped bf16 (S_LAYERS, 8) and 35B-A3B-shaped
+#   4-bit checkpoints; `rmlx bench --draft-accuracy`: verify cost at depth 1..4, then p = 1, 0.8,
+#   0.5, 0 under `auto` at 1 and S_STREAMS (8) streams. Env: S_PROMPT (512), S_GEN (128), S_RUNS (3).
 # MODE=concurrency (step 2 instead): random Qwen3-4B-shaped bf16 and 4-bit checkpoints with the
 #   real vocabulary (make_qwen3_bench_model.py, on the GPU); on each, single-stream decode and
 #   warm TTFT through `rmlx serve` interleaved with mlx-lm's generate_step (bench.py), then
@@ -142,6 +145,37 @@ if [[ $MODE == disk_restart ]]; then
     --rmlx /tmp/rmlx/rmlx --words "${D_WORDS:-11500}" --runs "${D_RUNS:-3}" --drop-caches \
     --log-dir "$OUT/disk-logs" --json-out "$OUT/h200-disk-restart.json"
   rc=$?
+  step "done ($rc)"
+  exit $rc
+fi
+
+if [[ $MODE == spec ]]; then
+  # Issue 30: speculative decoding's mechanism (random weights: a proposer right with
+  # probability p, see crates/rmlx-cli/src/bench_spec.rs). Per model: the verify cost of a step
+  # of k + 1 tokens (p = 0 at fixed depth k: plain / speculative is its cost in plain steps),
+  # then p = 1, 0.8, 0.5, 0 under `auto` at 1 and S_STREAMS (8) streams.
+  step "models"
+  python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" \
+    --release Qwen__Qwen3.6-27B --bits 16 --layers "${S_LAYERS:-8}" > /tmp/q27-path || exit 1
+  python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" > /tmp/q35-path || exit 1
+  rc=0
+  for model in $(tail -1 /tmp/q27-path) $(tail -1 /tmp/q35-path); do
+    name=$(basename "$model")
+    for cell in verify c1 c8; do
+      left=$(( LIMIT - SECONDS ))
+      (( left > 30 )) || { echo "no time left for $name $cell"; rc=1; break 2; }
+      case $cell in
+        verify) flags=(--draft-accuracy 0 --draft-depth 1,2,3,4) ;;
+        c1) flags=(--draft-accuracy 1,0.8,0.5,0) ;;
+        c8) flags=(--draft-accuracy 1,0.8,0.5,0 --concurrency "${S_STREAMS:-8}") ;;
+      esac
+      step "rmlx bench $name $cell"
+      RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench --model "$model" \
+        --prompt-tokens "${S_PROMPT:-512}" --gen-tokens "${S_GEN:-128}" --runs "${S_RUNS:-3}" \
+        "${flags[@]}" --json > "$OUT/spec-$name-$cell.json" || rc=1
+      cat "$OUT/spec-$name-$cell.json"
+    done
+  done
   step "done ($rc)"
   exit $rc
 fi

@@ -1,0 +1,187 @@
+//! `rmlx bench --draft-accuracy`: the mechanism of speculative decoding, measured. Random
+//! weights give no real acceptance, so each stream's proposer knows the stream's plain greedy
+//! continuation (from the plain run just before, same prompt) and drafts each token right with
+//! probability p, independently. Per run and stream: a plain run (timed, it also gives the
+//! continuation), then the speculative one on the same prompt (the prefix cache is off, so it
+//! recomputes everything). Decode tok/s is the engine's (tokens after the first over the time
+//! since the first). `--draft-depth k` fixes the depth (no control: the verify cost of a step
+//! of k + 1 tokens shows at p = 0 as plain / speculative); without it `auto` chooses.
+
+use std::sync::Arc;
+
+use rmlx_engine::{
+    engine::{Engine, Prompt, Request},
+    generate::{Completion, GenerateParams},
+    speculative::{Drafter, SpeculativeMode, SpeculativeParams},
+};
+
+use crate::bench::{median_and_spread, prompt_ids, BenchArgs};
+
+/// splitmix64: a uniform draw in [0, 1) for (seed, position, draft index).
+fn uniform(seed: u64, generated: usize, index: usize) -> f64 {
+    let mut z = seed ^ ((generated as u64) << 20) ^ (index as u64);
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)) as f64 / u64::MAX as f64
+}
+
+/// Drafts `plain`'s continuation, each token right with probability `p` (else the next id).
+fn drafter(plain: Vec<u32>, prompt_len: usize, p: f64, vocab: u32, seed: u64) -> Drafter {
+    Drafter(Arc::new(move |history: &[u32], max: usize| {
+        let generated = history.len().saturating_sub(prompt_len);
+        plain
+            .iter()
+            .skip(generated)
+            .take(max)
+            .enumerate()
+            .map(
+                |(index, &token)| match uniform(seed, generated, index) < p {
+                    true => token,
+                    false => (token + 1) % vocab,
+                },
+            )
+            .collect()
+    }))
+}
+
+pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> anyhow::Result<()> {
+    let model = args.model.clone().expect("checked by the caller");
+    let concurrency = args.concurrency.max(1);
+    let run_all =
+        |prompts: &[Vec<u32>], params: Vec<GenerateParams>| -> anyhow::Result<Vec<Completion>> {
+            let handles = prompts
+                .iter()
+                .zip(params)
+                .map(|(prompt, params)| {
+                    engine.submit(Request {
+                        model: model.clone(),
+                        prompt: Prompt::Ids(prompt.clone()),
+                        params,
+                        ..Request::default()
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(handles
+                .into_iter()
+                .map(|handle| handle.wait())
+                .collect::<Result<Vec<_>, _>>()?)
+        };
+    let plain_params = || GenerateParams {
+        max_tokens: args.gen_tokens,
+        ignore_eos: true,
+        prefill_chunk: args.prefill_chunk,
+        speculative: SpeculativeParams {
+            mode: Some(SpeculativeMode::Off),
+            ..SpeculativeParams::default()
+        },
+        ..GenerateParams::default()
+    };
+    let depths: Vec<Option<usize>> = match args.draft_depth.is_empty() {
+        true => vec![None],
+        false => args.draft_depth.iter().copied().map(Some).collect(),
+    };
+    let spec_params =
+        |depth: Option<usize>, plain: &Completion, prompt_len: usize, p: f64, seed: u64| {
+            GenerateParams {
+                speculative: SpeculativeParams {
+                    mode: Some(match depth {
+                        Some(_) => SpeculativeMode::Lookup,
+                        None => SpeculativeMode::Auto,
+                    }),
+                    max_draft: depth.unwrap_or(args.draft_tokens),
+                    drafter: Some(drafter(
+                        plain.token_ids.clone(),
+                        prompt_len,
+                        p,
+                        vocab as u32,
+                        seed,
+                    )),
+                },
+                ..plain_params()
+            }
+        };
+    let cells = depths
+        .iter()
+        .flat_map(|&depth| args.draft_accuracy.iter().map(move |&p| (depth, p)));
+    for (depth, p) in cells {
+        let mut pairs = Vec::new();
+        // Run 0 is the warm-up at the measured shape (both engines' kernels compiled).
+        for run in 0..=args.runs.max(1) as u64 {
+            let seeds: Vec<u64> = (0..concurrency as u64)
+                .map(|s| args.seed + (run * concurrency as u64 + s) * 7919 + (p * 1000.0) as u64)
+                .collect();
+            let prompts: Vec<Vec<u32>> = seeds
+                .iter()
+                .map(|&seed| prompt_ids(args.prompt_tokens, vocab, seed))
+                .collect();
+            let plain = run_all(&prompts, vec![plain_params(); concurrency])?;
+            let params = plain
+                .iter()
+                .zip(&seeds)
+                .map(|(completion, &seed)| {
+                    spec_params(depth, completion, args.prompt_tokens, p, seed)
+                })
+                .collect();
+            let speculative = run_all(&prompts, params)?;
+            for (a, b) in plain.iter().zip(&speculative) {
+                anyhow::ensure!(
+                    a.token_ids == b.token_ids,
+                    "speculative output differs from plain (p {p}, run {run})"
+                );
+            }
+            if run > 0 {
+                pairs.push((plain, speculative));
+            }
+        }
+        let tps = |completions: &Vec<Completion>| {
+            completions
+                .iter()
+                .map(|c| c.timings.decode_tps)
+                .sum::<f64>()
+                / completions.len() as f64
+        };
+        let plain_tps = median_and_spread(pairs.iter().map(|(a, _)| tps(a)).collect());
+        let spec_tps = median_and_spread(pairs.iter().map(|(_, b)| tps(b)).collect());
+        let ratio = median_and_spread(pairs.iter().map(|(a, b)| tps(b) / tps(a)).collect());
+        let (drafted, kept): (usize, usize) = pairs
+            .iter()
+            .flat_map(|(_, b)| b.iter())
+            .map(|c| (c.timings.draft_tokens, c.timings.accepted_tokens))
+            .fold((0, 0), |(d, k), (a, b)| (d + a, k + b));
+        let generated: usize = pairs
+            .iter()
+            .flat_map(|(_, b)| b.iter())
+            .map(|c| c.completion_tokens)
+            .sum();
+        let triple = |(median, min, max): (f64, f64, f64)| serde_json::json!([median, min, max]);
+        let row = serde_json::json!({
+            "p": p,
+            "depth": depth.map_or("auto".to_string(), |k| k.to_string()),
+            "max_draft": depth.unwrap_or(args.draft_tokens),
+            "concurrency": concurrency,
+            "runs": pairs.len(),
+            "plain_decode_tps": triple(plain_tps),
+            "speculative_decode_tps": triple(spec_tps),
+            "ratio": triple(ratio),
+            "drafted_per_token": drafted as f64 / generated.max(1) as f64,
+            "acceptance": kept as f64 / drafted.max(1) as f64,
+        });
+        if args.json {
+            println!("{row}");
+        } else {
+            println!(
+                "p {p:.2}, depth {}: plain {:.1} tok/s, speculative {:.1} tok/s, ratio {:.3} ({:.3}-{:.3}); {:.2} drafted per token, {:.0} % kept",
+                depth.map_or("auto".to_string(), |k| k.to_string()),
+                plain_tps.0,
+                spec_tps.0,
+                ratio.0,
+                ratio.1,
+                ratio.2,
+                drafted as f64 / generated.max(1) as f64,
+                100.0 * kept as f64 / drafted.max(1) as f64
+            );
+        }
+    }
+    Ok(())
+}

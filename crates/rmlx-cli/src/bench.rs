@@ -56,6 +56,12 @@ pub struct BenchArgs {
     /// With --draft-accuracy: the most tokens `auto` drafts per step.
     #[arg(long, default_value_t = rmlx_engine::speculative::DEFAULT_MAX_DRAFT)]
     pub draft_tokens: usize,
+    /// Instead of the plain bench: what a ragged batch costs. `--concurrency` streams decode
+    /// plainly after one speculative first step in which every row (aligned) or every other
+    /// row (ragged) keeps one right draft; the ragged rows then end a column apart for the
+    /// whole decode (see `bench_spec.rs`).
+    #[arg(long)]
+    pub ragged_check: bool,
     /// With --draft-accuracy: draft exactly this many per step (no depth control; comma-
     /// separated depths are measured one after another).
     #[arg(long, value_delimiter = ',', value_name = "K")]
@@ -113,6 +119,9 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         ..EngineOptions::default()
     })?;
     let vocab = engine.model_info(&model)?.vocab_size;
+    if args.ragged_check {
+        return crate::bench_spec::bench_ragged(&args, &engine, vocab);
+    }
     if !args.draft_accuracy.is_empty() {
         return crate::bench_spec::bench_speculative(&args, &engine, vocab);
     }

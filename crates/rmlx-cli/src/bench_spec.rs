@@ -185,3 +185,105 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
     }
     Ok(())
 }
+
+/// `--ragged-check` (see the flag): per run, fresh prompts through three arms in turn, plain,
+/// aligned and ragged; decode tok/s per stream (mean over streams), medians over runs.
+pub fn bench_ragged(args: &BenchArgs, engine: &Engine, vocab: usize) -> anyhow::Result<()> {
+    let model = args.model.clone().expect("checked by the caller");
+    let concurrency = args.concurrency.max(2);
+    let prompt_len = args.prompt_tokens;
+    let arm = |prompts: &[Vec<u32>], drafts: &[Option<u32>]| -> anyhow::Result<Vec<Completion>> {
+        let handles = prompts
+            .iter()
+            .zip(drafts)
+            .map(|(prompt, &first)| {
+                let drafter = first.map(|token| {
+                    Drafter(Arc::new(move |history: &[u32], _: usize| {
+                        match history.len() == prompt_len {
+                            true => vec![token],
+                            false => Vec::new(),
+                        }
+                    }))
+                });
+                engine.submit(Request {
+                    model: model.clone(),
+                    prompt: Prompt::Ids(prompt.clone()),
+                    params: GenerateParams {
+                        max_tokens: args.gen_tokens,
+                        ignore_eos: true,
+                        speculative: SpeculativeParams {
+                            mode: Some(match drafter {
+                                Some(_) => SpeculativeMode::Lookup,
+                                None => SpeculativeMode::Off,
+                            }),
+                            max_draft: 1,
+                            drafter,
+                        },
+                        ..GenerateParams::default()
+                    },
+                    ..Request::default()
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(handles
+            .into_iter()
+            .map(|handle| handle.wait())
+            .collect::<Result<Vec<_>, _>>()?)
+    };
+    let tps = |completions: &[Completion]| {
+        completions
+            .iter()
+            .map(|c| c.timings.decode_tps)
+            .sum::<f64>()
+            / completions.len() as f64
+    };
+    let mut arms: [Vec<f64>; 3] = Default::default();
+    for run in 0..=args.runs.max(1) as u64 {
+        let prompts: Vec<Vec<u32>> = (0..concurrency as u64)
+            .map(|s| prompt_ids(prompt_len, vocab, args.seed + run * 101 + s))
+            .collect();
+        let plain = arm(&prompts, &vec![None; concurrency])?;
+        let firsts: Vec<u32> = plain.iter().map(|c| c.token_ids[0]).collect();
+        let aligned: Vec<Option<u32>> = firsts.iter().map(|&t| Some(t)).collect();
+        let ragged: Vec<Option<u32>> = firsts
+            .iter()
+            .enumerate()
+            .map(|(row, &t)| (row % 2 == 0).then_some(t))
+            .collect();
+        let aligned_run = arm(&prompts, &aligned)?;
+        let ragged_run = arm(&prompts, &ragged)?;
+        for (name, other) in [("aligned", &aligned_run), ("ragged", &ragged_run)] {
+            for (row, (a, b)) in plain.iter().zip(other.iter()).enumerate() {
+                let first = a
+                    .token_ids
+                    .iter()
+                    .zip(&b.token_ids)
+                    .position(|(x, y)| x != y);
+                anyhow::ensure!(
+                    first.is_none(),
+                    "the {name} arm's row {row} differs from plain at token {first:?} (run {run})"
+                );
+            }
+        }
+        if run > 0 {
+            arms[0].push(tps(&plain));
+            arms[1].push(tps(&aligned_run));
+            arms[2].push(tps(&ragged_run));
+        }
+    }
+    let ratio = median_and_spread(arms[2].iter().zip(&arms[1]).map(|(r, a)| r / a).collect());
+    let [plain, aligned, ragged] = arms.map(median_and_spread);
+    let triple = |(median, min, max): (f64, f64, f64)| serde_json::json!([median, min, max]);
+    println!(
+        "{}",
+        serde_json::json!({
+            "concurrency": concurrency,
+            "gen_tokens": args.gen_tokens,
+            "plain_decode_tps": triple(plain),
+            "aligned_decode_tps": triple(aligned),
+            "ragged_decode_tps": triple(ragged),
+            "ragged_over_aligned": triple(ratio),
+        })
+    );
+    Ok(())
+}

@@ -442,6 +442,16 @@ impl KvCache {
             Some(rows) => (rows.left_padding.clone(), rows.lags.clone()),
             None => (vec![0], vec![0]),
         };
+        let key: RowsMaskKey = (pads.clone(), lags.clone(), start, end, len, window);
+        if let Some(mask) = STEP_ARRAYS.with(|memo| {
+            memo.borrow()
+                .rows_masks
+                .iter()
+                .find(|(held, _)| *held == key)
+                .map(|(_, mask)| mask.clone())
+        }) {
+            return Ok(mask);
+        }
         let batch = pads.len() as i32;
         let keys = end - start;
         // Row b's query t sits at column end - lag_b - len + t.
@@ -457,6 +467,13 @@ impl KvCache {
             let near = ops::lt(&ops::subtract(&queries, &columns)?, Array::from_int(window))?;
             visible = ops::logical_and(&visible, &near)?;
         }
+        STEP_ARRAYS.with(|memo| {
+            let masks = &mut memo.borrow_mut().rows_masks;
+            if masks.len() == 4 {
+                masks.remove(0);
+            }
+            masks.push((key, visible.clone()));
+        });
         Ok(visible)
     }
 
@@ -994,9 +1011,13 @@ struct StepArrays {
     /// Keyed by (left paddings, first column, end column).
     mask: Option<(MaskKey, Array)>,
     offsets: Option<(Vec<i32>, Array)>,
+    /// The last few [`KvCache::rows_mask`]s (a Gemma step asks for two: full and sliding).
+    rows_masks: Vec<(RowsMaskKey, Array)>,
 }
 
 type MaskKey = (Vec<i32>, i32, i32);
+/// (left paddings, lags, first column, end column, queries, window).
+type RowsMaskKey = (Vec<i32>, Vec<i32>, i32, i32, i32, Option<i32>);
 
 thread_local! {
     static STEP_ARRAYS: std::cell::RefCell<StepArrays> = std::cell::RefCell::default();

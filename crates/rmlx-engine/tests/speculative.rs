@@ -449,3 +449,115 @@ fn the_next_turn_reuses_a_speculative_answer_exactly() {
         assert_same(&plain_second, &next, &format!("{dir} turn 2"));
     }
 }
+
+/// One right draft at the first step, then plain steps to the end (the ragged bench's rows).
+#[test]
+fn one_draft_then_plain_steps_to_the_end() {
+    let dir = "head-sizes/qwen3-hd128";
+    let loaded = load_model(&fixture(dir)).unwrap();
+    let model = loaded.model.as_ref();
+    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+    let cancel = AtomicBool::new(false);
+    for (prompt_len, max_tokens) in [(128, 128), (128, 100), (100, 156)] {
+        let prompt = text_ids(prompt_len, 17, 10, 400);
+        let mut plain_params = params(max_tokens, None);
+        plain_params.logprobs = None;
+        let plain = generate(model, &tokenizer, &prompt, &plain_params, &cancel, |_| {}).unwrap();
+        let first = plain.token_ids[0];
+        let once = Drafter(Arc::new(move |history: &[u32], _| {
+            match history.len() == prompt_len {
+                true => vec![first],
+                false => Vec::new(),
+            }
+        }));
+        let mut spec_params = params(max_tokens, Some(once));
+        spec_params.logprobs = None;
+        spec_params.speculative.max_draft = 1;
+        let speculative =
+            generate(model, &tokenizer, &prompt, &spec_params, &cancel, |_| {}).unwrap();
+        let differs = plain
+            .token_ids
+            .iter()
+            .zip(&speculative.token_ids)
+            .position(|(a, b)| a != b);
+        assert_eq!(differs, None, "prompt {prompt_len}, {max_tokens} tokens");
+    }
+}
+
+/// The same in a batch of eight through the engine (rows join one by one, so the batch is
+/// padded): every row, or every other row, keeps one draft at its first step.
+#[test]
+fn one_draft_then_plain_steps_in_a_batch() {
+    let dir = "head-sizes/qwen3-hd128";
+    let engine = Engine::start_with(EngineOptions {
+        max_queue: 8,
+        prefix_cache_bytes: Some(0),
+        prefix_snapshot_bytes: Some(0),
+        ..EngineOptions::default()
+    })
+    .unwrap();
+    // rmlx bench's prompt ids: the whole vocabulary.
+    let bench_ids = |count: usize, seed: u64| -> Vec<u32> {
+        let mut state = seed;
+        (0..count)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 33) % 1024) as u32
+            })
+            .collect()
+    };
+    for (prompt_len, max_tokens) in [(128usize, 128usize), (100, 156)] {
+        let prompts: Vec<Vec<u32>> = (0..8).map(|s| bench_ids(prompt_len, 1000 + s)).collect();
+        let run = |drafts: Vec<Option<u32>>| -> Vec<Completion> {
+            let handles: Vec<_> = prompts
+                .iter()
+                .zip(drafts)
+                .map(|(prompt, first)| {
+                    let drafter = first.map(|token| {
+                        Drafter(Arc::new(move |history: &[u32], _: usize| {
+                            match history.len() == prompt_len {
+                                true => vec![token],
+                                false => Vec::new(),
+                            }
+                        }))
+                    });
+                    let mut params = params(max_tokens, drafter);
+                    params.logprobs = None;
+                    params.speculative.max_draft = 1;
+                    engine
+                        .submit(Request {
+                            model: fixture(dir),
+                            prompt: Prompt::Ids(prompt.clone()),
+                            params,
+                            ..Request::default()
+                        })
+                        .unwrap()
+                })
+                .collect();
+            handles.into_iter().map(|h| h.wait().unwrap()).collect()
+        };
+        let plain = run(vec![None; 8]);
+        let firsts: Vec<Option<u32>> = plain.iter().map(|c| Some(c.token_ids[0])).collect();
+        let every_other: Vec<Option<u32>> = firsts
+            .iter()
+            .enumerate()
+            .map(|(row, first)| first.filter(|_| row % 2 == 0))
+            .collect();
+        for (name, drafts) in [("all", firsts.clone()), ("every other", every_other)] {
+            let speculative = run(drafts);
+            for (row, (a, b)) in plain.iter().zip(&speculative).enumerate() {
+                let differs = a
+                    .token_ids
+                    .iter()
+                    .zip(&b.token_ids)
+                    .position(|(x, y)| x != y);
+                assert_eq!(
+                    differs, None,
+                    "{name}: row {row}, prompt {prompt_len}, {max_tokens} tokens"
+                );
+            }
+        }
+    }
+}

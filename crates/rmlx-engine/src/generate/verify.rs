@@ -58,6 +58,11 @@ pub(super) fn verify_iteration<R: DecodeRow>(
 ) -> Result<()> {
     let count = rows.len();
     let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
+    // Rows that did not draft may still hold a pipelined step's token unread: it comes before
+    // anything this step gives them (the step waits on the device anyway).
+    for row in rows.iter_mut() {
+        read_all(row, tokenizer, kv_bytes, 0)?;
+    }
     let mut inputs = Vec::with_capacity(count);
     for (row, draft) in rows.iter_mut().zip(drafts) {
         let sequence = row.sequence();

@@ -161,13 +161,14 @@ if [[ $MODE == spec ]]; then
   rc=0
   for model in $(tail -1 /tmp/q27-path) $(tail -1 /tmp/q35-path); do
     name=$(basename "$model")
-    for cell in verify c1 c8; do
+    for cell in ${S_CELLS:-verify c1 c8 ragged}; do
       left=$(( LIMIT - SECONDS ))
       (( left > 30 )) || { echo "no time left for $name $cell"; rc=1; break 2; }
       case $cell in
         verify) flags=(--draft-accuracy 0 --draft-depth 1,2,3,4) ;;
         c1) flags=(--draft-accuracy 1,0.8,0.5,0) ;;
         c8) flags=(--draft-accuracy 1,0.8,0.5,0 --concurrency "${S_STREAMS:-8}") ;;
+        ragged) flags=(--ragged-check --concurrency "${S_STREAMS:-8}") ;;
       esac
       step "rmlx bench $name $cell"
       RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench --model "$model" \

@@ -6,14 +6,29 @@
 //! recomputes everything). Decode tok/s is the engine's (tokens after the first over the time
 //! since the first). `--draft-depth k` fixes the depth (no control: the verify cost of a step
 //! of k + 1 tokens shows at p = 0 as plain / speculative); without it `auto` chooses.
+//! Every run's answer is one token repeated, forced by a logit bias of +10^4 (the forward is
+//! whole; only the argmax is decided): a random bf16 model's top two logits are often within
+//! one bf16 step of each other, so a step of k + 1 tokens (which reduces in another order than
+//! a step of one) flips near-ties and the plain continuation would stop being the one to draft
+//! after a few tokens. The fp32 exactness tests (crates/rmlx-engine/tests/speculative.rs) check
+//! real answers token for token.
 
 use std::sync::Arc;
 
 use rmlx_engine::{
     engine::{Engine, Prompt, Request},
     generate::{Completion, GenerateParams},
+    sample::SamplingParams,
     speculative::{Drafter, SpeculativeMode, SpeculativeParams},
 };
+
+/// The one token every bench answer repeats (see the module doc), and its logit bias.
+fn forced_sampling(vocab: usize) -> SamplingParams {
+    SamplingParams {
+        logit_bias: [((vocab / 3) as u32, 1e4)].into_iter().collect(),
+        ..SamplingParams::default()
+    }
+}
 
 use crate::bench::{median_and_spread, prompt_ids, BenchArgs};
 
@@ -70,6 +85,7 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
     let plain_params = || GenerateParams {
         max_tokens: args.gen_tokens,
         ignore_eos: true,
+        sampling: forced_sampling(vocab),
         prefill_chunk: args.prefill_chunk,
         speculative: SpeculativeParams {
             mode: Some(SpeculativeMode::Off),
@@ -211,6 +227,7 @@ pub fn bench_ragged(args: &BenchArgs, engine: &Engine, vocab: usize) -> anyhow::
                     params: GenerateParams {
                         max_tokens: args.gen_tokens,
                         ignore_eos: true,
+                        sampling: forced_sampling(vocab),
                         speculative: SpeculativeParams {
                             mode: Some(match drafter {
                                 Some(_) => SpeculativeMode::Lookup,

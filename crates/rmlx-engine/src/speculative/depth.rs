@@ -15,8 +15,8 @@ const KEEP: f64 = 0.9;
 const MARGIN: f64 = 0.1;
 /// Plain steps before the first probe after the controller switched drafting off; each probe
 /// that still loses doubles the wait, up to [`MAX_PROBE_EVERY`].
-const FIRST_PROBE_EVERY: usize = 8;
-pub const MAX_PROBE_EVERY: usize = 128;
+const FIRST_PROBE_EVERY: usize = 16;
+pub const MAX_PROBE_EVERY: usize = 256;
 
 #[derive(Debug, Clone)]
 pub struct DepthControl {

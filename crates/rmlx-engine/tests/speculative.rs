@@ -561,3 +561,90 @@ fn one_draft_then_plain_steps_in_a_batch() {
         }
     }
 }
+
+/// A conversation with an image (its soft tokens in the prompt, MRoPE positions after them for
+/// Qwen): drafted answers equal plain ones, alone and batched beside a text row.
+#[test]
+fn images_in_the_prompt_speculate_exactly() {
+    use rmlx_engine::chat::TemplateOptions;
+    let picture = image::open(fixture("vision-images").join("gradient_64x48.png"))
+        .unwrap()
+        .to_rgb8();
+    for dir in ["releases/qwen3-vl-2b-instruct", "releases/gemma-4-e2b-it"] {
+        let engine = Engine::start(8).unwrap();
+        let request = |image: bool, text: &str, drafter: Option<Drafter>| Request {
+            model: fixture(dir),
+            prompt: Prompt::Chat {
+                messages: vec![match image {
+                    true => serde_json::json!({"role": "user", "content": [
+                        {"type": "image"}, {"type": "text", "text": text}]}),
+                    false => serde_json::json!({"role": "user", "content": text}),
+                }],
+                options: TemplateOptions {
+                    add_generation_prompt: true,
+                    ..Default::default()
+                },
+            },
+            images: if image {
+                vec![picture.clone()]
+            } else {
+                Vec::new()
+            },
+            params: params(16, drafter),
+            ..Request::default()
+        };
+        let answer = |request: Request| engine.submit(request).unwrap().wait().unwrap();
+        let with_image = answer(request(true, "What is in the picture?", None));
+        let text_only = answer(request(false, "Name three rivers of Europe.", None));
+        let vocab = 1024;
+        let oracle = |plain: &Completion, adversary| {
+            Some(drafter(
+                plain.token_ids.clone(),
+                plain.prompt_ids.len(),
+                adversary,
+                vocab,
+            ))
+        };
+        let alone = answer(request(
+            true,
+            "What is in the picture?",
+            oracle(&with_image, Adversary::RightThenWrong),
+        ));
+        assert_same(&with_image, &alone, &format!("{dir} image alone"));
+        assert!(alone.timings.accepted_tokens > 0);
+        let handles = [
+            request(
+                true,
+                "What is in the picture?",
+                oracle(&with_image, Adversary::Oracle),
+            ),
+            request(
+                false,
+                "Name three rivers of Europe.",
+                oracle(&text_only, Adversary::RightThenWrong),
+            ),
+            request(
+                true,
+                "What is in the picture?",
+                oracle(&with_image, Adversary::AlwaysWrong),
+            ),
+        ]
+        .map(|request| engine.submit(request).unwrap());
+        let [a, b, c] = handles.map(|handle| handle.wait().unwrap());
+        assert_same(&with_image, &a, &format!("{dir} image oracle, batched"));
+        assert_same(
+            &text_only,
+            &b,
+            &format!("{dir} text beside images, batched"),
+        );
+        assert_same(
+            &with_image,
+            &c,
+            &format!("{dir} image always wrong, batched"),
+        );
+        assert!(
+            a.batched_with > 1 || b.batched_with > 1,
+            "{dir}: nothing batched"
+        );
+    }
+}

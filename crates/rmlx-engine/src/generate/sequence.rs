@@ -215,14 +215,14 @@ impl Sequence {
             && self.max_new - self.queued >= 2
     }
 
-    /// Tokens to draft this step (0: a plain step): the depth control's choice, or
-    /// `max_draft`, and one fewer than the tokens the request may still generate.
-    pub(super) fn draft_depth(&mut self) -> usize {
+    /// Tokens to draft this step in a batch of `rows` (0: a plain step): the depth control's
+    /// choice, or `max_draft`, and one fewer than the tokens the request may still generate.
+    pub(super) fn draft_depth(&mut self, rows: usize) -> usize {
         if !self.can_speculate() {
             return 0;
         }
         let depth = match self.depth.as_mut() {
-            Some(control) => control.next_depth(),
+            Some(control) => control.next_depth(rows),
             None => self.params.speculative.max_draft,
         };
         depth.min(self.max_new - self.queued - 1)

@@ -35,8 +35,9 @@ pub(super) fn drafts<R: DecodeRow>(
 ) -> Result<Option<Vec<Vec<u32>>>> {
     let mut drafts = vec![Vec::new(); rows.len()];
     let mut any = false;
+    let count = rows.len();
     for (row, draft) in rows.iter_mut().zip(drafts.iter_mut()) {
-        let depth = row.sequence().draft_depth();
+        let depth = row.sequence().draft_depth(count);
         if depth == 0 {
             continue;
         }

@@ -1,7 +1,9 @@
 //! Depth control: how many tokens a request drafts per step, from what it measured. A step of
 //! k + 1 tokens keeps on average E(k) = 1 + a + a² + … + a^k of them (a: the chance the next draft
 //! is kept, given the one before was), and costs c(k) against a plain step's c(0); the controller
-//! drafts the k in 0..=K with the most tokens per unit of cost, E(k) / c(k). Where speculation
+//! drafts the k in 0..=K with the most tokens per unit of cost, E(k) / c(k). In a batch of B rows
+//! the wider step costs every row: it is the batch's tokens per unit of cost, (B − 1 + E(k)) /
+//! (B · c(k)), so drafting pays in a batch only where the wider step is nearly free. Where speculation
 //! loses (drafts seldom right, or a compute-bound machine where the wider step costs nearly k + 1
 //! plain ones) that is k = 0, plain decode: the row then probes one drafting step at growing
 //! intervals, so a proposer that turned right again is noticed.
@@ -60,8 +62,10 @@ impl DepthControl {
         }
     }
 
-    /// The depth that keeps the most tokens per unit of cost now (0: plain decode).
-    pub fn best_depth(&self) -> usize {
+    /// The depth that keeps the most tokens per unit of cost now, for a row decoding in a
+    /// batch of `rows` (0: plain decode).
+    pub fn best_depth(&self, rows: usize) -> usize {
+        let rows = rows.max(1) as f64;
         let a = self.acceptance();
         let mut expected = 1.0;
         let mut power = 1.0;
@@ -70,7 +74,7 @@ impl DepthControl {
         for k in 1..=self.max {
             power *= a;
             expected += power;
-            let rate = expected / self.relative_cost(k + 1);
+            let rate = (rows - 1.0 + expected) / (rows * self.relative_cost(k + 1));
             if rate > best_rate {
                 (best, best_rate) = (k, rate);
             }
@@ -78,17 +82,18 @@ impl DepthControl {
         best
     }
 
-    /// Drafts to ask for this step: the best depth, or while that is 0, a probe of depth 1
-    /// (at least) once the wait since the last has passed.
-    pub fn next_depth(&mut self) -> usize {
-        let best = self.best_depth();
+    /// Drafts to ask for this step in a batch of `rows`: the best depth, or while that is 0, a
+    /// probe of depth 1 once the wait since the last has passed (`rows` times longer in a batch).
+    pub fn next_depth(&mut self, rows: usize) -> usize {
+        let best = self.best_depth(rows);
         if best > 0 || self.max == 0 {
             self.idle = 0;
             self.probe_every = FIRST_PROBE_EVERY;
             return best;
         }
         self.idle += 1;
-        if self.idle < self.probe_every {
+        // A probe widens the step of every row of the batch: among more rows, probe less often.
+        if self.idle < self.probe_every * rows.max(1) {
             return 0;
         }
         self.idle = 0;
@@ -132,7 +137,7 @@ mod tests {
         let mut control = DepthControl::new(4);
         let mut steps_until_off = None;
         for step in 0..8 {
-            let k = control.next_depth();
+            let k = control.next_depth(1);
             if k == 0 {
                 steps_until_off = Some(step);
                 break;
@@ -146,7 +151,7 @@ mod tests {
         // The next 1000 steps: probes only, ever rarer.
         let mut probes = Vec::new();
         for step in 0..1000 {
-            let k = control.next_depth();
+            let k = control.next_depth(1);
             if k > 0 {
                 probes.push(step);
                 control.observe_step(k, 0, k + 1, 11.0);
@@ -167,35 +172,49 @@ mod tests {
     fn depth_follows_acceptance_and_cost() {
         let mut control = DepthControl::new(4);
         for _ in 0..20 {
-            let k = control.next_depth();
+            let k = control.next_depth(1);
             control.observe_step(k, k, k + 1, 10.0 + k as f64);
             control.observe_plain(10.0);
         }
-        assert_eq!(control.best_depth(), 4);
+        assert_eq!(control.best_depth(1), 4);
 
         let mut control = DepthControl::new(4);
         for step in 0..40 {
-            let k = control.next_depth().max(1);
+            let k = control.next_depth(1).max(1);
             control.observe_step(k, usize::from(step % 2 == 0), k + 1, 10.0 * (k + 1) as f64);
             control.observe_plain(10.0);
         }
-        assert_eq!(control.best_depth(), 0);
+        assert_eq!(control.best_depth(1), 0);
+    }
+
+    /// In a batch the wider step costs every row: drafts always kept and a step of 5 tokens
+    /// costing 1.6 plain ones pays alone, not among 8 rows.
+    #[test]
+    fn a_batch_drafts_only_where_the_wider_step_is_nearly_free() {
+        let mut control = DepthControl::new(4);
+        for _ in 0..20 {
+            let k = control.next_depth(1).max(1);
+            control.observe_step(k, k, k + 1, 10.0 + 1.5 * k as f64);
+            control.observe_plain(10.0);
+        }
+        assert!(control.best_depth(1) > 0);
+        assert_eq!(control.best_depth(8), 0);
     }
 
     /// A proposer that turns right again after a wrong spell is picked up by a probe.
     #[test]
     fn a_probe_turns_drafting_back_on() {
         let mut control = DepthControl::new(4);
-        while control.next_depth() > 0 {
+        while control.next_depth(1) > 0 {
             control.observe_step(1, 0, 2, 11.0);
             control.observe_plain(10.0);
         }
         let mut on_again = None;
         for step in 0..200 {
-            let k = control.next_depth();
+            let k = control.next_depth(1);
             if k > 0 {
                 control.observe_step(k, k, k + 1, 10.0 + k as f64);
-                if control.best_depth() > 0 {
+                if control.best_depth(1) > 0 {
                     on_again = Some(step);
                     break;
                 }

@@ -648,3 +648,48 @@ fn images_in_the_prompt_speculate_exactly() {
         );
     }
 }
+
+/// A cancel during speculative decoding stops the answer between steps, as without drafts: the
+/// tokens it gave are the plain answer's first ones.
+#[test]
+fn cancel_stops_a_speculative_answer_between_steps() {
+    let dir = "releases/qwen3-0.6b";
+    let loaded = load_model(&fixture(dir)).unwrap();
+    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+    let prompt = text_ids(16, 41, 10, 900);
+    let cancel = AtomicBool::new(false);
+    let plain = generate(
+        loaded.model.as_ref(),
+        &tokenizer,
+        &prompt,
+        &params(1500, None),
+        &cancel,
+        |_| {},
+    )
+    .unwrap();
+    drop(loaded);
+    let engine = Engine::start(4).unwrap();
+    let oracle = drafter(plain.token_ids.clone(), prompt.len(), Adversary::Oracle, 1);
+    let handle = engine
+        .submit(Request {
+            model: fixture(dir),
+            prompt: Prompt::Ids(prompt.clone()),
+            params: params(1500, Some(oracle)),
+            ..Request::default()
+        })
+        .unwrap();
+    loop {
+        if let rmlx_engine::engine::Event::Delta { .. } = handle.events.recv().unwrap() {
+            break;
+        }
+    }
+    handle.cancel();
+    let completion = handle.wait().unwrap();
+    assert_eq!(
+        completion.finish_reason,
+        rmlx_engine::generate::FinishReason::Cancelled
+    );
+    let given = completion.completion_tokens;
+    assert!(given < 1500, "{given}");
+    assert_eq!(completion.token_ids[..], plain.token_ids[..given]);
+}

@@ -63,25 +63,13 @@ fn drafter(plain: Vec<u32>, prompt_len: usize, p: f64, vocab: u32, seed: u64) ->
 pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> anyhow::Result<()> {
     let model = args.model.clone().expect("checked by the caller");
     let concurrency = args.concurrency.max(1);
-    let run_all =
-        |prompts: &[Vec<u32>], params: Vec<GenerateParams>| -> anyhow::Result<Vec<Completion>> {
-            let handles = prompts
-                .iter()
-                .zip(params)
-                .map(|(prompt, params)| {
-                    engine.submit(Request {
-                        model: model.clone(),
-                        prompt: Prompt::Ids(prompt.clone()),
-                        params,
-                        ..Request::default()
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok(handles
-                .into_iter()
-                .map(|handle| handle.wait())
-                .collect::<Result<Vec<_>, _>>()?)
-        };
+    let run_all = |prompts: &[Vec<u32>], params: Vec<GenerateParams>| {
+        answer_all(
+            engine,
+            &model,
+            prompts.iter().cloned().zip(params).collect(),
+        )
+    };
     let plain_params = || GenerateParams {
         max_tokens: args.gen_tokens,
         ignore_eos: true,
@@ -208,8 +196,8 @@ pub fn bench_ragged(args: &BenchArgs, engine: &Engine, vocab: usize) -> anyhow::
     let model = args.model.clone().expect("checked by the caller");
     let concurrency = args.concurrency.max(2);
     let prompt_len = args.prompt_tokens;
-    let arm = |prompts: &[Vec<u32>], drafts: &[Option<u32>]| -> anyhow::Result<Vec<Completion>> {
-        let handles = prompts
+    let arm = |prompts: &[Vec<u32>], drafts: &[Option<u32>]| {
+        let requests = prompts
             .iter()
             .zip(drafts)
             .map(|(prompt, &first)| {
@@ -221,31 +209,24 @@ pub fn bench_ragged(args: &BenchArgs, engine: &Engine, vocab: usize) -> anyhow::
                         }
                     }))
                 });
-                engine.submit(Request {
-                    model: model.clone(),
-                    prompt: Prompt::Ids(prompt.clone()),
-                    params: GenerateParams {
-                        max_tokens: args.gen_tokens,
-                        ignore_eos: true,
-                        sampling: forced_sampling(vocab),
-                        speculative: SpeculativeParams {
-                            mode: Some(match drafter {
-                                Some(_) => SpeculativeMode::Lookup,
-                                None => SpeculativeMode::Off,
-                            }),
-                            max_draft: 1,
-                            drafter,
-                        },
-                        ..GenerateParams::default()
+                let params = GenerateParams {
+                    max_tokens: args.gen_tokens,
+                    ignore_eos: true,
+                    sampling: forced_sampling(vocab),
+                    speculative: SpeculativeParams {
+                        mode: Some(match drafter {
+                            Some(_) => SpeculativeMode::Lookup,
+                            None => SpeculativeMode::Off,
+                        }),
+                        max_draft: 1,
+                        drafter,
                     },
-                    ..Request::default()
-                })
+                    ..GenerateParams::default()
+                };
+                (prompt.clone(), params)
             })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(handles
-            .into_iter()
-            .map(|handle| handle.wait())
-            .collect::<Result<Vec<_>, _>>()?)
+            .collect();
+        answer_all(engine, &model, requests)
     };
     let tps = |completions: &[Completion]| {
         completions
@@ -303,4 +284,27 @@ pub fn bench_ragged(args: &BenchArgs, engine: &Engine, vocab: usize) -> anyhow::
         })
     );
     Ok(())
+}
+
+/// Submits every (prompt, params) at once and waits for all the answers, in order.
+fn answer_all(
+    engine: &Engine,
+    model: &std::path::Path,
+    requests: Vec<(Vec<u32>, GenerateParams)>,
+) -> anyhow::Result<Vec<Completion>> {
+    let handles = requests
+        .into_iter()
+        .map(|(prompt, params)| {
+            engine.submit(Request {
+                model: model.to_path_buf(),
+                prompt: Prompt::Ids(prompt),
+                params,
+                ..Request::default()
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(handles
+        .into_iter()
+        .map(|handle| handle.wait())
+        .collect::<Result<Vec<_>, _>>()?)
 }

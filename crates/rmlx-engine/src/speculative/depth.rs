@@ -3,7 +3,8 @@
 //! is kept, given the one before was), and costs c(k) against a plain step's c(0); the controller
 //! drafts the k in 0..=K with the most tokens per unit of cost, E(k) / c(k). In a batch of B rows
 //! the wider step costs every row: it is the batch's tokens per unit of cost, (B − 1 + E(k)) /
-//! (B · c(k)), so drafting pays in a batch only where the wider step is nearly free. Where speculation
+//! (B · c(k)), so drafting pays in a batch only where the wider step is nearly free; costs are
+//! kept per batch size class (what a step costs alone says little about a step of 8 rows). Where speculation
 //! loses (drafts seldom right, or a compute-bound machine where the wider step costs nearly k + 1
 //! plain ones) that is k = 0, plain decode: the row then probes one drafting step at growing
 //! intervals, so a proposer that turned right again is noticed.
@@ -26,8 +27,11 @@ pub struct DepthControl {
     /// Decayed counts of drafts kept and drafts tried (each kept one, and the first rejected).
     kept: f64,
     tried: f64,
-    /// Running cost of a step of `width` tokens, `width - 1` the index (0: a plain step), ms.
-    costs: Vec<Option<f64>>,
+    /// Running cost of a step of `width` tokens, `width - 1` the index (0: a plain step), ms,
+    /// per batch size class ([`size_class`]): a step's cost depends on how many rows share it.
+    costs: [Vec<Option<f64>>; SIZE_CLASSES],
+    /// The batch size of the latest step asked for (what plain steps' costs are filed under).
+    rows: usize,
     /// Plain steps since drafting last stopped paying, and the wait before the next probe.
     idle: usize,
     probe_every: usize,
@@ -41,7 +45,8 @@ impl DepthControl {
             max,
             kept: 0.5,
             tried: 1.0,
-            costs: vec![None; max + 1],
+            costs: std::array::from_fn(|_| vec![None; max + 1]),
+            rows: 1,
             idle: 0,
             probe_every: FIRST_PROBE_EVERY,
         }
@@ -55,8 +60,9 @@ impl DepthControl {
     /// A step of `width` tokens against a plain step; before both are measured, a prior that
     /// fits a bandwidth-bound step (each extra token 10 % of a plain step). Never below 1: a
     /// wider step does more work, and a tiny model's measured steps are mostly noise.
-    fn relative_cost(&self, width: usize) -> f64 {
-        match (self.costs[0], self.costs.get(width - 1).copied().flatten()) {
+    fn relative_cost(&self, width: usize, rows: usize) -> f64 {
+        let costs = &self.costs[size_class(rows)];
+        match (costs[0], costs.get(width - 1).copied().flatten()) {
             (Some(plain), Some(wide)) if plain > 0.0 => (wide / plain).max(1.0),
             _ => 1.0 + 0.1 * (width - 1) as f64,
         }
@@ -74,7 +80,8 @@ impl DepthControl {
         for k in 1..=self.max {
             power *= a;
             expected += power;
-            let rate = (rows - 1.0 + expected) / (rows * self.relative_cost(k + 1));
+            let cost = self.relative_cost(k + 1, rows as usize);
+            let rate = (rows - 1.0 + expected) / (rows * cost);
             if rate > best_rate {
                 (best, best_rate) = (k, rate);
             }
@@ -85,6 +92,7 @@ impl DepthControl {
     /// Drafts to ask for this step in a batch of `rows`: the best depth, or while that is 0, a
     /// probe of depth 1 once the wait since the last has passed (`rows` times longer in a batch).
     pub fn next_depth(&mut self, rows: usize) -> usize {
+        self.rows = rows.max(1);
         let best = self.best_depth(rows);
         if best > 0 || self.max == 0 {
             self.idle = 0;
@@ -118,12 +126,25 @@ impl DepthControl {
     }
 
     fn observe_cost(&mut self, width: usize, ms: f64) {
-        if let Some(slot) = self.costs.get_mut(width.max(1) - 1) {
+        let class = size_class(self.rows);
+        if let Some(slot) = self.costs[class].get_mut(width.max(1) - 1) {
             *slot = Some(match *slot {
                 Some(cost) => KEEP * cost + (1.0 - KEEP) * ms,
                 None => ms,
             });
         }
+    }
+}
+
+/// Batch sizes whose steps cost alike: 1, 2-3, 4-7, 8 and more.
+const SIZE_CLASSES: usize = 4;
+
+fn size_class(rows: usize) -> usize {
+    match rows {
+        0 | 1 => 0,
+        2..=3 => 1,
+        4..=7 => 2,
+        _ => 3,
     }
 }
 

@@ -409,28 +409,10 @@ impl KvCache {
     /// already holds it: `end` is the offset), `[B, 1, 1, end - start]`; None when every
     /// column holds a token of every row.
     pub fn padding_mask(&self, start: i32, end: i32) -> Result<Option<Array>> {
-        if self.is_ragged() {
-            return self.rows_mask(start, end, 1, None).map(Some);
-        }
-        let Some(rows) = self.rows.as_ref().filter(|_| self.is_padded()) else {
+        if !self.is_padded() && !self.is_ragged() {
             return Ok(None);
-        };
-        let key = (rows.left_padding.clone(), start, end);
-        if let Some(mask) = STEP_ARRAYS.with(|memo| {
-            memo.borrow()
-                .mask
-                .as_ref()
-                .filter(|(held, _)| *held == key)
-                .map(|(_, mask)| mask.clone())
-        }) {
-            return Ok(Some(mask));
         }
-        let batch = rows.left_padding.len() as i32;
-        let pads = Array::from_slice(&rows.left_padding, &[batch, 1]);
-        let columns = ops::arange::<_, i32>(start, end, None)?.reshape(&[1, end - start])?;
-        let mask = ops::ge(&columns, &pads)?.reshape(&[batch, 1, 1, end - start])?;
-        STEP_ARRAYS.with(|memo| memo.borrow_mut().mask = Some((key, mask.clone())));
-        Ok(Some(mask))
+        self.rows_mask(start, end, 1, None).map(Some)
     }
 
     /// Which of key columns `start..end` the `len` newest queries of each row see once the
@@ -1008,14 +990,11 @@ impl KvCache {
 /// times.
 #[derive(Default)]
 struct StepArrays {
-    /// Keyed by (left paddings, first column, end column).
-    mask: Option<(MaskKey, Array)>,
     offsets: Option<(Vec<i32>, Array)>,
     /// The last few [`KvCache::rows_mask`]s (a Gemma step asks for two: full and sliding).
     rows_masks: Vec<(RowsMaskKey, Array)>,
 }
 
-type MaskKey = (Vec<i32>, i32, i32);
 /// (left paddings, lags, first column, end column, queries, window).
 type RowsMaskKey = (Vec<i32>, Vec<i32>, i32, i32, i32, Option<i32>);
 

@@ -17,11 +17,43 @@ use rmlx_engine::{
     chat::ChatTokenizer,
     engine::{Engine, EngineOptions, Prompt, Request},
     generate::{generate, Completion, GenerateParams},
-    models::load_model,
+    models::{load_model, LoadedModel},
     speculative::{Drafter, SpeculativeMode, SpeculativeParams},
 };
 
 const MAX_DRAFT: usize = 4;
+
+/// A fixture loaded for requests run alone on the test thread.
+struct Solo {
+    loaded: LoadedModel,
+    tokenizer: ChatTokenizer,
+}
+
+impl Solo {
+    fn open(dir: &str) -> Self {
+        Self {
+            loaded: load_model(&fixture(dir)).unwrap(),
+            tokenizer: ChatTokenizer::from_dir(&fixture(dir)).unwrap(),
+        }
+    }
+
+    fn model(&self) -> &dyn rmlx_engine::models::LanguageModel {
+        self.loaded.model.as_ref()
+    }
+
+    fn run(&self, prompt: &[u32], params: &GenerateParams) -> Completion {
+        let cancel = AtomicBool::new(false);
+        generate(
+            self.model(),
+            &self.tokenizer,
+            prompt,
+            params,
+            &cancel,
+            |_| {},
+        )
+        .unwrap()
+    }
+}
 
 /// How a test proposer's drafts relate to the plain continuation.
 #[derive(Clone, Copy, Debug)]
@@ -93,14 +125,10 @@ fn assert_same(plain: &Completion, other: &Completion, what: &str) {
 
 /// Every adversary alone equals plain greedy, and draft counts show what was exercised.
 fn check_solo(dir: &str, prompt_len: usize, max_tokens: usize) {
-    let loaded = load_model(&fixture(dir)).unwrap();
-    let model = loaded.model.as_ref();
-    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+    let solo = Solo::open(dir);
+    let model = solo.model();
     let prompt = text_ids(prompt_len, 7, 10, 900);
-    let cancel = AtomicBool::new(false);
-    let run = |params: &GenerateParams| {
-        generate(model, &tokenizer, &prompt, params, &cancel, |_| {}).unwrap()
-    };
+    let run = |params: &GenerateParams| solo.run(&prompt, params);
     let plain = run(&params(max_tokens, None));
     let vocab = model.vocab_size() as u32;
     for adversary in [
@@ -148,29 +176,17 @@ fn gemma4_sliding_windows_solo() {
 /// A batch: rows with different prompts, proposers (none among them) and joins, each equal to
 /// its plain solo run.
 fn check_batch(dir: &str, prompt_len: usize, max_tokens: usize) {
-    let loaded = load_model(&fixture(dir)).unwrap();
-    let model = loaded.model.as_ref();
-    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+    let solo = Solo::open(dir);
+    let model = solo.model();
     let vocab = model.vocab_size() as u32;
-    let cancel = AtomicBool::new(false);
     let prompts: Vec<Vec<u32>> = (0..4)
         .map(|row| text_ids(prompt_len + 3 * row, 11 + row as u32, 10, 900))
         .collect();
     let plains: Vec<Completion> = prompts
         .iter()
-        .map(|prompt| {
-            generate(
-                model,
-                &tokenizer,
-                prompt,
-                &params(max_tokens, None),
-                &cancel,
-                |_| {},
-            )
-            .unwrap()
-        })
+        .map(|prompt| solo.run(prompt, &params(max_tokens, None)))
         .collect();
-    drop(loaded);
+    drop(solo);
     let adversaries = [
         Some(Adversary::Oracle),
         None,
@@ -218,16 +234,13 @@ fn batched_rows_with_mixed_proposers_equal_their_solo_runs() {
 #[test]
 fn a_speculative_step_waits_on_the_device_once() {
     let dir = "releases/qwen3-0.6b";
-    let loaded = load_model(&fixture(dir)).unwrap();
-    let model = loaded.model.as_ref();
-    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+    let solo = Solo::open(dir);
     let prompt = text_ids(24, 5, 10, 900);
-    let cancel = AtomicBool::new(false);
     let quiet = |max_tokens: usize, drafter: Option<Drafter>| {
         let mut params = params(max_tokens, drafter);
         params.logprobs = None;
         let before = rmlx_engine::runtime::evals();
-        let completion = generate(model, &tokenizer, &prompt, &params, &cancel, |_| {}).unwrap();
+        let completion = solo.run(&prompt, &params);
         (completion, rmlx_engine::runtime::evals() - before)
     };
     let (plain, _) = quiet(21, None);
@@ -254,26 +267,14 @@ fn prompt_lookup_is_exact_and_its_drafts_are_kept() {
         "releases/gemma-4-e2b-it",
         "releases/qwen3-vl-2b-instruct",
     ] {
-        let loaded = load_model(&fixture(dir)).unwrap();
-        let model = loaded.model.as_ref();
-        let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+        let solo = Solo::open(dir);
         let phrase = text_ids(12, 3, 10, 900);
         let prompt: Vec<u32> = phrase.iter().cycle().take(12 * 6).copied().collect();
-        let cancel = AtomicBool::new(false);
-        let plain = generate(
-            model,
-            &tokenizer,
-            &prompt,
-            &params(96, None),
-            &cancel,
-            |_| {},
-        )
-        .unwrap();
+        let plain = solo.run(&prompt, &params(96, None));
         for mode in [SpeculativeMode::Lookup, SpeculativeMode::Auto] {
             let mut lookup = params(96, None);
             lookup.speculative.mode = Some(mode);
-            let speculative =
-                generate(model, &tokenizer, &prompt, &lookup, &cancel, |_| {}).unwrap();
+            let speculative = solo.run(&prompt, &lookup);
             assert_same(&plain, &speculative, &format!("{dir} {mode:?}"));
             let timings = &speculative.timings;
             eprintln!(
@@ -293,20 +294,9 @@ fn prompt_lookup_is_exact_and_its_drafts_are_kept() {
 #[test]
 fn auto_stops_drafting_when_drafts_are_wrong() {
     let dir = "releases/qwen3-0.6b";
-    let loaded = load_model(&fixture(dir)).unwrap();
-    let model = loaded.model.as_ref();
-    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+    let solo = Solo::open(dir);
     let prompt = text_ids(20, 9, 10, 900);
-    let cancel = AtomicBool::new(false);
-    let plain = generate(
-        model,
-        &tokenizer,
-        &prompt,
-        &params(80, None),
-        &cancel,
-        |_| {},
-    )
-    .unwrap();
+    let plain = solo.run(&prompt, &params(80, None));
     let wrong = drafter(
         plain.token_ids.clone(),
         prompt.len(),
@@ -315,7 +305,7 @@ fn auto_stops_drafting_when_drafts_are_wrong() {
     );
     let mut auto = params(80, Some(wrong));
     auto.speculative.mode = Some(SpeculativeMode::Auto);
-    let speculative = generate(model, &tokenizer, &prompt, &auto, &cancel, |_| {}).unwrap();
+    let speculative = solo.run(&prompt, &auto);
     assert_same(&plain, &speculative, "auto, always wrong");
     // At most 8 steps before it stops (4 drafts each), then probes of 1 after 8, 16, 32 plain
     // steps: far fewer than the 4 per step `lookup`'s fixed depth would draft.
@@ -327,23 +317,15 @@ fn auto_stops_drafting_when_drafts_are_wrong() {
 #[test]
 fn stops_inside_drafts_end_the_answer_where_plain_decode_does() {
     let dir = "releases/qwen3.5-0.8b";
-    let loaded = load_model(&fixture(dir)).unwrap();
-    let model = loaded.model.as_ref();
-    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+    let solo = Solo::open(dir);
     let prompt = text_ids(20, 13, 10, 900);
-    let cancel = AtomicBool::new(false);
-    let free = generate(
-        model,
-        &tokenizer,
-        &prompt,
-        &params(24, None),
-        &cancel,
-        |_| {},
-    )
-    .unwrap();
+    let free = solo.run(&prompt, &params(24, None));
     let oracle = drafter(free.token_ids.clone(), prompt.len(), Adversary::Oracle, 1);
     let stop_token = free.token_ids[6];
-    let stop_text = tokenizer.decode(&free.token_ids[9..11], false).unwrap();
+    let stop_text = solo
+        .tokenizer
+        .decode(&free.token_ids[9..11], false)
+        .unwrap();
     type Set = Box<dyn Fn(&mut GenerateParams)>;
     let cases: [(&str, Set); 2] = [
         (
@@ -358,11 +340,10 @@ fn stops_inside_drafts_end_the_answer_where_plain_decode_does() {
     for (what, set) in cases {
         let mut plain_params = params(24, None);
         set(&mut plain_params);
-        let plain = generate(model, &tokenizer, &prompt, &plain_params, &cancel, |_| {}).unwrap();
+        let plain = solo.run(&prompt, &plain_params);
         let mut spec_params = params(24, Some(oracle.clone()));
         set(&mut spec_params);
-        let speculative =
-            generate(model, &tokenizer, &prompt, &spec_params, &cancel, |_| {}).unwrap();
+        let speculative = solo.run(&prompt, &spec_params);
         assert!(
             plain.token_ids.len() < 24,
             "{what}: the plain run did not stop early"
@@ -379,34 +360,16 @@ fn stops_inside_drafts_end_the_answer_where_plain_decode_does() {
 #[test]
 fn the_next_turn_reuses_a_speculative_answer_exactly() {
     for dir in ["releases/qwen3-0.6b", "releases/qwen3.5-0.8b"] {
-        let loaded = load_model(&fixture(dir)).unwrap();
-        let model = loaded.model.as_ref();
-        let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+        let solo = Solo::open(dir);
+        let model = solo.model();
         let vocab = model.vocab_size() as u32;
-        let cancel = AtomicBool::new(false);
         let first = text_ids(24, 21, 10, 900);
-        let plain_first = generate(
-            model,
-            &tokenizer,
-            &first,
-            &params(20, None),
-            &cancel,
-            |_| {},
-        )
-        .unwrap();
+        let plain_first = solo.run(&first, &params(20, None));
         let mut second = first.clone();
         second.extend(&plain_first.token_ids);
         second.extend(text_ids(6, 22, 10, 900));
-        let plain_second = generate(
-            model,
-            &tokenizer,
-            &second,
-            &params(12, None),
-            &cancel,
-            |_| {},
-        )
-        .unwrap();
-        drop(loaded);
+        let plain_second = solo.run(&second, &params(12, None));
+        drop(solo);
         let engine = Engine::start(4).unwrap();
         let run = |prompt: &[u32], max_tokens: usize, drafts: Drafter| {
             engine
@@ -454,15 +417,12 @@ fn the_next_turn_reuses_a_speculative_answer_exactly() {
 #[test]
 fn one_draft_then_plain_steps_to_the_end() {
     let dir = "head-sizes/qwen3-hd128";
-    let loaded = load_model(&fixture(dir)).unwrap();
-    let model = loaded.model.as_ref();
-    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
-    let cancel = AtomicBool::new(false);
+    let solo = Solo::open(dir);
     for (prompt_len, max_tokens) in [(128, 128), (128, 100), (100, 156)] {
         let prompt = text_ids(prompt_len, 17, 10, 400);
         let mut plain_params = params(max_tokens, None);
         plain_params.logprobs = None;
-        let plain = generate(model, &tokenizer, &prompt, &plain_params, &cancel, |_| {}).unwrap();
+        let plain = solo.run(&prompt, &plain_params);
         let first = plain.token_ids[0];
         let once = Drafter(Arc::new(move |history: &[u32], _| {
             match history.len() == prompt_len {
@@ -473,8 +433,7 @@ fn one_draft_then_plain_steps_to_the_end() {
         let mut spec_params = params(max_tokens, Some(once));
         spec_params.logprobs = None;
         spec_params.speculative.max_draft = 1;
-        let speculative =
-            generate(model, &tokenizer, &prompt, &spec_params, &cancel, |_| {}).unwrap();
+        let speculative = solo.run(&prompt, &spec_params);
         let differs = plain
             .token_ids
             .iter()
@@ -496,20 +455,10 @@ fn one_draft_then_plain_steps_in_a_batch() {
         ..EngineOptions::default()
     })
     .unwrap();
-    // rmlx bench's prompt ids: the whole vocabulary.
-    let bench_ids = |count: usize, seed: u64| -> Vec<u32> {
-        let mut state = seed;
-        (0..count)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((state >> 33) % 1024) as u32
-            })
-            .collect()
-    };
     for (prompt_len, max_tokens) in [(128usize, 128usize), (100, 156)] {
-        let prompts: Vec<Vec<u32>> = (0..8).map(|s| bench_ids(prompt_len, 1000 + s)).collect();
+        let prompts: Vec<Vec<u32>> = (0..8)
+            .map(|s| text_ids(prompt_len, 1000 + s, 0, 1024))
+            .collect();
         let run = |drafts: Vec<Option<u32>>| -> Vec<Completion> {
             let handles: Vec<_> = prompts
                 .iter()
@@ -654,20 +603,10 @@ fn images_in_the_prompt_speculate_exactly() {
 #[test]
 fn cancel_stops_a_speculative_answer_between_steps() {
     let dir = "releases/qwen3-0.6b";
-    let loaded = load_model(&fixture(dir)).unwrap();
-    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+    let solo = Solo::open(dir);
     let prompt = text_ids(16, 41, 10, 900);
-    let cancel = AtomicBool::new(false);
-    let plain = generate(
-        loaded.model.as_ref(),
-        &tokenizer,
-        &prompt,
-        &params(1500, None),
-        &cancel,
-        |_| {},
-    )
-    .unwrap();
-    drop(loaded);
+    let plain = solo.run(&prompt, &params(1500, None));
+    drop(solo);
     let engine = Engine::start(4).unwrap();
     let oracle = drafter(plain.token_ids.clone(), prompt.len(), Adversary::Oracle, 1);
     let handle = engine

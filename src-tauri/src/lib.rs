@@ -406,6 +406,7 @@ mod tests {
         for (saved, engine) in [
             (Some("auto"), SpeculativeMode::Auto),
             (Some("lookup"), SpeculativeMode::Lookup),
+            (Some("mtp"), SpeculativeMode::Mtp),
             (Some("off"), SpeculativeMode::Off),
             (Some("always"), default),
             (None, default),

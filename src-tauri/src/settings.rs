@@ -35,7 +35,8 @@ pub struct Settings {
     pub prefix_disk_gb: Option<f64>,
     /// Its folder; None: ~/.rmlx/cache, shared with `rmlx serve`.
     pub prefix_disk_dir: Option<PathBuf>,
-    /// Speculative decoding (`--speculative`): auto, off or lookup; None: the engine's default.
+    /// Speculative decoding (`--speculative`): auto, off, lookup or mtp; None: the engine's
+    /// default.
     /// Taken when the app starts.
     pub speculative: Option<String>,
     /// Opt-in: the app never registers itself as a login item on its own.

@@ -93,8 +93,10 @@ struct GenerateArgs {
     kv_bits: Option<i32>,
     /// Speculative decoding: `lookup` drafts the tokens that followed the conversation's last
     /// few tokens where they occurred before, checked in one forward (greedy requests; output
-    /// unchanged); `auto` does so where it measures a gain and switches itself off elsewhere
-    #[arg(long, value_name = "auto|off|lookup", value_parser = parse_speculative, default_value = DEFAULT_SPECULATIVE)]
+    /// unchanged); `mtp` drafts with the model's own multi-token-prediction head (Qwen3.5 /
+    /// 3.6 checkpoints that ship one; lookup otherwise); `auto` uses the head or lookup where
+    /// it measures a gain and switches itself off elsewhere
+    #[arg(long, value_name = "auto|off|lookup|mtp", value_parser = parse_speculative, default_value = DEFAULT_SPECULATIVE)]
     speculative: rmlx_engine::speculative::SpeculativeMode,
     /// Keep going through end-of-sequence tokens.
     #[arg(long)]
@@ -122,12 +124,12 @@ struct GenerateArgs {
 /// `--speculative`'s default: the engine's.
 const DEFAULT_SPECULATIVE: &str = "off";
 
-/// `--speculative auto|off|lookup`.
+/// `--speculative auto|off|lookup|mtp`.
 pub(crate) fn parse_speculative(
     text: &str,
 ) -> Result<rmlx_engine::speculative::SpeculativeMode, String> {
     rmlx_engine::speculative::SpeculativeMode::parse(text)
-        .ok_or_else(|| format!("`{text}` is none of auto, off, lookup"))
+        .ok_or_else(|| format!("`{text}` is none of auto, off, lookup, mtp"))
 }
 
 fn main() -> ExitCode {
@@ -316,6 +318,14 @@ fn info(model: &Path, json: bool) -> anyhow::Result<()> {
     );
     println!("context:       {} tokens", info.context_length);
     println!("vision:        {}", if info.vision { "yes" } else { "no" });
+    println!(
+        "draft head:    {}",
+        if info.draft_head {
+            "yes (multi-token prediction, mtp.*: `--speculative mtp` or `auto` drafts with it)"
+        } else {
+            "no"
+        }
+    );
     println!("weights:       {:.1} MB", info.weight_bytes as f64 / 1e6);
     let kv_at_context = info.kv_bytes_per_token * info.context_length as u64;
     println!(

@@ -68,8 +68,10 @@ pub struct ServeArgs {
     prefix_disk_gb: Option<f64>,
     /// Speculative decoding: `lookup` drafts the tokens that followed the conversation's last
     /// few tokens where they occurred before, checked in one forward (greedy requests; output
-    /// unchanged); `auto` does so where it measures a gain and switches itself off elsewhere
-    #[arg(long, value_name = "auto|off|lookup", value_parser = parse_speculative, env = "RMLX_SPECULATIVE", default_value = DEFAULT_SPECULATIVE)]
+    /// unchanged); `mtp` drafts with the model's own multi-token-prediction head (Qwen3.5 /
+    /// 3.6 checkpoints that ship one; lookup otherwise); `auto` uses the head or lookup where
+    /// it measures a gain and switches itself off elsewhere
+    #[arg(long, value_name = "auto|off|lookup|mtp", value_parser = parse_speculative, env = "RMLX_SPECULATIVE", default_value = DEFAULT_SPECULATIVE)]
     speculative: rmlx_engine::speculative::SpeculativeMode,
     /// Folder of the disk prefix cache [default: ~/.rmlx/cache]
     #[arg(long, value_name = "DIR", env = "RMLX_PREFIX_DISK_DIR")]

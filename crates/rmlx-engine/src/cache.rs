@@ -703,15 +703,17 @@ impl KvCache {
     }
 
     /// After a speculative step that wrote `written` tokens for every row, keeps the first
-    /// `kept[b]` (1..=written) of row `b`'s: attention caches forget the rest by moving the
-    /// row's end (a windowed cache's slack covers any step, see [`WINDOW_SLACK`]); a linear-
-    /// attention layer replays the kept steps' recurrence from what it stashed and takes its
-    /// conv window ending at the last kept token. Rows keeping different counts become ragged.
+    /// `kept[b]` (1..=written; 0 too for an attention cache) of row `b`'s: attention caches
+    /// forget the rest by moving the row's end (a windowed cache's slack covers any step, see
+    /// [`WINDOW_SLACK`]); a linear-attention layer replays the kept steps' recurrence from what
+    /// it stashed and takes its conv window ending at the last kept token. Rows keeping
+    /// different counts become ragged.
     pub fn keep_written(&mut self, written: i32, kept: &[i32]) -> Result<()> {
         self.speculating = false;
         let stashed = self.stashed.take();
         let rows = self.batch_size();
-        if kept.len() != rows || kept.iter().any(|&k| k < 1 || k > written) {
+        let least = if self.recurrent.is_some() { 1 } else { 0 };
+        if kept.len() != rows || kept.iter().any(|&k| k < least || k > written) {
             return Err(EngineError::InvalidRequest(format!(
                 "a speculative step kept {kept:?} of {written} tokens for {rows} rows"
             )));

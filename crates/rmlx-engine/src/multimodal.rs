@@ -15,7 +15,7 @@ use crate::{
         ChatTokenizer,
     },
     error::{EngineError, Result},
-    models::{ImageInput, Logits, VisionFeatures, VisionLanguageModel},
+    models::{DraftHead, ImageInput, Logits, VisionFeatures, VisionLanguageModel},
     vision::preprocess::PreprocessError,
 };
 
@@ -75,7 +75,7 @@ pub fn prefill(
 ) -> Result<()> {
     check_blocks(images, range.clone())?;
     for piece in plan_chunks(range, chunk, &images.blocks) {
-        prefill_piece(model, images, prompt, piece, caches)?;
+        prefill_piece(model, None, images, prompt, piece, caches)?;
     }
     Ok(())
 }
@@ -92,8 +92,11 @@ pub fn check_blocks(images: &ImagePrefill, range: Range<usize>) -> Result<()> {
 
 /// One piece of [`plan_chunks`] with the features of the image blocks inside it, then the
 /// caches evaluated.
+/// `primed`: the model's draft head, the token after each of the piece's, and whether the head
+/// pairs a zero hidden state first (see `DraftHead::prime`).
 pub fn prefill_piece(
     model: &dyn VisionLanguageModel,
+    primed: Option<(&dyn DraftHead, &Array, bool)>,
     images: &ImagePrefill,
     prompt: &[u32],
     piece: Range<usize>,
@@ -125,11 +128,21 @@ pub fn prefill_piece(
                     .collect(),
                 grid_thw: images.features.grid_thw[first..=last].to_vec(),
             };
-            model.forward_with_images(&input, Some(&features), caches, Logits::Last)?;
+            match primed {
+                Some((head, next, carry)) => {
+                    head.prime(&input, Some(&features), next, carry, caches)?
+                }
+                None => {
+                    model.forward_with_images(&input, Some(&features), caches, Logits::Last)?;
+                }
+            }
         }
-        _ => {
-            model.forward(&input, caches, Logits::Last)?;
-        }
+        _ => match primed {
+            Some((head, next, carry)) => head.prime(&input, None, next, carry, caches)?,
+            None => {
+                model.forward(&input, caches, Logits::Last)?;
+            }
+        },
     }
     crate::runtime::eval(caches.iter().flat_map(|cache| cache.state()))?;
     Ok(())

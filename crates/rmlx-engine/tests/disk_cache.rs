@@ -87,7 +87,7 @@ fn finished_prefixes_become_chained_blocks_once_per_fingerprint() {
     // has no message opener).
     let tips = written.iter().filter(|(path, _)| is_tip(path)).count();
     assert_eq!((written.len() - tips, tips), (2, 1), "{written:?}");
-    let fingerprint = disk_cache::fingerprint(&fixture(model), KvStorage::Dense).unwrap();
+    let fingerprint = disk_cache::fingerprint(&fixture(model), KvStorage::Dense, false).unwrap();
     assert!(written
         .iter()
         .all(|(path, _)| path.starts_with(disk.join(&fingerprint))));
@@ -149,10 +149,10 @@ fn a_changed_checkpoint_is_another_fingerprint_and_damage_does_not_decode() {
     for entry in std::fs::read_dir(fixture("qwen3-tiny")).unwrap().flatten() {
         std::fs::copy(entry.path(), copy.join(entry.file_name())).unwrap();
     }
-    let before = disk_cache::fingerprint(&copy, KvStorage::Dense).unwrap();
+    let before = disk_cache::fingerprint(&copy, KvStorage::Dense, false).unwrap();
     assert_eq!(
         before,
-        disk_cache::fingerprint(&copy, KvStorage::Dense).unwrap()
+        disk_cache::fingerprint(&copy, KvStorage::Dense, false).unwrap()
     );
     let config = copy.join("config.json");
     let text = std::fs::read_to_string(&config).unwrap();
@@ -163,7 +163,7 @@ fn a_changed_checkpoint_is_another_fingerprint_and_damage_does_not_decode() {
     .unwrap();
     assert_ne!(
         before,
-        disk_cache::fingerprint(&copy, KvStorage::Dense).unwrap()
+        disk_cache::fingerprint(&copy, KvStorage::Dense, false).unwrap()
     );
 
     let disk = scratch("damage");
@@ -361,7 +361,7 @@ fn a_damaged_block_is_a_miss_that_goes_and_the_answer_is_right() {
     let disk = scratch("damaged");
     let turn1 = on_disk(&disk, None, two_turns(model, None, None));
     // Block 0 of the prompt: every later block and tip hangs off it.
-    let fingerprint = disk_cache::fingerprint(&fixture(model), KvStorage::Dense).unwrap();
+    let fingerprint = disk_cache::fingerprint(&fixture(model), KvStorage::Dense, false).unwrap();
     let first = disk.join(&fingerprint).join(format!(
         "{}.safetensors",
         disk_cache::hex(&disk_cache::chain(&turn1.prompt_ids)[0])
@@ -558,7 +558,8 @@ fn the_budget_holds_and_a_restart_keeps_what_is_valid() {
     let budget = one * 5 / 2;
     let engine = budget_engine(&disk, budget);
     answer(&engine, "qwen3-tiny", conversation(1), 2);
-    let first_model = disk_cache::fingerprint(&fixture("qwen3-tiny"), KvStorage::Dense).unwrap();
+    let first_model =
+        disk_cache::fingerprint(&fixture("qwen3-tiny"), KvStorage::Dense, false).unwrap();
     for seed in 2..9 {
         answer(&engine, "qwen3-tiny-4bit", conversation(seed), 2);
         let stats = engine.disk_stats().unwrap();

@@ -12,7 +12,7 @@ mod common;
 
 use std::sync::{atomic::AtomicBool, Arc};
 
-use common::{fixture, text_ids};
+use common::{assert_same, fixture, text_ids};
 use rmlx_engine::{
     chat::ChatTokenizer,
     engine::{Engine, EngineOptions, Prompt, Request},
@@ -97,29 +97,6 @@ fn params(max_tokens: usize, drafter: Option<Drafter>) -> GenerateParams {
             drafter,
         },
         ..GenerateParams::default()
-    }
-}
-
-fn assert_same(plain: &Completion, other: &Completion, what: &str) {
-    assert_eq!(plain.token_ids, other.token_ids, "{what}: tokens differ");
-    let (a, b) = (
-        plain.logprobs.as_ref().unwrap(),
-        other.logprobs.as_ref().unwrap(),
-    );
-    for (i, (a, b)) in a.iter().zip(b).enumerate() {
-        assert!(
-            (a.logprob - b.logprob).abs() < 1e-5,
-            "{what}: token {i} log-prob {} vs {}",
-            a.logprob,
-            b.logprob
-        );
-        for (x, y) in a.top.iter().zip(&b.top) {
-            assert_eq!(x.token_id, y.token_id, "{what}: token {i} alternatives");
-            assert!(
-                (x.logprob - y.logprob).abs() < 1e-5,
-                "{what}: token {i} alternatives"
-            );
-        }
     }
 }
 

@@ -88,7 +88,7 @@ pub struct ServerConfig {
     pub prefix_disk_dir: Option<PathBuf>,
     /// Bytes the disk cache may hold (None: min(16 GB, 10 % of the free disk)).
     pub prefix_disk_bytes: Option<u64>,
-    /// Speculative decoding (off, lookup or auto) for every request.
+    /// Speculative decoding (off, lookup, mtp or auto) for every request.
     pub speculative: rmlx_engine::speculative::SpeculativeMode,
     /// A built web UI to serve at `/` (no API key needed for its files; its API calls still
     /// send one).

@@ -27,7 +27,9 @@
 #   machine. The servers' logs land in $OUT/disk-logs.
 # MODE=spec (step 2 instead; issue 30): Qwen3.6-27B-shaped bf16 (S_LAYERS, 8) and 35B-A3B-shaped
 #   4-bit checkpoints; `rmlx bench --draft-accuracy`: verify cost at depth 1..4, then p = 1, 0.8,
-#   0.5, 0 under `auto` at 1 and S_STREAMS (8) streams. Env: S_PROMPT (512), S_GEN (128), S_RUNS (3).
+#   0.5, 0 under `auto` at 1 and S_STREAMS (8) streams. Env: S_PROMPT (512), S_GEN (128), S_RUNS (3),
+#   S_MODELS ("27 35": one call may hold only one; a later warm call keeps the made checkpoints),
+#   S_CELLS ("verify c1 c8 ragged").
 # MODE=concurrency (step 2 instead): random Qwen3-4B-shaped bf16 and 4-bit checkpoints with the
 #   real vocabulary (make_qwen3_bench_model.py, on the GPU); on each, single-stream decode and
 #   warm TTFT through `rmlx serve` interleaved with mlx-lm's generate_step (bench.py), then
@@ -154,12 +156,19 @@ if [[ $MODE == spec ]]; then
   # probability p, see crates/rmlx-cli/src/bench_spec.rs). Per model: the verify cost of a step
   # of k + 1 tokens (p = 0 at fixed depth k: plain / speculative is its cost in plain steps),
   # then p = 1, 0.8, 0.5, 0 under `auto` at 1 and S_STREAMS (8) streams.
-  step "models"
-  python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" \
-    --release Qwen__Qwen3.6-27B --bits 16 --layers "${S_LAYERS:-8}" > /tmp/q27-path || exit 1
-  python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" > /tmp/q35-path || exit 1
+  models=()
+  for which in ${S_MODELS:-27 35}; do
+    step "model $which"
+    case $which in
+      27) python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" \
+            --release Qwen__Qwen3.6-27B --bits 16 --layers "${S_LAYERS:-8}" > /tmp/q27-path || exit 1 ;;
+      35) python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" \
+            > /tmp/q35-path || exit 1 ;;
+    esac
+    models+=("$(tail -1 /tmp/q$which-path)")
+  done
   rc=0
-  for model in $(tail -1 /tmp/q27-path) $(tail -1 /tmp/q35-path); do
+  for model in "${models[@]}"; do
     name=$(basename "$model")
     for cell in ${S_CELLS:-verify c1 c8 ragged}; do
       left=$(( LIMIT - SECONDS ))

@@ -36,10 +36,14 @@ pub const BLOCK_TOKENS: usize = 256;
 pub const FORMAT: &str = "rmlx-prefix-v2";
 
 /// A model as the disk cache keys it: hex SHA-256 over its config, tokenizer files, every
-/// safetensors file's name, size and header, its folder name and the KV storage.
-pub fn fingerprint(dir: &Path, storage: KvStorage) -> std::io::Result<String> {
+/// safetensors file's name, size and header, its folder name, the KV storage, and whether its
+/// draft head is loaded (its caches then follow the trunk's in every file).
+pub fn fingerprint(dir: &Path, storage: KvStorage, draft_head: bool) -> std::io::Result<String> {
     let mut hash = Sha256::new();
     hash.update(FORMAT.as_bytes());
+    if draft_head {
+        hash.update(b"draft-head");
+    }
     let name = dir
         .file_name()
         .map(|name| name.to_string_lossy().into_owned());

@@ -202,7 +202,7 @@ impl EngineThread {
             match caches {
                 Ok(caches) => {
                     let mut emit = |delta: generate::Delta| send_delta(&ticket.events, delta);
-                    let (completion, cached) = sequence.finish(tokenizer, caches, &mut emit);
+                    let (completion, cached) = sequence.finish(model, tokenizer, caches, &mut emit);
                     ticket.keep_kv &= reusable;
                     finished.push((ticket, completion, cached));
                 }

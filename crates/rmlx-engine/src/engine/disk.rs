@@ -81,7 +81,11 @@ impl EngineThread {
         if let Some(fingerprint) = self.fingerprints.get(key) {
             return Some(fingerprint.clone());
         }
-        let fingerprint = crate::disk_cache::fingerprint(key, self.kv_storage).ok()?;
+        let draft_head = self
+            .models
+            .get(key)
+            .is_some_and(|resident| resident.loaded.model.draft_head().is_some());
+        let fingerprint = crate::disk_cache::fingerprint(key, self.kv_storage, draft_head).ok()?;
         self.fingerprints
             .insert(key.to_path_buf(), fingerprint.clone());
         Some(fingerprint)

@@ -279,7 +279,11 @@ impl EngineThread {
             }
             self.check_fits(&key)?;
             let tokenizer = ChatTokenizer::from_dir(&key)?;
-            let loaded = models::load_model(&key)?;
+            // The draft head costs memory and prefill: loaded only when speculation is on.
+            let options = models::LoadOptions {
+                draft_head: self.speculative != crate::speculative::SpeculativeMode::Off,
+            };
+            let loaded = models::load_model_with(&key, options)?;
             let footprint = footprint(&key)?;
             self.models.insert(
                 key.clone(),

@@ -58,7 +58,8 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
             .sum::<u64>()
             / rows.max(1) as u64
     };
-    if let Some(drafts) = super::verify::drafts(rows, tokenizer, kv_bytes(caches, rows.len()))? {
+    let bytes = kv_bytes(caches, rows.len());
+    if let Some(drafts) = super::verify::drafts(model, caches, rows, tokenizer, bytes)? {
         let bytes = kv_bytes(caches, rows.len());
         return super::verify::verify_iteration(model, tokenizer, caches, rows, &drafts, bytes);
     }
@@ -73,10 +74,32 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
     let mut clock = crate::profile::StepClock::start();
     let mut fresh = vec![false; count];
     if rows.iter_mut().any(|row| row.sequence().wants_step()) {
-        let input = batch_input(rows)?;
-        let logits = model.forward(&input, caches, Logits::Last)?;
-        let logits = logits.index((.., -1, ..));
         let mut queued = Vec::new();
+        let head = model.draft_head();
+        let trunk = super::head::trunk_layers(model, caches);
+        if let Some(head) = head.filter(|_| {
+            rows.iter_mut()
+                .any(|row| row.sequence().head.count() >= super::head::CATCH_UP_EVERY)
+        }) {
+            // Rows that do not draft keep the head current in bounded pieces.
+            super::head::catch_up(head, trunk, caches, rows, |_| true)?;
+            queued.extend(
+                caches[trunk..]
+                    .iter()
+                    .flat_map(|cache| cache.state())
+                    .cloned(),
+            );
+        }
+        let input = batch_input(rows)?;
+        let logits = match head {
+            Some(head) => {
+                let (logits, hidden) = head.forward_hidden(&input, caches, Logits::Last)?;
+                super::head::keep_hidden(rows, &hidden, &vec![1; count]);
+                logits
+            }
+            None => model.forward(&input, caches, Logits::Last)?,
+        };
+        let logits = logits.index((.., -1, ..));
         // Greedy rows with no processor but a logit bias are sampled in one op for the whole
         // batch (one bias add, one log-softmax, one argmax, one host read), not row by row.
         let together = if count > 1

@@ -3,9 +3,11 @@
 //! `stream_generate`).
 //!
 //! Files: `params.rs` (a request's settings and its answer), `solo.rs` (one request alone),
-//! `prefill.rs`, `sequence.rs` (one request's decode state), `batch.rs` (a batch's decode step), `verify.rs` (a speculative step).
+//! `prefill.rs`, `sequence.rs` (one request's decode state), `batch.rs` (a batch's decode step), `verify.rs` (a speculative step),
+//! `head.rs` (the model's own draft head in the decode loop).
 
 mod batch;
+mod head;
 mod params;
 mod prefill;
 mod sequence;

@@ -34,6 +34,9 @@ pub struct Prefill {
     snapshots: Vec<CachedSequence>,
     images: Option<ImagePrefill>,
     started: Instant,
+    /// Whether the next piece's first token is paired with a zero hidden state in the draft
+    /// head, whose caches then hold one position fewer than the trunk's (see `align_head`).
+    head_carry: bool,
 }
 
 impl Prefill {
@@ -57,12 +60,14 @@ impl Prefill {
                 "at most {MAX_TOP_LOGPROBS} top log-probs per token"
             )));
         }
+        let mut head_carry = false;
         let (caches, cached_tokens) = match reuse {
             Some(reuse) if reuse.cached_tokens < prompt_ids.len() => {
                 let mut caches = reuse.caches;
                 caches
                     .iter_mut()
                     .for_each(|cache| cache.set_max_ctx(max_ctx));
+                head_carry = align_head(model, &mut caches, reuse.cached_tokens, max_ctx)?;
                 (caches, reuse.cached_tokens)
             }
             _ => {
@@ -115,6 +120,7 @@ impl Prefill {
             snapshots: Vec::new(),
             images,
             started,
+            head_carry,
         })
     }
 
@@ -145,20 +151,34 @@ impl Prefill {
         let Some(piece) = self.pieces.pop_front() else {
             return Ok(());
         };
+        // The draft head pairs each position with the token after it: the prompt's, since a
+        // piece never ends at the last prompt token (the first decode step feeds it).
+        let primed = model.draft_head().map(|head| {
+            let next = as_input(&self.prompt_ids[piece.start + 1..=piece.end]);
+            (head, next, std::mem::take(&mut self.head_carry))
+        });
+        let primed = primed
+            .as_ref()
+            .map(|(head, next, carry)| (*head, next, *carry));
         match (&self.images, model.as_vision()) {
             (Some(images), Some(vision)) => multimodal::prefill_piece(
                 vision,
+                primed,
                 images,
                 &self.prompt_ids,
                 piece.clone(),
                 &mut self.caches,
             )?,
             _ => {
-                model.forward(
-                    &as_input(&self.prompt_ids[piece.clone()]),
-                    &mut self.caches,
-                    Logits::Last,
-                )?;
+                let input = as_input(&self.prompt_ids[piece.clone()]);
+                match primed {
+                    Some((head, next, carry)) => {
+                        head.prime(&input, None, next, carry, &mut self.caches)?
+                    }
+                    None => {
+                        model.forward(&input, &mut self.caches, Logits::Last)?;
+                    }
+                }
                 crate::runtime::eval(self.caches.iter().flat_map(|cache| cache.state()))?;
             }
         }
@@ -217,10 +237,12 @@ impl Prefill {
         let max_new = params
             .max_tokens
             .min(self.max_ctx - self.prompt_ids.len() + 1);
-        let (proposer, depth) = match crate::speculative::Proposer::new(&params.speculative) {
-            Some((proposer, depth)) => (Some(proposer), depth),
-            None => (None, None),
-        };
+        let has_head = model.draft_head().is_some();
+        let (proposer, depth) =
+            match crate::speculative::Proposer::new(&params.speculative, has_head) {
+                Some((proposer, depth)) => (Some(proposer), depth),
+                None => (None, None),
+            };
         let sequence = Sequence {
             sampler: Sampler::new(&params.sampling)?,
             constraint,
@@ -252,10 +274,47 @@ impl Prefill {
             depth,
             drafted: 0,
             accepted: 0,
+            head: Default::default(),
             params,
         };
         Ok((sequence, self.caches))
     }
+}
+
+/// A reused prefix of `cached` tokens for a model with a draft head: the head's last entry
+/// paired the trunk's hidden state at `cached - 1` with the token after it in the stored
+/// conversation, which this prompt may not share, so it goes, and the first piece re-pairs that
+/// position with this prompt's token and a zero hidden state (the stored one is not kept; the
+/// head then sees that token alone). Returns whether that pair is due. A prefix whose head caches are missing
+/// or shorter (stored without a head, or its last tokens never taken in) gets fresh head caches
+/// that start at the right rotary position, with no history.
+fn align_head(
+    model: &dyn LanguageModel,
+    caches: &mut Vec<KvCache>,
+    cached: usize,
+    max_ctx: usize,
+) -> Result<bool> {
+    let Some(head) = model.draft_head() else {
+        return Ok(false);
+    };
+    let trunk = model.num_layers();
+    let keep = cached.saturating_sub(1) as i32;
+    let whole = caches.len() == trunk + head.head_layers()
+        && caches[trunk..].iter().all(|cache| cache.offset() >= keep);
+    if whole {
+        caches[trunk..]
+            .iter_mut()
+            .for_each(|cache| cache.truncate(keep));
+    } else {
+        let delta = caches.first().map_or(0, KvCache::rope_delta);
+        caches.truncate(trunk);
+        for _ in 0..head.head_layers() {
+            let mut fresh = KvCache::new(max_ctx);
+            fresh.set_rope_delta(keep + delta);
+            caches.push(fresh);
+        }
+    }
+    Ok(cached > 0)
 }
 
 /// Where a prefill snapshots its caches for the prefix cache. A recurrent state cannot be cut

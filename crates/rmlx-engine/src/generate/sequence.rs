@@ -9,6 +9,7 @@ use crate::{
     chat::{ChatTokenizer, StopMatcher, StreamDecoder},
     constrain::{Constraint, ToolGrammars},
     error::Result,
+    models::LanguageModel,
     sample::Sampler,
     speculative::{depth::DepthControl, Proposer},
 };
@@ -122,6 +123,8 @@ pub struct Sequence {
     /// Draft tokens proposed and kept so far.
     pub(super) drafted: usize,
     pub(super) accepted: usize,
+    /// Hidden states the model's draft head has yet to take in (empty without a head).
+    pub(super) head: super::head::Pending,
 }
 
 impl Sequence {
@@ -376,11 +379,16 @@ impl Sequence {
     /// caches (one row, with the tokens they hold) for the prefix cache.
     pub fn finish(
         mut self,
+        model: &dyn LanguageModel,
         tokenizer: &ChatTokenizer,
-        caches: Vec<KvCache>,
+        mut caches: Vec<KvCache>,
         emit: &mut dyn FnMut(Delta),
     ) -> (Completion, CachedSequence) {
         let _ = tokenizer;
+        if let Err(error) = super::head::settle(model, &mut self, &mut caches) {
+            // The head's caches then end early: a later turn's drafts see less, nothing else.
+            eprintln!("rmlx: the draft head did not take in its last tokens: {error}");
+        }
         let mut finish_reason = self.finish.unwrap_or(FinishReason::Length);
         let mut stop_sequence = self.stop_sequence.take();
         let kv_bytes = caches.iter().map(|cache| cache.nbytes() as u64).sum();

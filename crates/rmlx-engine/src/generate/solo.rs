@@ -78,7 +78,7 @@ pub fn generate_reusing(
         mut on_delta,
         ..
     } = row;
-    Ok(sequence.finish(tokenizer, caches, &mut on_delta))
+    Ok(sequence.finish(model, tokenizer, caches, &mut on_delta))
 }
 
 /// The one row of a request run alone.

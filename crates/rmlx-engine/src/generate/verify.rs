@@ -18,6 +18,7 @@ use crate::{
     chat::ChatTokenizer,
     error::Result,
     models::{LanguageModel, Logits},
+    speculative::Proposer,
 };
 
 use super::{
@@ -25,27 +26,71 @@ use super::{
     sequence::logprob_arrays,
 };
 
-/// Drafts for every row that speculates (empty for the others), or None when no row drafted
-/// anything (the step is then a plain one). A drafting row's unread tokens are read first: its
-/// proposer needs its last token.
+/// A step's drafts: each row's from a host proposer (empty for the others), and the model's
+/// draft head's for the rows it drafts for.
+pub(super) struct Drafts {
+    host: Vec<Vec<u32>>,
+    /// `[B, K]` int32 and how many of its row's each row drafts (0: not the head's row).
+    head: Option<(Array, Vec<usize>)>,
+}
+
+impl Drafts {
+    fn width(&self) -> usize {
+        let host = self.host.iter().map(Vec::len).max().unwrap_or(0);
+        let head = self
+            .head
+            .as_ref()
+            .map_or(0, |(_, depths)| depths.iter().copied().max().unwrap_or(0));
+        1 + host.max(head)
+    }
+}
+
+/// Drafts for every row that speculates, or None when no row drafts anything (the step is
+/// then a plain one). A drafting row's unread tokens are read first: its proposer needs its
+/// last token, and the draft head needs the tokens after its pending hidden states.
 pub(super) fn drafts<R: DecodeRow>(
+    model: &dyn LanguageModel,
+    caches: &mut [KvCache],
     rows: &mut [R],
     tokenizer: &ChatTokenizer,
     kv_bytes: u64,
-) -> Result<Option<Vec<Vec<u32>>>> {
-    let mut drafts = vec![Vec::new(); rows.len()];
-    let mut any = false;
+) -> Result<Option<Drafts>> {
     let count = rows.len();
-    for (row, draft) in rows.iter_mut().zip(drafts.iter_mut()) {
+    let mut host = vec![Vec::new(); count];
+    let mut head_depths = vec![0; count];
+    let mut any = false;
+    for (b, row) in rows.iter_mut().enumerate() {
         let depth = row.sequence().draft_depth(count);
         if depth == 0 {
             continue;
         }
         read_all(row, tokenizer, kv_bytes, 0)?;
-        *draft = row.sequence().propose(depth);
-        any |= !draft.is_empty();
+        let sequence = row.sequence();
+        if sequence.proposer.as_ref().is_some_and(Proposer::is_head) {
+            head_depths[b] = depth.min(sequence.params.speculative.max_draft);
+            any = true;
+        } else {
+            host[b] = sequence.propose(depth);
+            any |= !host[b].is_empty();
+        }
     }
-    Ok(any.then_some(drafts))
+    if !any {
+        return Ok(None);
+    }
+    let deepest = head_depths.iter().copied().max().unwrap_or(0);
+    let head = match model.draft_head().filter(|_| deepest > 0) {
+        Some(head) => {
+            // The head takes in every row's pairs, so the others' unread tokens come first too.
+            for row in rows.iter_mut() {
+                read_all(row, tokenizer, kv_bytes, 0)?;
+            }
+            let trunk = super::head::trunk_layers(model, caches);
+            let tokens = super::head::draft(head, trunk, caches, rows, deepest)?;
+            Some((tokens, head_depths))
+        }
+        None => None,
+    };
+    Ok(Some(Drafts { host, head }))
 }
 
 /// The speculative step (see the module doc). `drafts[b]` are row `b`'s drafted tokens.
@@ -54,30 +99,56 @@ pub(super) fn verify_iteration<R: DecodeRow>(
     tokenizer: &ChatTokenizer,
     caches: &mut [KvCache],
     rows: &mut [R],
-    drafts: &[Vec<u32>],
+    drafts: &Drafts,
     kv_bytes: u64,
 ) -> Result<()> {
     let count = rows.len();
-    let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
+    let width = drafts.width();
     // Rows that did not draft may still hold a pipelined step's token unread: it comes before
     // anything this step gives them (the step waits on the device anyway).
     for row in rows.iter_mut() {
         read_all(row, tokenizer, kv_bytes, 0)?;
     }
     let mut inputs = Vec::with_capacity(count);
-    for (row, draft) in rows.iter_mut().zip(drafts) {
+    for (b, (row, draft)) in rows.iter_mut().zip(&drafts.host).enumerate() {
         let sequence = row.sequence();
         sequence.batched_with = sequence.batched_with.max(count);
         let first = sequence.input.as_dtype(Dtype::Int32)?.reshape(&[1, 1])?;
-        let mut rest: Vec<i32> = draft.iter().map(|&token| token as i32).collect();
-        // Padding the row never keeps (its step ends at its last draft).
-        rest.resize(width - 1, 0);
-        let rest = Array::from_slice(&rest, &[1, width as i32 - 1]);
+        let rest = match &drafts.head {
+            Some((tokens, depths)) if depths[b] > 0 => {
+                // The head drafted the batch's deepest count for every row: this row's extra
+                // ones are padding it never keeps, like the zeros below.
+                let own = tokens.index(b as i32..b as i32 + 1);
+                let pad = width as i32 - 1 - own.shape()[1];
+                match pad {
+                    0 => own,
+                    _ => mlx_rs::ops::concatenate(
+                        &[own, mlx_rs::ops::zeros_dtype(&[1, pad], Dtype::Int32)?],
+                        1,
+                    )?,
+                }
+            }
+            _ => {
+                let mut rest: Vec<i32> = draft.iter().map(|&token| token as i32).collect();
+                // Padding the row never keeps (its step ends at its last draft).
+                rest.resize(width - 1, 0);
+                Array::from_slice(&rest, &[1, width as i32 - 1])
+            }
+        };
         inputs.push(mlx_rs::ops::concatenate(&[first, rest], 1)?);
     }
     let input = mlx_rs::ops::concatenate(&inputs, 0)?;
-    caches.iter_mut().for_each(KvCache::begin_speculative);
-    let logits = model.forward(&input, caches, Logits::All)?;
+    let trunk = super::head::trunk_layers(model, caches);
+    caches[..trunk]
+        .iter_mut()
+        .for_each(KvCache::begin_speculative);
+    let (logits, hidden) = match model.draft_head() {
+        Some(head) => {
+            let (logits, hidden) = head.forward_hidden(&input, caches, Logits::All)?;
+            (logits, Some(hidden))
+        }
+        None => (model.forward(&input, caches, Logits::All)?, None),
+    };
     // The plain batched step's ops at every position: bias, log-softmax, argmax (the same
     // tie-break), so a kept draft is exactly the token the plain step would have chosen.
     let logprobs = crate::sample::log_softmax(&with_bias_rows(&logits, rows)?)?;
@@ -93,11 +164,27 @@ pub(super) fn verify_iteration<R: DecodeRow>(
         }
     }
     // The step's one wait for the device (rows without log-probs read nothing else).
-    crate::runtime::eval([&argmax])?;
+    let head_tokens = drafts.head.as_ref().map(|(tokens, _)| tokens);
+    crate::runtime::eval(std::iter::once(&argmax).chain(head_tokens))?;
     let now = std::time::Instant::now();
     let chosen: Vec<u32> = argmax.as_slice::<u32>().to_vec();
+    let head_drafts: Option<(Vec<i32>, usize)> = head_tokens.map(|tokens| {
+        (
+            tokens.as_slice::<i32>().to_vec(),
+            tokens.shape()[1] as usize,
+        )
+    });
     let mut kept = Vec::with_capacity(count);
-    for (b, (row, draft)) in rows.iter_mut().zip(drafts).enumerate() {
+    for (b, (row, draft)) in rows.iter_mut().zip(&drafts.host).enumerate() {
+        let head_draft: Vec<u32>;
+        let draft = match (&head_drafts, &drafts.head) {
+            (Some((tokens, deepest)), Some((_, depths))) if depths[b] > 0 => {
+                let own = &tokens[b * deepest..b * deepest + depths[b]];
+                head_draft = own.iter().map(|&token| token as u32).collect();
+                &head_draft
+            }
+            _ => draft,
+        };
         if sampled[b] || !row.sequence().wants_step() {
             // One token (or none for a finished row that only feeds its last one).
             kept.push(1);
@@ -145,8 +232,11 @@ pub(super) fn verify_iteration<R: DecodeRow>(
         // The caches keep the fed token and every taken token but the last (fed next).
         kept.push(taken.max(1) as i32);
     }
-    for cache in caches.iter_mut() {
+    for cache in caches[..trunk].iter_mut() {
         cache.keep_written(width as i32, &kept)?;
+    }
+    if let Some(hidden) = &hidden {
+        super::head::keep_hidden(rows, hidden, &kept);
     }
     for (row, sampled) in rows.iter_mut().zip(sampled) {
         if sampled {

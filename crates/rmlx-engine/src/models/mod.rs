@@ -65,6 +65,52 @@ pub trait LanguageModel {
     fn as_vision(&self) -> Option<&dyn VisionLanguageModel> {
         None
     }
+
+    /// The model's own draft head when it ships one and it was loaded (Qwen3.5 / 3.6 MTP).
+    /// Its caches then follow the model's `num_layers()` in every cache list.
+    fn draft_head(&self) -> Option<&dyn DraftHead> {
+        None
+    }
+}
+
+/// A draft head reading the trunk's final-norm hidden states: for each position, the hidden
+/// state paired with the token after it gives a draft of the token after that
+/// (`speculative/head.rs` runs it).
+pub trait DraftHead {
+    /// Caches the head keeps after the trunk's (one per head layer).
+    fn head_layers(&self) -> usize;
+
+    /// A prefill piece (`inputs` `[1, L]`, with its image features if any) through the trunk,
+    /// then the head over each position's hidden state paired with `next` `[1, L]` (the token
+    /// after each input). `carry`: the head's caches hold one position fewer than the trunk's
+    /// (a reused prefix whose hidden state there is not kept): the piece's first token is
+    /// paired with a zero hidden state at the position before the piece.
+    fn prime(
+        &self,
+        inputs: &Array,
+        features: Option<&VisionFeatures>,
+        next: &Array,
+        carry: bool,
+        caches: &mut [KvCache],
+    ) -> Result<()>;
+
+    /// [`LanguageModel::forward`] that also returns the final-norm hidden states of every input
+    /// position, `[B, L, H]` (text only).
+    fn forward_hidden(
+        &self,
+        inputs: &Array,
+        caches: &mut [KvCache],
+        logits: Logits,
+    ) -> Result<(Array, Array)>;
+
+    /// The head over `tokens` `[B, T]` paired with `hidden` `[B, T, H]`, at the next positions
+    /// of `caches` (the head's own, not the trunk's); returns its outputs `[B, T, H]` (each a stand-in for the trunk's hidden
+    /// state at the next position).
+    fn head_forward(&self, tokens: &Array, hidden: &Array, caches: &mut [KvCache])
+        -> Result<Array>;
+
+    /// The shared lm_head's logits of head outputs.
+    fn head_logits(&self, outputs: &Array) -> Result<Array>;
 }
 
 /// Preprocessed images of one prompt, in prompt order.
@@ -199,6 +245,10 @@ pub struct ModelInfo {
     pub recurrent_state_bytes: u64,
     /// What sliding-window layers keep per sequence (their window; 0 without such layers).
     pub window_state_bytes: u64,
+    /// Whether the checkpoint ships a multi-token-prediction draft head (`mtp.*`).
+    pub draft_head: bool,
+    /// Whether that head was loaded (speculative decoding on).
+    pub draft_head_loaded: bool,
 }
 
 /// A model ready to run, with its facts.
@@ -218,9 +268,21 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "gemma4",
 ];
 
+/// What to load besides the model itself.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LoadOptions {
+    /// The draft head a checkpoint ships (Qwen3.5 / 3.6 `mtp.*`), for speculative decoding.
+    pub draft_head: bool,
+}
+
+/// [`load_model_with`] without the optional parts.
+pub fn load_model(dir: &Path) -> Result<LoadedModel> {
+    load_model_with(dir, LoadOptions::default())
+}
+
 /// Reads config.json, builds the family's model strictly from the weights (every parameter
 /// filled, nothing left over) and evaluates the weights once so the file reads happen here.
-pub fn load_model(dir: &Path) -> Result<LoadedModel> {
+pub fn load_model_with(dir: &Path, options: LoadOptions) -> Result<LoadedModel> {
     let config = ConfigFile::read(dir)?;
     let model_type = config.base.model_type.clone();
     // Refuse an unknown family before reading any weights.
@@ -229,13 +291,19 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
     }
     check_head_geometry(dir, &config.json)?;
     let mut store = WeightStore::open(dir)?;
+    let ships_draft_head = store.names().iter().any(|name| name.starts_with("mtp."));
     let model: Box<dyn LanguageModel> = match model_type.as_str() {
         "qwen3" => Box::new(qwen3::Model::load(dir, &config, &mut store)?),
         "qwen3_moe" => Box::new(qwen3_moe::load(dir, &config, &mut store)?),
         // qwen3_vl_moe is Qwen3-VL with experts in the text decoder (mlx-vlm `qwen3_vl_moe`).
         "qwen3_vl" | "qwen3_vl_moe" => Box::new(qwen3_vl::Model::load(dir, &config, &mut store)?),
         // qwen3_5_moe is Qwen3.5 with routed experts in every layer (mlx-vlm `qwen3_5_moe`).
-        "qwen3_5" | "qwen3_5_moe" => Box::new(qwen3_5::Model::load(dir, &config, &mut store)?),
+        "qwen3_5" | "qwen3_5_moe" => Box::new(qwen3_5::Model::load(
+            dir,
+            &config,
+            &mut store,
+            options.draft_head,
+        )?),
         "gemma4" => Box::new(gemma4::Model::load(dir, &config, &mut store)?),
         _ => unreachable!("checked above"),
     };
@@ -265,6 +333,8 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
         kv_bytes_per_token: structure::kv_bytes_per_token(&config.json),
         recurrent_state_bytes: structure::recurrent_state_bytes(&config.json),
         window_state_bytes: structure::window_state_bytes(&config.json),
+        draft_head: ships_draft_head,
+        draft_head_loaded: model.draft_head().is_some(),
     };
     Ok(LoadedModel { model, info })
 }

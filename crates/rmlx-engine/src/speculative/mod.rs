@@ -22,8 +22,12 @@ pub enum SpeculativeMode {
     Off,
     /// Prompt lookup at the full depth whenever it finds a match.
     Lookup,
-    /// Prompt lookup, its depth chosen per request from measured acceptance and step costs
-    /// (`depth.rs`): it switches itself off where it loses.
+    /// The model's own draft head (Qwen3.5 / 3.6 MTP) at the full depth; prompt lookup for a
+    /// model without one.
+    Mtp,
+    /// The model's draft head if it has one, else prompt lookup, its depth chosen per request
+    /// from measured acceptance and step costs (`depth.rs`): it switches itself off where it
+    /// loses.
     Auto,
 }
 
@@ -32,6 +36,7 @@ impl SpeculativeMode {
         match text {
             "off" => Some(Self::Off),
             "lookup" => Some(Self::Lookup),
+            "mtp" => Some(Self::Mtp),
             "auto" => Some(Self::Auto),
             _ => None,
         }
@@ -41,6 +46,7 @@ impl SpeculativeMode {
         match self {
             Self::Off => "off",
             Self::Lookup => "lookup",
+            Self::Mtp => "mtp",
             Self::Auto => "auto",
         }
     }
@@ -94,17 +100,26 @@ impl std::fmt::Debug for Drafter {
 pub(crate) enum Proposer {
     Lookup(lookup::PromptLookup),
     Given(Drafter),
+    /// The model's draft head: its drafts are made on the device for the whole batch
+    /// (`generate/head.rs`), not here.
+    Head,
 }
 
 impl Proposer {
-    /// The proposer and, for `auto`, its depth control.
-    pub(crate) fn new(params: &SpeculativeParams) -> Option<(Self, Option<depth::DepthControl>)> {
+    /// The proposer and, for `auto`, its depth control. `has_head`: the model's draft head is
+    /// loaded.
+    pub(crate) fn new(
+        params: &SpeculativeParams,
+        has_head: bool,
+    ) -> Option<(Self, Option<depth::DepthControl>)> {
         let mode = params.mode.unwrap_or_default();
         if params.max_draft == 0 || (params.drafter.is_none() && mode == SpeculativeMode::Off) {
             return None;
         }
+        let head = has_head && matches!(mode, SpeculativeMode::Mtp | SpeculativeMode::Auto);
         let proposer = match &params.drafter {
             Some(drafter) => Self::Given(drafter.clone()),
+            None if head => Self::Head,
             None => Self::Lookup(lookup::PromptLookup),
         };
         let control =
@@ -112,10 +127,15 @@ impl Proposer {
         Some((proposer, control))
     }
 
+    pub(crate) fn is_head(&self) -> bool {
+        matches!(self, Self::Head)
+    }
+
     pub(crate) fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
         let mut draft = match self {
             Self::Lookup(lookup) => lookup.propose(history, max),
             Self::Given(drafter) => (drafter.0)(history, max),
+            Self::Head => Vec::new(),
         };
         draft.truncate(max);
         draft

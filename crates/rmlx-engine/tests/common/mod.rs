@@ -132,3 +132,32 @@ pub fn qwen_patchify(path: &str) -> (Vec<f32>, [i32; 3]) {
     }
     (out, [1, grid_h as i32, grid_w as i32])
 }
+
+/// Two answers to the same greedy request are the same: tokens equal, log-probs and the top
+/// alternatives within 1e-5 (speculative decoding against plain decode).
+pub fn assert_same(
+    plain: &rmlx_engine::generate::Completion,
+    other: &rmlx_engine::generate::Completion,
+    what: &str,
+) {
+    assert_eq!(plain.token_ids, other.token_ids, "{what}: tokens differ");
+    let (a, b) = (
+        plain.logprobs.as_ref().unwrap(),
+        other.logprobs.as_ref().unwrap(),
+    );
+    for (i, (a, b)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (a.logprob - b.logprob).abs() < 1e-5,
+            "{what}: token {i} log-prob {} vs {}",
+            a.logprob,
+            b.logprob
+        );
+        for (x, y) in a.top.iter().zip(&b.top) {
+            assert_eq!(x.token_id, y.token_id, "{what}: token {i} alternatives");
+            assert!(
+                (x.logprob - y.logprob).abs() < 1e-5,
+                "{what}: token {i} alternatives"
+            );
+        }
+    }
+}

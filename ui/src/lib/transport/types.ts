@@ -201,8 +201,8 @@ export interface AppConfig {
   prefix_disk_gb?: number | null;
   /** Its folder; null: ~/.rmlx/cache. */
   prefix_disk_dir?: string | null;
-  /** Speculative decoding: 'auto', 'off' or 'lookup' (taken when the app starts); null or absent: the engine's default. */
-  speculative?: 'auto' | 'off' | 'lookup' | null;
+  /** Speculative decoding: 'auto', 'off', 'lookup' or 'mtp' (taken when the app starts); null or absent: the engine's default. */
+  speculative?: 'auto' | 'off' | 'lookup' | 'mtp' | null;
   launch_at_login: boolean;
   update_channel: 'stable' | 'beta';
   /** Fields this UI does not know are kept and sent back. */

@@ -378,7 +378,7 @@ enum FeedForward {
     Experts(Box<SparseMoeBlock>),
 }
 
-struct DecoderLayer {
+pub(super) struct DecoderLayer {
     mixer: Mixer,
     mlp: FeedForward,
     input_layernorm: RmsNorm,
@@ -386,17 +386,18 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn load(
+    /// The layer at `prefix`: a Gated DeltaNet mixer when `linear`, else gated attention.
+    pub(super) fn load(
         store: &mut WeightStore,
         quant: Option<&QuantizationConfig>,
         config: &Config,
         moe: Option<&MoeConfig>,
-        index: usize,
+        prefix: &str,
+        linear: bool,
     ) -> Result<Self> {
         let text = &config.text_config;
-        let prefix = format!("language_model.model.layers.{index}");
         let (hidden, eps) = (text.hidden_size, text.rms_norm_eps);
-        let mixer = if config.is_linear(index) {
+        let mixer = if linear {
             Mixer::Linear(GatedDeltaNet::load(
                 store,
                 quant,
@@ -441,7 +442,12 @@ impl DecoderLayer {
         })
     }
 
-    fn forward(&self, x: &Array, rotary: &RotaryAngles, cache: &mut KvCache) -> Result<Array> {
+    pub(super) fn forward(
+        &self,
+        x: &Array,
+        rotary: &RotaryAngles,
+        cache: &mut KvCache,
+    ) -> Result<Array> {
         let normed = self.input_layernorm.forward(x)?;
         let mixed = match &self.mixer {
             Mixer::Linear(layer) => layer.forward(&normed, cache)?,
@@ -484,7 +490,10 @@ impl LanguageModel {
             text.hidden_size,
         )?;
         let layers = (0..text.num_hidden_layers as usize)
-            .map(|index| DecoderLayer::load(store, quant, config, moe, index))
+            .map(|index| {
+                let prefix = format!("language_model.model.layers.{index}");
+                DecoderLayer::load(store, quant, config, moe, &prefix, config.is_linear(index))
+            })
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(
             store,
@@ -521,23 +530,39 @@ impl LanguageModel {
     /// Embeddings `[1, L, hidden]` at rotary positions `rows` (t, h, w) through the decoder.
     pub(super) fn forward_embeddings(
         &self,
-        mut h: Array,
+        h: Array,
         rows: &[&[i32]; 3],
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
         let rotary = RotaryAngles::for_chunk(rows, caches, &self.rope, self.rotary_dim)?;
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.forward(&h, &rotary, cache)?;
-        }
+        let mut h = self.trunk(h, &rotary, caches)?;
         if logits == Logits::Last && h.shape()[1] > 1 {
             let last = h.shape()[1] - 1;
             h = h.index((.., last..));
         }
-        let h = self.norm.forward(&h)?;
+        self.project(&h)
+    }
+
+    /// The decoder layers and the final norm: the hidden states the lm_head scores (and the
+    /// draft head reads), every position.
+    pub(super) fn trunk(
+        &self,
+        mut h: Array,
+        rotary: &RotaryAngles,
+        caches: &mut [KvCache],
+    ) -> Result<Array> {
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            h = layer.forward(&h, rotary, cache)?;
+        }
+        self.norm.forward(&h)
+    }
+
+    /// The lm_head (the embedding when tied) over final-norm hidden states.
+    pub(super) fn project(&self, h: &Array) -> Result<Array> {
         match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed_tokens.as_linear(&h),
+            Some(head) => head.forward(h),
+            None => self.embed_tokens.as_linear(h),
         }
     }
 }

@@ -7,6 +7,7 @@
 pub mod config;
 pub mod gated_delta;
 pub mod language;
+pub mod mtp;
 // Compiled everywhere so it is type-checked on Linux; only macOS calls it.
 #[cfg_attr(not(target_os = "macos"), allow(dead_code))]
 pub mod metal;
@@ -15,15 +16,18 @@ use std::path::Path;
 
 use mlx_rs::Array;
 
-use self::{config::Config, language::LanguageModel as TextModel};
+use self::{config::Config, language::LanguageModel as TextModel, mtp::MtpHead};
 use super::{
     host_ids,
     qwen3_vl::{
-        language::{chunk_base, image_rows, rope_index_for, text_rows, ImageTokenIds},
+        language::{
+            chunk_base, image_rows, rope_index_for, text_rows, ImageTokenIds, RotaryAngles,
+        },
         vision::VisionModel,
         MropePositions,
     },
-    ImageInput, ImageScatter, LanguageModel, Logits, VisionFeatures, VisionLanguageModel,
+    DraftHead, ImageInput, ImageScatter, LanguageModel, Logits, VisionFeatures,
+    VisionLanguageModel,
 };
 use crate::{cache::KvCache, config::ConfigFile, error::Result, weights::WeightStore};
 
@@ -31,6 +35,8 @@ pub struct Model {
     config: Config,
     vision: VisionModel,
     language: TextModel,
+    /// The multi-token-prediction head, when loaded (see [`Model::load`]).
+    mtp: Option<MtpHead>,
 }
 
 /// The RMSNorm weights Hugging Face stores zero-centred (`1 + w`); the Gated DeltaNet's own
@@ -43,15 +49,24 @@ const SHIFTED_NORMS: &[&str] = &[
     ".k_norm.weight",
 ];
 
-/// mlx-vlm's `sanitize`, in place on the store: the draft head (`mtp.*`) set aside, Hugging
-/// Face names to mlx's, the conv1d weight `[C, 1, K]` to `[C, K, 1]`, and +1 on the
-/// zero-centred norms of a Hugging Face file (never on an mlx conversion: it already added
-/// it). The vision tower's Conv3d is transposed by its own loader.
-fn sanitize(store: &mut WeightStore, tied: bool) -> Result<()> {
+/// The draft head's zero-centred norms in a Hugging Face file (mlx-vlm's MTP `sanitize`).
+const SHIFTED_HEAD_NORMS: &[&str] = &[
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+    "mtp.norm.weight",
+    "mtp.pre_fc_norm_embedding.weight",
+    "mtp.pre_fc_norm_hidden.weight",
+];
+
+/// mlx-vlm's `sanitize`, in place on the store: Hugging Face names to mlx's, the conv1d weight
+/// `[C, 1, K]` to `[C, K, 1]`, and +1 on the zero-centred norms of a Hugging Face file (never
+/// on an mlx conversion: it already added it). The draft head (`mtp.*`) is set aside unless
+/// `keep_head`; kept, its norms are shifted as the trunk's are (exactly once). The vision
+/// tower's Conv3d is transposed by its own loader.
+fn sanitize(store: &mut WeightStore, tied: bool, keep_head: bool) -> Result<()> {
     let names = store.names();
-    for name in names.iter().filter(|name| name.starts_with("mtp.")) {
-        store.discard(name);
-    }
     let unconverted_conv = names.iter().any(|name| {
         name.ends_with("conv1d.weight")
             && !name.starts_with("mtp.")
@@ -59,6 +74,21 @@ fn sanitize(store: &mut WeightStore, tied: bool) -> Result<()> {
                 .shape_of(name)
                 .is_some_and(|shape| shape.last() != Some(&1))
     });
+    // The head's names are the same in both layouts: the trunk's say which one the file is.
+    let hugging_face_file =
+        unconverted_conv || !names.iter().any(|name| name.starts_with("language_model."));
+    for name in names.iter().filter(|name| name.starts_with("mtp.")) {
+        if !keep_head {
+            store.discard(name);
+        } else if hugging_face_file && SHIFTED_HEAD_NORMS.iter().any(|s| name.ends_with(s)) {
+            store.transform(name, |w| {
+                if w.ndim() != 1 {
+                    return Ok(w.clone());
+                }
+                Ok(mlx_rs::ops::add(w, crate::nn::scalar(1.0, w)?)?)
+            })?;
+        }
+    }
     for name in names.iter().filter(|name| !name.starts_with("mtp.")) {
         let hugging_face_name = !name.starts_with("language_model.");
         let is_norm = SHIFTED_NORMS.iter().any(|suffix| name.ends_with(suffix))
@@ -95,22 +125,39 @@ fn sanitize(store: &mut WeightStore, tied: bool) -> Result<()> {
 }
 
 impl Model {
-    pub fn load(dir: &Path, config: &ConfigFile, store: &mut WeightStore) -> Result<Self> {
+    /// `with_head`: load the multi-token-prediction head when the file ships one (it costs a
+    /// decoder layer of memory and of prefill); otherwise its tensors are set aside.
+    pub fn load(
+        dir: &Path,
+        config: &ConfigFile,
+        store: &mut WeightStore,
+        with_head: bool,
+    ) -> Result<Self> {
         let args: Config = config.family(dir)?;
         let model_type = config.base.model_type.as_str();
         args.validate(dir, model_type)?;
         let rope = args.rope(dir)?;
         let moe = args.moe(dir, model_type)?;
         let quant = config.base.quantization.as_ref();
-        sanitize(store, args.tied())?;
+        let head_layers = store
+            .names()
+            .iter()
+            .any(|name| name.starts_with("mtp."))
+            .then(|| args.text_config.mtp_num_hidden_layers.unwrap_or(1).max(1) as usize)
+            .filter(|_| with_head);
+        sanitize(store, args.tied(), head_layers.is_some())?;
         // The converters never quantize the tower: loading it dense makes a quantized one a
         // strict-loading error rather than a silent mis-read.
         let vision = VisionModel::load(store, "vision_tower", &args.vision_config)?;
         let language = TextModel::load(store, quant, &args, moe.as_ref(), rope)?;
+        let mtp = head_layers
+            .map(|layers| MtpHead::load(store, quant, &args, moe.as_ref(), layers))
+            .transpose()?;
         Ok(Self {
             config: args,
             vision,
             language,
+            mtp,
         })
     }
 
@@ -157,6 +204,18 @@ impl LanguageModel for Model {
     fn as_vision(&self) -> Option<&dyn VisionLanguageModel> {
         Some(self)
     }
+
+    /// The trunk's caches, then the head's (when loaded).
+    fn new_cache(&self, max_ctx: usize) -> Vec<KvCache> {
+        let head = self.mtp.as_ref().map_or(0, MtpHead::num_layers);
+        (0..self.num_layers() + head)
+            .map(|_| KvCache::new(max_ctx))
+            .collect()
+    }
+
+    fn draft_head(&self) -> Option<&dyn DraftHead> {
+        self.mtp.as_ref().map(|_| self as &dyn DraftHead)
+    }
 }
 
 impl VisionLanguageModel for Model {
@@ -171,23 +230,154 @@ impl VisionLanguageModel for Model {
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
+        let chunk = self.embed_chunk(inputs, features, caches)?;
+        let out =
+            self.language
+                .forward_embeddings(chunk.h.clone(), &chunk.rows(), caches, logits)?;
+        self.set_rope_delta(&chunk, caches);
+        Ok(out)
+    }
+}
+
+/// A chunk's input embeddings (image features placed) and rotary positions.
+struct Chunk {
+    h: Array,
+    rows: [Vec<i32>; 3],
+    /// The caches' rope delta after the chunk, when its images change it.
+    delta: Option<i32>,
+}
+
+impl Chunk {
+    fn rows(&self) -> [&[i32]; 3] {
+        [&self.rows[0][..], &self.rows[1][..], &self.rows[2][..]]
+    }
+}
+
+impl Model {
+    fn embed_chunk(
+        &self,
+        inputs: &Array,
+        features: Option<&VisionFeatures>,
+        caches: &[KvCache],
+    ) -> Result<Chunk> {
         let (base, delta) = chunk_base(caches);
-        let mut h = self.language.embed_tokens.forward(inputs)?;
+        let h = self.language.embed_tokens.forward(inputs)?;
         let Some(features) = features else {
-            let rows = text_rows(inputs.shape()[inputs.ndim() - 1], base);
-            let rows = [&rows[0][..], &rows[1][..], &rows[2][..]];
-            return self.language.forward_embeddings(h, &rows, caches, logits);
+            return Ok(Chunk {
+                h,
+                rows: text_rows(inputs.shape()[inputs.ndim() - 1], base),
+                delta: None,
+            });
         };
         let ids = host_ids(inputs)?;
         let scatter = ImageScatter::new(&ids, self.config.image_token_id);
-        h = scatter.apply(&h, &features.embeds)?;
+        let h = scatter.apply(&h, &features.embeds)?;
         let positions = rope_index_for(&ids, &features.grid_thw, self.image_tokens());
-        let rows = image_rows(&positions, base);
-        let rows = [&rows[0][..], &rows[1][..], &rows[2][..]];
-        let out = self.language.forward_embeddings(h, &rows, caches, logits)?;
-        for cache in caches.iter_mut() {
-            cache.set_rope_delta(delta + positions.rope_delta);
+        Ok(Chunk {
+            h,
+            rows: image_rows(&positions, base),
+            delta: Some(delta + positions.rope_delta),
+        })
+    }
+
+    fn set_rope_delta(&self, chunk: &Chunk, caches: &mut [KvCache]) {
+        if let Some(delta) = chunk.delta {
+            caches
+                .iter_mut()
+                .for_each(|cache| cache.set_rope_delta(delta));
         }
-        Ok(out)
+    }
+
+    fn head(&self) -> &MtpHead {
+        self.mtp
+            .as_ref()
+            .expect("draft_head() is Some only with a head")
+    }
+}
+
+impl DraftHead for Model {
+    fn head_layers(&self) -> usize {
+        self.head().num_layers()
+    }
+
+    fn prime(
+        &self,
+        inputs: &Array,
+        features: Option<&VisionFeatures>,
+        next: &Array,
+        carry: bool,
+        caches: &mut [KvCache],
+    ) -> Result<()> {
+        let trunk_layers = self.num_layers();
+        let (trunk, head) = caches.split_at_mut(trunk_layers);
+        let chunk = self.embed_chunk(inputs, features, trunk)?;
+        let rows = chunk.rows();
+        let rotary =
+            RotaryAngles::for_chunk(&rows, trunk, &self.language.rope, self.language.rotary_dim)?;
+        let hidden = self.language.trunk(chunk.h.clone(), &rotary, trunk)?;
+        // Pair i: the hidden state at input i with the token after it, at input i's position.
+        let (tokens, hidden, rotary) = match carry {
+            false => (next.clone(), hidden, rotary),
+            true => {
+                let shape = hidden.shape();
+                let carry = mlx_rs::ops::zeros_dtype(&[1, 1, shape[2]], hidden.dtype())?;
+                let first = mlx_rs::ops::indexing::IndexOp::index(inputs, (.., ..1));
+                let before: [Vec<i32>; 3] = std::array::from_fn(|axis| {
+                    std::iter::once(rows[0][0] - 1)
+                        .chain(rows[axis].iter().copied())
+                        .collect()
+                });
+                let before = [&before[0][..], &before[1][..], &before[2][..]];
+                (
+                    mlx_rs::ops::concatenate(&[&first, next], 1)?,
+                    mlx_rs::ops::concatenate(&[carry, hidden], 1)?,
+                    RotaryAngles::new(&before, &self.language.rope, self.language.rotary_dim)?,
+                )
+            }
+        };
+        let embeds = self.language.embed_tokens.forward(&tokens)?;
+        self.head().forward(&embeds, &hidden, &rotary, head)?;
+        self.set_rope_delta(&chunk, caches);
+        Ok(())
+    }
+
+    fn forward_hidden(
+        &self,
+        inputs: &Array,
+        caches: &mut [KvCache],
+        logits: Logits,
+    ) -> Result<(Array, Array)> {
+        let chunk = self.embed_chunk(inputs, None, caches)?;
+        let rows = chunk.rows();
+        let rotary =
+            RotaryAngles::for_chunk(&rows, caches, &self.language.rope, self.language.rotary_dim)?;
+        let hidden = self.language.trunk(chunk.h, &rotary, caches)?;
+        let scored = if logits == Logits::Last && hidden.shape()[1] > 1 {
+            let last = hidden.shape()[1] - 1;
+            mlx_rs::ops::indexing::IndexOp::index(&hidden, (.., last..))
+        } else {
+            hidden.clone()
+        };
+        Ok((self.language.project(&scored)?, hidden))
+    }
+
+    fn head_forward(
+        &self,
+        tokens: &Array,
+        hidden: &Array,
+        caches: &mut [KvCache],
+    ) -> Result<Array> {
+        let len = tokens.shape()[1];
+        let (base, _) = chunk_base(caches);
+        let rows = text_rows(len, base);
+        let rows = [&rows[0][..], &rows[1][..], &rows[2][..]];
+        let rotary =
+            RotaryAngles::for_chunk(&rows, caches, &self.language.rope, self.language.rotary_dim)?;
+        let embeds = self.language.embed_tokens.forward(tokens)?;
+        self.head().forward(&embeds, hidden, &rotary, caches)
+    }
+
+    fn head_logits(&self, outputs: &Array) -> Result<Array> {
+        self.language.project(outputs)
     }
 }

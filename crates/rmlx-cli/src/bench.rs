@@ -17,7 +17,7 @@ pub struct BenchArgs {
     pub model: Option<PathBuf>,
     /// Store the full-attention layers' KV cache at 8 or 4 bits (as `rmlx serve --kv-bits`).
     #[arg(long, value_name = "8|4")]
-    kv_bits: Option<i32>,
+    pub kv_bits: Option<i32>,
     /// Instead of timing: the KV memory of these release folders (their config.json) per token
     /// and at 32k / 128k of context, sliding layers full-length (before windows) and windowed,
     /// dense and at 8 / 4 bits, as a Markdown table (docs/PERFORMANCE.md).
@@ -45,7 +45,7 @@ pub struct BenchArgs {
     /// Also print where the timed runs' decode steps spent their time, by batch width
     /// (building the graph, handing it to MLX, waiting for tokens, the loop between steps).
     #[arg(long)]
-    step_profile: bool,
+    pub step_profile: bool,
     #[arg(long)]
     pub json: bool,
     /// Instead of the plain bench: speculative decoding against plain decode, with a proposer
@@ -66,6 +66,13 @@ pub struct BenchArgs {
     /// separated depths are measured one after another).
     #[arg(long, value_delimiter = ',', value_name = "K")]
     pub draft_depth: Vec<usize>,
+    /// With --draft-accuracy: the drafts come from the model's own draft head (Qwen3.5 / 3.6
+    /// MTP), in an engine of its own beside the plain one. P picks the answers: 1 forces every
+    /// answer to one token by a logit bias, which the head's drafts get too (every draft
+    /// right); 0 leaves them free (a random head: every draft wrong; bf16 near-ties may then
+    /// part the two answers, so they are not compared).
+    #[arg(long)]
+    pub draft_head: bool,
 }
 
 /// The LCG of scripts/bench/bench.py's `prompt_ids`, from state `seed`.
@@ -236,17 +243,19 @@ fn kv_table(dirs: &[PathBuf]) -> anyhow::Result<()> {
     Ok(())
 }
 
-type StepProfile = std::collections::BTreeMap<usize, rmlx_engine::profile::Phases>;
+pub type StepProfile =
+    std::collections::BTreeMap<rmlx_engine::profile::StepShape, rmlx_engine::profile::Phases>;
 
 /// Milliseconds per step of each phase, by batch width.
-fn step_rows(profile: &StepProfile) -> Vec<serde_json::Value> {
+pub fn step_rows(profile: &StepProfile) -> Vec<serde_json::Value> {
     profile
         .iter()
-        .map(|(rows, phases)| {
+        .map(|((rows, width), phases)| {
             let per =
                 |d: std::time::Duration| d.as_secs_f64() * 1000.0 / phases.steps.max(1) as f64;
             serde_json::json!({
                 "rows": rows,
+                "tokens_per_row": width,
                 "steps": phases.steps,
                 "build_ms": per(phases.build),
                 "submit_ms": per(phases.submit),
@@ -349,13 +358,14 @@ fn report(
 /// `RMLX_STEP_PROFILE=1`).
 pub fn step_lines(profile: &StepProfile) -> Vec<String> {
     let mut lines = vec![
-        "  decode steps (ms per step: build graph / async_eval / wait for tokens / loop between):"
+        "  decode steps (ms per step: build graph / async_eval / wait for tokens / loop between; a step feeding k + 1 tokens per row is a speculative one, its rollback counted as between):"
             .to_string(),
     ];
     for row in step_rows(profile) {
         lines.push(format!(
-            "    {:>2} rows  {:>6} steps  {:.3} / {:.3} / {:.3} / {:.3} = {:.3}",
+            "    {:>2} rows x {} tokens  {:>6} steps  {:.3} / {:.3} / {:.3} / {:.3} = {:.3}",
             row["rows"],
+            row["tokens_per_row"],
             row["steps"],
             row["build_ms"].as_f64().unwrap_or(0.0),
             row["submit_ms"].as_f64().unwrap_or(0.0),

@@ -63,17 +63,46 @@ fn drafter(plain: Vec<u32>, prompt_len: usize, p: f64, vocab: u32, seed: u64) ->
 pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> anyhow::Result<()> {
     let model = args.model.clone().expect("checked by the caller");
     let concurrency = args.concurrency.max(1);
-    let run_all = |prompts: &[Vec<u32>], params: Vec<GenerateParams>| {
+    // The draft head's arm runs in an engine that loaded the head; the plain arm in one without
+    // (a loaded head is primed during every prefill).
+    let head_engine = match args.draft_head {
+        true => {
+            anyhow::ensure!(
+                args.draft_accuracy.iter().all(|&p| p == 0.0 || p == 1.0),
+                "--draft-head takes --draft-accuracy 1 (forced answers) or 0 (free ones)"
+            );
+            let engine = Engine::start_with(rmlx_engine::engine::EngineOptions {
+                max_queue: concurrency,
+                prefix_cache_bytes: Some(0),
+                prefix_snapshot_bytes: Some(0),
+                kv_bits: args.kv_bits,
+                speculative: SpeculativeMode::Mtp,
+                ..Default::default()
+            })?;
+            anyhow::ensure!(
+                engine.model_info(&model)?.draft_head_loaded,
+                "{} has no draft head (mtp.*)",
+                model.display()
+            );
+            Some(engine)
+        }
+        false => None,
+    };
+    let run_all = |engine: &Engine, prompts: &[Vec<u32>], params: Vec<GenerateParams>| {
         answer_all(
             engine,
             &model,
             prompts.iter().cloned().zip(params).collect(),
         )
     };
-    let plain_params = || GenerateParams {
+    let forced = |p: f64| !args.draft_head || p > 0.5;
+    let plain_params = |p: f64| GenerateParams {
         max_tokens: args.gen_tokens,
         ignore_eos: true,
-        sampling: forced_sampling(vocab),
+        sampling: match forced(p) {
+            true => forced_sampling(vocab),
+            false => SamplingParams::default(),
+        },
         prefill_chunk: args.prefill_chunk,
         speculative: SpeculativeParams {
             mode: Some(SpeculativeMode::Off),
@@ -87,22 +116,20 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
     };
     let spec_params =
         |depth: Option<usize>, plain: &Completion, prompt_len: usize, p: f64, seed: u64| {
+            let drafter = (!args.draft_head).then(|| {
+                drafter(plain.token_ids.clone(), prompt_len, p, vocab as u32, seed)
+            });
             GenerateParams {
                 speculative: SpeculativeParams {
-                    mode: Some(match depth {
-                        Some(_) => SpeculativeMode::Lookup,
-                        None => SpeculativeMode::Auto,
+                    mode: Some(match (depth, args.draft_head) {
+                        (None, _) => SpeculativeMode::Auto,
+                        (Some(_), true) => SpeculativeMode::Mtp,
+                        (Some(_), false) => SpeculativeMode::Lookup,
                     }),
                     max_draft: depth.unwrap_or(args.draft_tokens),
-                    drafter: Some(drafter(
-                        plain.token_ids.clone(),
-                        prompt_len,
-                        p,
-                        vocab as u32,
-                        seed,
-                    )),
+                    drafter,
                 },
-                ..plain_params()
+                ..plain_params(p)
             }
         };
     let cells = depths
@@ -110,6 +137,7 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
         .flat_map(|&depth| args.draft_accuracy.iter().map(move |&p| (depth, p)));
     for (depth, p) in cells {
         let mut pairs = Vec::new();
+        let mut profile = crate::bench::StepProfile::new();
         // Run 0 is the warm-up at the measured shape (both engines' kernels compiled).
         for run in 0..=args.runs.max(1) as u64 {
             let seeds: Vec<u64> = (0..concurrency as u64)
@@ -119,7 +147,11 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
                 .iter()
                 .map(|&seed| prompt_ids(args.prompt_tokens, vocab, seed))
                 .collect();
-            let plain = run_all(&prompts, vec![plain_params(); concurrency])?;
+            let profiled = args.step_profile && run > 0;
+            if profiled {
+                rmlx_engine::profile::enable();
+            }
+            let plain = run_all(engine, &prompts, vec![plain_params(p); concurrency])?;
             let params = plain
                 .iter()
                 .zip(&seeds)
@@ -127,10 +159,20 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
                     spec_params(depth, completion, args.prompt_tokens, p, seed)
                 })
                 .collect();
-            let speculative = run_all(&prompts, params)?;
+            let speculative = run_all(head_engine.as_ref().unwrap_or(engine), &prompts, params)?;
+            if profiled {
+                for (shape, phases) in rmlx_engine::profile::take() {
+                    let total = profile.entry(shape).or_default();
+                    total.steps += phases.steps;
+                    total.build += phases.build;
+                    total.submit += phases.submit;
+                    total.read += phases.read;
+                    total.between += phases.between;
+                }
+            }
             for (a, b) in plain.iter().zip(&speculative) {
                 anyhow::ensure!(
-                    a.token_ids == b.token_ids,
+                    a.token_ids == b.token_ids || !forced(p),
                     "speculative output differs from plain (p {p}, run {run})"
                 );
             }
@@ -170,10 +212,17 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
             "ratio": triple(ratio),
             "drafted_per_token": drafted as f64 / generated.max(1) as f64,
             "acceptance": kept as f64 / drafted.max(1) as f64,
+            "draft_head": args.draft_head,
+            "step_profile": args.step_profile.then(|| crate::bench::step_rows(&profile)),
         });
         if args.json {
             println!("{row}");
         } else {
+            if args.step_profile {
+                crate::bench::step_lines(&profile)
+                    .iter()
+                    .for_each(|line| println!("{line}"));
+            }
             println!(
                 "p {p:.2}, depth {}: plain {:.1} tok/s, speculative {:.1} tok/s, ratio {:.3} ({:.3}-{:.3}); {:.2} drafted per token, {:.0} % kept",
                 depth.map_or("auto".to_string(), |k| k.to_string()),

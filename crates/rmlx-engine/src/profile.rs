@@ -1,8 +1,10 @@
-//! Where a decode step's wall time goes, by batch width: building the lazy graph (the model's
-//! forward and the sampling ops), handing it to MLX (`async_eval`: on a GPU this is where every
-//! kernel is encoded), waiting for the previous step's tokens, and the engine loop's other work
-//! between steps (prefill chunks, joins, sending text). For `rmlx bench --step-profile`; off
-//! unless enabled, and then only clock reads.
+//! Where a decode step's wall time goes, by batch width and tokens per row (1 for a plain step;
+//! 1 + drafts for a speculative one): building the lazy graph (the model's forward, the draft
+//! head's drafts and the sampling ops), handing it to MLX (`async_eval`: on a GPU this is where
+//! every kernel is encoded; a speculative step waits in `eval` instead, counted as reading),
+//! waiting for the tokens, and the engine loop's other work between steps (prefill chunks,
+//! joins, sending text; a speculative step's acceptance and cache rollback). For `rmlx bench
+//! --step-profile`; off unless enabled, and then only clock reads.
 
 use std::{
     collections::BTreeMap,
@@ -16,7 +18,10 @@ use std::{
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static STEPS: Mutex<Option<Profile>> = Mutex::new(None);
 
-/// Totals of the steps taken at one batch width.
+/// A step's shape: rows, and tokens each row feeds.
+pub type StepShape = (usize, usize);
+
+/// Totals of the steps taken at one shape.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct Phases {
     pub steps: u64,
@@ -32,7 +37,7 @@ pub struct Phases {
 
 #[derive(Default)]
 struct Profile {
-    by_rows: BTreeMap<usize, Phases>,
+    by_shape: BTreeMap<StepShape, Phases>,
     last_end: Option<Instant>,
 }
 
@@ -42,14 +47,14 @@ pub fn enable() {
     ENABLED.store(true, Ordering::SeqCst);
 }
 
-/// Stops recording and returns the totals by batch width.
-pub fn take() -> BTreeMap<usize, Phases> {
+/// Stops recording and returns the totals by step shape.
+pub fn take() -> BTreeMap<StepShape, Phases> {
     ENABLED.store(false, Ordering::SeqCst);
     STEPS
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .take()
-        .map(|profile| profile.by_rows)
+        .map(|profile| profile.by_shape)
         .unwrap_or_default()
 }
 
@@ -88,8 +93,9 @@ impl StepClock {
         self.submitted = Some(Instant::now());
     }
 
-    /// Ends the step of `rows` rows (a step with nothing to compute only reads).
-    pub(crate) fn finish(self, rows: usize) {
+    /// Ends the step of `rows` rows feeding `width` tokens each (a step with nothing to
+    /// compute only reads).
+    pub(crate) fn finish(self, rows: usize, width: usize) {
         let end = Instant::now();
         let built = self.built.unwrap_or(self.start);
         let submitted = self.submitted.unwrap_or(built);
@@ -102,7 +108,7 @@ impl StepClock {
             .map(|last| self.start.saturating_duration_since(last))
             .unwrap_or_default();
         profile.last_end = Some(end);
-        let phases = profile.by_rows.entry(rows).or_default();
+        let phases = profile.by_shape.entry((rows, width)).or_default();
         phases.steps += 1;
         phases.build += built - self.start;
         phases.submit += submitted - built;
@@ -125,14 +131,14 @@ mod tests {
             clock.built();
             clock.submitted();
             std::thread::sleep(Duration::from_millis(1));
-            clock.finish(rows);
+            clock.finish(rows, 1);
         }
         let profile = take();
         // Other tests of this crate may decode meanwhile and add steps of their own.
-        assert!(profile[&1].steps >= 1);
-        assert!(profile[&2].steps >= 2);
-        assert!(profile[&2].build >= Duration::from_millis(4));
-        assert!(profile[&2].read >= Duration::from_millis(2));
+        assert!(profile[&(1, 1)].steps >= 1);
+        assert!(profile[&(2, 1)].steps >= 2);
+        assert!(profile[&(2, 1)].build >= Duration::from_millis(4));
+        assert!(profile[&(2, 1)].read >= Duration::from_millis(2));
         assert!(StepClock::start().is_none());
         assert!(take().is_empty());
     }

@@ -18,13 +18,19 @@ applies it to qwen3_5_moe: affine 4-bit g64 everywhere, 8-bit g64 `mlp.gate` and
 `mlp.shared_expert_gate` (the model's quant_predicate), A_log fp32 (cast_predicate), vision
 unquantized. mlx layout (language_model.model.*), as mlx-community ships.
 
+`--mtp`: also the release's multi-token-prediction head (`mtp.*`, mlx layout: norms already
+shifted), in model-mtp.safetensors: its decoder layer a copy of the first full-attention
+layer's tensors (quantized as they are, with their per-path quantization entries), `fc` random
+bf16, norms 1. Random: it drafts nothing right unless answers are forced (see
+crates/rmlx-cli/src/bench_spec.rs, --draft-head).
+
 `--release Qwen__Qwen3.6-27B --bits 16`: the dense 27B's layer shapes instead (hidden 5120, MLP
 17408, GDN 16 key / 48 value heads of 128, attention 24 / 4 heads of 256), bf16 as released, its
 release fixture's tokenizer (tests/fixtures/releases/qwen3.6-27b).
 
 Usage: python3 scripts/bench/h200/make_qwen3_5_bench_model.py --out DIR [--device gpu]
        [--layers 8] [--experts 256] [--vocab 248320]   (smaller values: a quick local check)
-       [--release Qwen__Qwen3.6-27B] [--bits 4|16]
+       [--release Qwen__Qwen3.6-27B] [--bits 4|16] [--mtp]
 """
 
 import argparse
@@ -112,6 +118,33 @@ def randomize(model, seed):
     return sum(math.prod(p.shape) for _, p in params)
 
 
+def add_mtp(folder, model, cfg, mx):
+    """The `mtp.*` head (see the module doc) in model-mtp.safetensors, indexed if the weights are."""
+    from mlx.utils import tree_flatten
+
+    text = cfg["text_config"]
+    full = text["layer_types"].index("full_attention")
+    prefix = f"language_model.model.layers.{full}."
+    params = dict(tree_flatten(model.parameters()))
+    head = {"mtp.layers.0." + k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+    hidden = text["hidden_size"]
+    mx.random.seed(SEED + 1)
+    head["mtp.fc.weight"] = (mx.random.normal((hidden, 2 * hidden)) / math.sqrt(2 * hidden)).astype(mx.bfloat16)
+    for norm in ["pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"]:
+        head[f"mtp.{norm}.weight"] = mx.ones((hidden,), dtype=mx.bfloat16)
+    mx.save_safetensors(str(folder / "model-mtp.safetensors"), head, metadata={"format": "mlx"})
+    for block in ("quantization", "quantization_config"):
+        entries = cfg.get(block)
+        if isinstance(entries, dict):
+            for key in [k for k in entries if k.startswith(prefix)]:
+                entries["mtp.layers.0." + key[len(prefix):]] = entries[key]
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({name: "model-mtp.safetensors" for name in head})
+        index.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="parent folder of the checkpoint")
@@ -122,6 +155,7 @@ def main():
     ap.add_argument("--name", default=None, help=f"default {NAME}, or the release's shape and bits")
     ap.add_argument("--release", default="Qwen__Qwen3.6-35B-A3B", choices=sorted(FIXTURES))
     ap.add_argument("--bits", type=int, choices=[4, 16], default=4)
+    ap.add_argument("--mtp", action="store_true", help="also a random mtp.* head")
     args = ap.parse_args()
     global REAL, FIXTURE
     REAL = REAL.parent / args.release
@@ -130,6 +164,8 @@ def main():
         short = args.release.split("__")[1].lower()
         args.name = NAME if args.release == "Qwen__Qwen3.6-35B-A3B" and args.bits == 4 else \
             f"{short}-shape-{args.layers}l-{'bf16' if args.bits == 16 else '4bit'}"
+        if args.mtp:
+            args.name += "-mtp"
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -167,6 +203,8 @@ def main():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     save_weights(tmp, model)
+    if args.mtp:
+        add_mtp(tmp, model, cfg, mx)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
     for name in TOKENIZER_FILES:
         shutil.copy(FIXTURE / name, tmp / name)

@@ -30,6 +30,8 @@
 #   0.5, 0 under `auto` at 1 and S_STREAMS (8) streams. Env: S_PROMPT (512), S_GEN (128), S_RUNS (3),
 #   S_MODELS ("27 35": one call may hold only one; a later warm call keeps the made checkpoints),
 #   S_CELLS ("verify c1 c8 ragged").
+# MODE=spec_profile (step 2 instead; issues 30, 31): the same shapes with random `mtp.*` heads;
+#   `rmlx bench --step-profile` per cell of S_CELLS ("verify head auto"; also "c8"), S_RUNS (2).
 # MODE=concurrency (step 2 instead): random Qwen3-4B-shaped bf16 and 4-bit checkpoints with the
 #   real vocabulary (make_qwen3_bench_model.py, on the GPU); on each, single-stream decode and
 #   warm TTFT through `rmlx serve` interleaved with mlx-lm's generate_step (bench.py), then
@@ -147,6 +149,46 @@ if [[ $MODE == disk_restart ]]; then
     --rmlx /tmp/rmlx/rmlx --words "${D_WORDS:-11500}" --runs "${D_RUNS:-3}" --drop-caches \
     --log-dir "$OUT/disk-logs" --json-out "$OUT/h200-disk-restart.json"
   rc=$?
+  step "done ($rc)"
+  exit $rc
+fi
+
+if [[ $MODE == spec_profile ]]; then
+  # Issues 30 and 31: where a speculative step's time goes (--step-profile: graph building,
+  # the wait, the rollback), for prompt-lookup-style drafts at fixed depth and for the draft
+  # head (random `mtp.*`: P = 1 forces answers, so every head draft is right; P = 0 leaves them
+  # free, every draft wrong), then `auto` with the head. Models: S_MODELS ("27 35"), with heads.
+  # Each bench's exit status is logged (a c8 run of MODE=spec ended silently once).
+  rc=0
+  for which in ${S_MODELS:-27 35}; do
+    step "model $which"
+    case $which in
+      27) python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" \
+            --release Qwen__Qwen3.6-27B --bits 16 --layers "${S_LAYERS:-8}" --mtp > /tmp/q$which-path || exit 1 ;;
+      35) python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" --mtp \
+            > /tmp/q$which-path || exit 1 ;;
+    esac
+    model=$(tail -1 /tmp/q$which-path)
+    name=$(basename "$model")
+    for cell in ${S_CELLS:-verify head auto}; do
+      left=$(( LIMIT - SECONDS ))
+      (( left > 30 )) || { echo "no time left for $name $cell"; rc=1; break 2; }
+      case $cell in
+        verify) flags=(--draft-accuracy 0 --draft-depth 1,4) ;;
+        head) flags=(--draft-head --draft-accuracy 1,0 --draft-depth 3) ;;
+        auto) flags=(--draft-head --draft-accuracy 1,0) ;;
+        c8) flags=(--draft-accuracy 0.5 --concurrency "${S_STREAMS:-8}") ;;
+      esac
+      step "rmlx bench $name $cell"
+      RUST_BACKTRACE=1 RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench --model "$model" \
+        --prompt-tokens "${S_PROMPT:-512}" --gen-tokens "${S_GEN:-128}" --runs "${S_RUNS:-2}" \
+        --step-profile "${flags[@]}" --json > "$OUT/profile-$name-$cell.json"
+      status=$?
+      echo "exit status $status"
+      (( status == 0 )) || rc=1
+      cat "$OUT/profile-$name-$cell.json"
+    done
+  done
   step "done ($rc)"
   exit $rc
 fi

@@ -59,9 +59,12 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
             / rows.max(1) as u64
     };
     let bytes = kv_bytes(caches, rows.len());
+    let mut clock = crate::profile::StepClock::start();
     if let Some(drafts) = super::verify::drafts(model, caches, rows, tokenizer, bytes)? {
         let bytes = kv_bytes(caches, rows.len());
-        return super::verify::verify_iteration(model, tokenizer, caches, rows, &drafts, bytes);
+        return super::verify::verify_iteration(
+            model, tokenizer, caches, rows, &drafts, bytes, clock,
+        );
     }
     let pipelined = !rows.iter_mut().any(|row| row.sequence().is_constrained());
     if !pipelined {
@@ -71,7 +74,6 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
         }
     }
     let count = rows.len();
-    let mut clock = crate::profile::StepClock::start();
     let mut fresh = vec![false; count];
     if rows.iter_mut().any(|row| row.sequence().wants_step()) {
         let mut queued = Vec::new();
@@ -158,7 +160,7 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
         read_all(row, tokenizer, bytes, fresh as usize)?;
     }
     if let Some(clock) = clock {
-        clock.finish(count);
+        clock.finish(count, 1);
     }
     Ok(())
 }

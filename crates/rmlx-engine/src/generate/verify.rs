@@ -93,7 +93,8 @@ pub(super) fn drafts<R: DecodeRow>(
     Ok(Some(Drafts { host, head }))
 }
 
-/// The speculative step (see the module doc). `drafts[b]` are row `b`'s drafted tokens.
+/// The speculative step (see the module doc) with its `drafts`; `clock` started before they
+/// were made.
 pub(super) fn verify_iteration<R: DecodeRow>(
     model: &dyn LanguageModel,
     tokenizer: &ChatTokenizer,
@@ -101,6 +102,7 @@ pub(super) fn verify_iteration<R: DecodeRow>(
     rows: &mut [R],
     drafts: &Drafts,
     kv_bytes: u64,
+    mut clock: Option<crate::profile::StepClock>,
 ) -> Result<()> {
     let count = rows.len();
     let width = drafts.width();
@@ -165,8 +167,15 @@ pub(super) fn verify_iteration<R: DecodeRow>(
     }
     // The step's one wait for the device (rows without log-probs read nothing else).
     let head_tokens = drafts.head.as_ref().map(|(tokens, _)| tokens);
+    if let Some(clock) = clock.as_mut() {
+        clock.built();
+        clock.submitted();
+    }
     crate::runtime::eval(std::iter::once(&argmax).chain(head_tokens))?;
     let now = std::time::Instant::now();
+    if let Some(clock) = clock {
+        clock.finish(count, width);
+    }
     let chosen: Vec<u32> = argmax.as_slice::<u32>().to_vec();
     let head_drafts: Option<(Vec<i32>, usize)> = head_tokens.map(|tokens| {
         (

@@ -123,4 +123,21 @@ describe.skipIf(skipReason !== null)('the Models view against rmlx serve and the
     await page.screenshot({ path: path.join(artifactsDir, 'models-real-moe.png'), fullPage: true });
     await page.context().close();
   });
+
+  it('says which checkpoints ship a draft head', async () => {
+    // Qwen3.6-35B-A3B as released ships `mtp.*`; the mlx-community 4-bit conversion drops it.
+    for (const name of ['qwen3.6-35b-a3b', 'qwen3.6-35b-a3b-4bit']) {
+      cpSync(path.join(fixturesDir, 'releases', name), path.join(models, 'test', name), { recursive: true });
+    }
+    const page = await modelsPage();
+    await page.getByRole('button', { name: 'Refresh' }).click();
+    const headed = page.locator('tr[data-model-id="test/qwen3.6-35b-a3b"]');
+    await headed.waitFor();
+    expect(await headed.locator('[data-testid=draft-head]').innerText()).toBe('MTP draft head');
+    const converted = page.locator('tr[data-model-id="test/qwen3.6-35b-a3b-4bit"]');
+    await converted.waitFor();
+    expect(await converted.locator('[data-testid=draft-head]').count()).toBe(0);
+    await headed.screenshot({ path: path.join(artifactsDir, 'models-draft-head.png') });
+    await page.context().close();
+  });
 });

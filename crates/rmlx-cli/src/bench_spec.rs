@@ -116,9 +116,8 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
     };
     let spec_params =
         |depth: Option<usize>, plain: &Completion, prompt_len: usize, p: f64, seed: u64| {
-            let drafter = (!args.draft_head).then(|| {
-                drafter(plain.token_ids.clone(), prompt_len, p, vocab as u32, seed)
-            });
+            let drafter = (!args.draft_head)
+                .then(|| drafter(plain.token_ids.clone(), prompt_len, p, vocab as u32, seed));
             GenerateParams {
                 speculative: SpeculativeParams {
                     mode: Some(match (depth, args.draft_head) {

@@ -1,6 +1,8 @@
 //! `rmlx pull org/name`: downloads a model repository from the Hugging Face hub into the models
 //! folder (`{models_dir}/{org}/{name}`, served by `rmlx serve --models-dir` as `org/name`). The
 //! downloader is `rmlx-hub`; this file turns flags into its config and draws the progress.
+//! `rmlx pull --mtp REPO --model DIR` takes only a release's draft head (`mtp.*`) by byte
+//! ranges and writes it beside the conversion in DIR (`rmlx_engine::models::qwen3_5::mtp`).
 //! Reference: huggingface_hub `commands/download.py` (`huggingface-cli download`: `HF_ENDPOINT`,
 //! `HF_TOKEN`, rerun to resume).
 
@@ -28,10 +30,25 @@ pub struct PullArgs {
     /// bearer token when set.
     #[arg(long, value_name = "URL")]
     hub_url: Option<String>,
+    /// Fetch only the multi-token-prediction head (`mtp.*`) of REPO (a Qwen3.5 / 3.6 release),
+    /// by byte ranges, and write it beside the conversion in --model, quantized as that
+    /// conversion quantized its layers (`--speculative mtp` or `auto` then drafts with it).
+    #[arg(long, requires = "model")]
+    mtp: bool,
+    /// With --mtp: the local conversion (a folder) that lacks the head.
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
 }
 
 pub fn pull(args: PullArgs) -> anyhow::Result<()> {
     let repo = RepoId::parse(&args.repo)?;
+    if args.mtp {
+        let model = args
+            .model
+            .clone()
+            .expect("clap requires --model with --mtp");
+        return pull_head(&args, &repo, &model);
+    }
     let models_dir = match args.models_dir {
         Some(dir) => dir,
         None => rmlx_hub::default_models_dir()
@@ -180,4 +197,83 @@ fn human_bytes(bytes: u64) -> String {
     } else {
         format!("{value:.1} {}", UNITS[unit])
     }
+}
+
+/// `--mtp`: the release's `mtp.*` tensors by byte ranges (headers, then each tensor), written
+/// as a split drafter in `model/mtp` (see `rmlx_engine::models::qwen3_5::mtp`).
+fn pull_head(args: &PullArgs, repo: &RepoId, model: &std::path::Path) -> anyhow::Result<()> {
+    crate::check_model_dir(model)?;
+    let mut config = HubConfig::from_env();
+    if let Some(url) = &args.hub_url {
+        config.endpoint = url.clone();
+    }
+    let client = HubClient::new(config)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    eprintln!("reading {repo}'s safetensors headers for mtp.* ...");
+    let (tensors, read) = runtime
+        .block_on(rmlx_hub::fetch_tensors(
+            &client,
+            repo,
+            &args.revision,
+            |name| name.starts_with("mtp."),
+        ))
+        .with_context(|| format!("cannot fetch the head of {repo}"))?;
+    anyhow::ensure!(
+        !tensors.is_empty(),
+        "{repo} has no mtp.* tensors (a Qwen3.5 / 3.6 release ships them; conversions drop them)"
+    );
+    if let Some(other) = tensors
+        .iter()
+        .find(|tensor| !matches!(tensor.dtype.as_str(), "BF16" | "F16" | "F32"))
+    {
+        anyhow::bail!(
+            "{repo} stores {} as {} (an FP8 or otherwise quantized release): take the head of \
+             its BF16 release instead",
+            other.name,
+            other.dtype
+        );
+    }
+    let staging = model.join(".mtp-release.safetensors");
+    std::fs::write(&staging, safetensors_bytes(&tensors)?)
+        .with_context(|| format!("cannot write {}", staging.display()))?;
+    let written = rmlx_engine::models::qwen3_5::mtp::write_split_drafter(model, &staging);
+    let _ = std::fs::remove_file(&staging);
+    let written = written.context("cannot write the head beside the conversion")?;
+    println!(
+        "{} mtp.* tensors of {repo} ({} read) written to {} ({} tensors, {})",
+        tensors.len(),
+        human_bytes(read),
+        written.folder.display(),
+        written.tensors,
+        human_bytes(written.bytes)
+    );
+    Ok(())
+}
+
+/// One safetensors file of `tensors` (header padded to 8 bytes, data in order).
+fn safetensors_bytes(tensors: &[rmlx_hub::RemoteTensor]) -> anyhow::Result<Vec<u8>> {
+    let mut header = serde_json::Map::new();
+    let mut offset = 0u64;
+    for tensor in tensors {
+        let end = offset + tensor.data.len() as u64;
+        header.insert(
+            tensor.name.clone(),
+            serde_json::json!({"dtype": tensor.dtype, "shape": tensor.shape, "data_offsets": [offset, end]}),
+        );
+        offset = end;
+    }
+    let mut text = serde_json::to_vec(&header)?;
+    while text.len() % 8 != 0 {
+        text.push(b' ');
+    }
+    let mut out = Vec::with_capacity(8 + text.len() + offset as usize);
+    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    out.extend_from_slice(&text);
+    for tensor in tensors {
+        out.extend_from_slice(&tensor.data);
+    }
+    Ok(out)
 }

@@ -354,3 +354,107 @@ fn a_full_disk_fails_the_download_clearly_and_lists_no_half_model() {
     server.kill().unwrap();
     server.wait().unwrap();
 }
+
+/// `rmlx pull --mtp`: only the release's `mtp.*` tensors cross the network (its headers and
+/// each tensor's bytes, by `Range: bytes=N-M`), and they land beside a 4-bit conversion that
+/// lacks them as a quantized split drafter that `rmlx info` then reports and `rmlx generate
+/// --speculative mtp` drafts with, its answer the plain one.
+#[test]
+fn pull_mtp_takes_only_the_head_by_ranges() {
+    let hub = TestHub::start();
+    hub.add_repo("Qwen/Qwen3.6-35B-A3B", fixture("releases/qwen3.6-35b-a3b"));
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("conversion");
+    std::fs::create_dir(&model).unwrap();
+    for (name, path) in repo_files(&fixture("releases/qwen3.6-35b-a3b-4bit")) {
+        std::fs::copy(path, model.join(name)).unwrap();
+    }
+    let info = |model: &Path| -> serde_json::Value {
+        let out = rmlx()
+            .args(["info", "--json", "--model"])
+            .arg(model)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    assert_eq!(info(&model)["draft_head"], false);
+    let out = rmlx()
+        .args([
+            "pull",
+            "--mtp",
+            "Qwen/Qwen3.6-35B-A3B",
+            "--hub-url",
+            hub.url(),
+            "--model",
+        ])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("mtp.* tensors"),
+        "{}",
+        text(&out.stdout)
+    );
+    // Every weights request asked for a bounded range, and far fewer bytes than the file.
+    let size = std::fs::metadata(fixture("releases/qwen3.6-35b-a3b").join(WEIGHTS))
+        .unwrap()
+        .len();
+    let ranges = weight_ranges(&hub);
+    assert!(ranges.len() > 2, "{ranges:?}");
+    let mut read = 0;
+    for range in &ranges {
+        let range = range.as_deref().expect("a Range header");
+        let (start, end) = range
+            .strip_prefix("bytes=")
+            .and_then(|r| r.split_once('-'))
+            .expect("bytes=N-M");
+        read += end.parse::<u64>().unwrap() + 1 - start.parse::<u64>().unwrap();
+    }
+    assert!(read * 4 < size, "read {read} of {size}");
+    assert!(model.join("mtp/model.safetensors").is_file());
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(model.join("mtp/config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "qwen3_5_mtp");
+    assert_eq!(config["quantization"]["bits"], 4);
+    assert_eq!(info(&model)["draft_head"], true);
+    let generate = |mode: &str| -> serde_json::Value {
+        let out = rmlx()
+            .args(["generate", "--model"])
+            .arg(&model)
+            .args([
+                "--prompt",
+                "Count to ten.",
+                "--max-tokens",
+                "24",
+                "--ignore-eos",
+            ])
+            .args(["--temperature", "0", "--speculative", mode, "--json"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let plain = generate("off");
+    let drafted = generate("mtp");
+    assert_eq!(plain["token_ids"], drafted["token_ids"]);
+    assert!(
+        drafted["timings"]["draft_tokens"].as_u64().unwrap() > 0,
+        "{drafted}"
+    );
+    // Not a release: refused by name.
+    let out = rmlx()
+        .args([
+            "pull",
+            "--mtp",
+            "Qwen/Qwen3.6-35B-A3B",
+            "--hub-url",
+            hub.url(),
+            "--model",
+        ])
+        .arg(dir.path().join("missing"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+}

@@ -35,7 +35,7 @@ fn dtype_size(dtype: &str) -> Option<u64> {
 
 /// Reads and checks a safetensors header without touching tensor data: a truncated file, bad
 /// offsets or an unknown dtype name the file and the tensor.
-fn check_header(file: &Path) -> Result<Vec<String>> {
+pub(crate) fn check_header(file: &Path) -> Result<Vec<String>> {
     let io_error = |error: std::io::Error| EngineError::WeightsFile {
         file: file.to_path_buf(),
         message: error.to_string(),
@@ -257,6 +257,44 @@ impl WeightStore {
 
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
+    }
+
+    /// Adds every tensor of `file` (a draft head's sidecar), named by `rename`; a name the
+    /// store already holds is an error naming both files. Returns the names added.
+    pub fn add_file(
+        &mut self,
+        file: &Path,
+        rename: impl Fn(&str) -> String,
+    ) -> Result<Vec<String>> {
+        let names = check_header(file)?;
+        let arrays = Array::load_safetensors(file).map_err(|error| EngineError::WeightsFile {
+            file: file.to_path_buf(),
+            message: error.to_string(),
+        })?;
+        let mut added = Vec::with_capacity(names.len());
+        for name in names {
+            let array = arrays
+                .get(&name)
+                .cloned()
+                .ok_or_else(|| EngineError::Tensor {
+                    file: file.to_path_buf(),
+                    tensor: name.clone(),
+                    message: "listed in the header but not loaded by MLX".into(),
+                })?;
+            let renamed = rename(&name);
+            if let Some((_, first)) = self.tensors.get(&renamed) {
+                return Err(EngineError::Tensor {
+                    file: file.to_path_buf(),
+                    tensor: name,
+                    message: format!("also present in {}", first.display()),
+                });
+            }
+            self.tensors
+                .insert(renamed.clone(), (array, file.to_path_buf()));
+            added.push(renamed);
+        }
+        self.files.push(file.to_path_buf());
+        Ok(added)
     }
 
     /// The names of the tensors not yet taken, sorted.

@@ -8,6 +8,8 @@
 mod common;
 
 use common::{assert_same, fixture, ids_array, text_ids};
+use std::collections::HashMap;
+
 use mlx_rs::Array;
 use rmlx_engine::{
     cache::KvCache,
@@ -60,65 +62,150 @@ fn argmax(logits: &Array) -> u32 {
     best as u32
 }
 
-/// mlx-vlm's procedure through rMLX's head: the trunk prefills the prompt but its last token
-/// while the head is primed, the last token gives the target's next token and hidden state,
-/// then the head drafts from that pair and from its own outputs.
+/// mlx-vlm's procedure through rMLX's head, on the model in `dir` (whose trunk is `golden`'s):
+/// the trunk prefills the prompt but its last token while the head is primed, the last token
+/// gives the target's next token and hidden state, then the head drafts from that pair and from
+/// its own outputs. Returns the largest logit difference; checks tokens where margins allow.
+fn head_against_golden(dir: &std::path::Path, golden: &Golden, what: &str) -> f32 {
+    let loaded = load_model_with(dir, LoadOptions { draft_head: true }).unwrap();
+    let model = loaded.model.as_ref();
+    let head = model.draft_head().expect("a head to load");
+    assert!(loaded.info.draft_head && loaded.info.draft_head_loaded);
+    let ids = &golden.input_ids;
+    let n = ids.len();
+    let mut caches = model.new_cache(4096);
+    assert_eq!(caches.len(), model.num_layers() + head.head_layers());
+    head.prime(
+        &ids_array(&ids[..n - 1]),
+        None,
+        &ids_array(&ids[1..]),
+        false,
+        &mut caches,
+    )
+    .unwrap();
+    let (logits, hidden) = head
+        .forward_hidden(&ids_array(&ids[n - 1..]), &mut caches, Logits::Last)
+        .unwrap();
+    assert_eq!(
+        argmax(&logits),
+        golden.bonus_token,
+        "{what}: the target's token"
+    );
+    let trunk = model.num_layers();
+    let mut token = golden.bonus_token;
+    let mut hidden = hidden;
+    let mut worst = 0.0f32;
+    for (step, want) in golden.draft_logits.iter().enumerate() {
+        let output = head
+            .head_forward(&ids_array(&[token]), &hidden, &mut caches[trunk..])
+            .unwrap();
+        let logits = head.head_logits(&output).unwrap();
+        let got = common::rows(&logits).pop().unwrap();
+        worst = worst.max(common::max_diff(&got, want));
+        token = argmax(&logits);
+        if golden.top1_top2_margins[step] > 2.0 * TOLERANCE && worst < TOLERANCE {
+            assert_eq!(token, golden.draft_tokens[step], "{what} draft {step}");
+        }
+        hidden = output;
+    }
+    let held = caches[trunk].offset() as usize;
+    assert_eq!(
+        held,
+        n + golden.draft_logits.len() - 1,
+        "{what}: head entries"
+    );
+    worst
+}
+
+fn mtp_golden(dir: &str) -> Golden {
+    let text = std::fs::read_to_string(fixture(dir).join("mtp_golden.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
 #[test]
 fn head_drafts_match_mlx_vlm() {
     for dir in HEADED {
-        let text = std::fs::read_to_string(fixture(dir).join("mtp_golden.json")).unwrap();
-        let golden: Golden = serde_json::from_str(&text).unwrap();
+        let golden = mtp_golden(dir);
         // Either mistake would move the logits far past the tolerance.
         assert!(golden.unshifted_norms_max_abs_diff > 100.0 * TOLERANCE);
         assert!(golden.pre_norm_hidden_max_abs_diff > 100.0 * TOLERANCE);
-        let loaded = with_head(dir);
-        let model = loaded.model.as_ref();
-        let head = model.draft_head().expect("the fixture ships mtp.*");
-        assert!(loaded.info.draft_head && loaded.info.draft_head_loaded);
-        let ids = &golden.input_ids;
-        let n = ids.len();
-        let mut caches = model.new_cache(4096);
-        assert_eq!(caches.len(), model.num_layers() + head.head_layers());
-        head.prime(
-            &ids_array(&ids[..n - 1]),
-            None,
-            &ids_array(&ids[1..]),
-            false,
-            &mut caches,
-        )
-        .unwrap();
-        let (logits, hidden) = head
-            .forward_hidden(&ids_array(&ids[n - 1..]), &mut caches, Logits::Last)
-            .unwrap();
-        assert_eq!(
-            argmax(&logits),
-            golden.bonus_token,
-            "{dir}: the target's token"
-        );
-        let trunk = model.num_layers();
-        let mut token = golden.bonus_token;
-        let mut hidden = hidden;
-        for (step, want) in golden.draft_logits.iter().enumerate() {
-            let output = head
-                .head_forward(&ids_array(&[token]), &hidden, &mut caches[trunk..])
-                .unwrap();
-            let logits = head.head_logits(&output).unwrap();
-            let got = common::rows(&logits).pop().unwrap();
-            let diff = common::max_diff(&got, want);
-            assert!(diff < TOLERANCE, "{dir} draft {step}: max |diff| {diff}");
-            token = argmax(&logits);
-            if golden.top1_top2_margins[step] > 2.0 * TOLERANCE {
-                assert_eq!(token, golden.draft_tokens[step], "{dir} draft {step}");
-            }
-            hidden = output;
-        }
-        let held = caches[trunk].offset() as usize;
-        assert_eq!(
-            held,
-            n + golden.draft_logits.len() - 1,
-            "{dir}: head entries"
-        );
+        let worst = head_against_golden(&fixture(dir), &golden, dir);
+        assert!(worst < TOLERANCE, "{dir}: max |diff| {worst}");
     }
+}
+
+/// A copy of `source` without its `mtp.*` tensors (as mlx conversions ship), and those tensors.
+fn without_head(source: &str) -> (tempfile::TempDir, HashMap<String, Array>) {
+    let source = fixture(source);
+    let weights = Array::load_safetensors(source.join("model.safetensors")).unwrap();
+    mlx_rs::transforms::eval(weights.values()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&source).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    let (head, trunk): (HashMap<_, _>, HashMap<_, _>) = weights
+        .into_iter()
+        .partition(|(name, _)| name.starts_with("mtp."));
+    Array::save_safetensors(&trunk, None, dir.path().join("model.safetensors")).unwrap();
+    (dir, head)
+}
+
+/// The head's zero-centred norms (Hugging Face) plus one: mlx's convention.
+fn shifted(head: &HashMap<String, Array>) -> HashMap<String, Array> {
+    head.iter()
+        .map(|(name, array)| {
+            let norm = array.ndim() == 1 && name.ends_with("norm.weight")
+                || name.ends_with("pre_fc_norm_embedding.weight")
+                || name.ends_with("pre_fc_norm_hidden.weight");
+            let value = match norm {
+                true => mlx_rs::ops::add(array, Array::from_f32(1.0)).unwrap(),
+                false => array.clone(),
+            };
+            (name["mtp.".len()..].to_string(), value)
+        })
+        .collect()
+}
+
+/// A conversion without `mtp.*` finds its head beside it, in each layout peers ship, the norms
+/// shifted exactly once: `mtp.safetensors` with the release's names (zero-centred norms) or with
+/// mlx's, and mlx-vlm's split drafter folder. Each gives the drafts of the release's own head.
+#[test]
+fn sidecar_heads_give_the_release_heads_drafts() {
+    let source = "releases/qwen3.6-35b-a3b";
+    let golden = mtp_golden(source);
+    let (dir, head) = without_head(source);
+    let plain = load_model(dir.path()).unwrap();
+    assert!(!plain.info.draft_head, "no head before a sidecar");
+    drop(plain);
+    let sidecar = dir.path().join("mtp.safetensors");
+    Array::save_safetensors(&head, None, &sidecar).unwrap();
+    let worst = head_against_golden(dir.path(), &golden, "mtp.safetensors, release names");
+    assert!(worst < TOLERANCE, "release names: {worst}");
+    Array::save_safetensors(&shifted(&head), None, &sidecar).unwrap();
+    let worst = head_against_golden(dir.path(), &golden, "mtp.safetensors, mlx names");
+    assert!(worst < TOLERANCE, "mlx names: {worst}");
+    std::fs::remove_file(&sidecar).unwrap();
+    let folder = dir.path().join("mtp");
+    std::fs::create_dir(&folder).unwrap();
+    std::fs::write(
+        folder.join("config.json"),
+        r#"{"model_type": "qwen3_5_mtp"}"#,
+    )
+    .unwrap();
+    Array::save_safetensors(&shifted(&head), None, folder.join("model.safetensors")).unwrap();
+    let worst = head_against_golden(dir.path(), &golden, "split drafter folder");
+    assert!(worst < TOLERANCE, "split folder: {worst}");
+    // The mixed names of a broken sidecar are refused, naming the file.
+    std::fs::remove_dir_all(&folder).unwrap();
+    let mut mixed = shifted(&head);
+    mixed.insert("mtp.extra.weight".into(), Array::from_f32(0.0));
+    Array::save_safetensors(&mixed, None, &sidecar).unwrap();
+    let error = load_model_with(dir.path(), LoadOptions { draft_head: true })
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(error.contains("mtp.safetensors"), "{error}");
 }
 
 /// Without the option the head is set aside, as before: no head caches, nothing loaded.
@@ -385,5 +472,57 @@ fn images_in_the_prompt_with_the_head_are_exact() {
         .wait()
         .unwrap();
     assert_same(&plain, &answer, "image, mtp");
+    assert!(answer.timings.draft_tokens > 0);
+}
+
+/// The release's head written beside a conversion as `rmlx pull --mtp` does (a split drafter in
+/// `mtp/`): unquantized it gives the release head's drafts; beside the 4-bit conversion it is
+/// quantized as that conversion's layers (its 8-bit router too) and decodes exactly.
+#[test]
+fn a_release_head_written_beside_a_conversion() {
+    let source = "releases/qwen3.6-35b-a3b";
+    let golden = mtp_golden(source);
+    let (dir, head) = without_head(source);
+    let release = dir.path().join("release-head.safetensors");
+    Array::save_safetensors(&head, None, &release).unwrap();
+    let written =
+        rmlx_engine::models::qwen3_5::mtp::write_split_drafter(dir.path(), &release).unwrap();
+    assert!(written.folder.join("model.safetensors").is_file());
+    let worst = head_against_golden(dir.path(), &golden, "written, unquantized");
+    assert!(worst < TOLERANCE, "written: {worst}");
+
+    let converted = tempfile::tempdir().unwrap();
+    let conversion = fixture("releases/qwen3.6-35b-a3b-4bit");
+    for entry in std::fs::read_dir(&conversion).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), converted.path().join(entry.file_name())).unwrap();
+    }
+    rmlx_engine::models::qwen3_5::mtp::write_split_drafter(converted.path(), &release).unwrap();
+    let split = Array::load_safetensors(converted.path().join("mtp/model.safetensors")).unwrap();
+    assert!(split.contains_key("fc.scales"), "fc quantized");
+    assert!(split.contains_key("layers.0.mlp.switch_mlp.gate_proj.scales"));
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(converted.path().join("mtp/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        config["quantization"]["layers.0.mlp.gate"]["bits"], 8,
+        "{config}"
+    );
+    let dir = converted.path().to_str().unwrap();
+    let plain = run(
+        &load_model(converted.path()).unwrap(),
+        dir,
+        &text_ids(28, 31, 10, 900),
+        &biased(params(24, SpeculativeMode::Off), Some(PARTIAL_BIAS)),
+    );
+    let loaded = load_model_with(converted.path(), LoadOptions { draft_head: true }).unwrap();
+    assert!(loaded.model.draft_head().is_some());
+    let answer = run(
+        &loaded,
+        dir,
+        &text_ids(28, 31, 10, 900),
+        &biased(params(24, SpeculativeMode::Mtp), Some(PARTIAL_BIAS)),
+    );
+    assert_same(&plain, &answer, "4-bit conversion with a written head");
     assert!(answer.timings.draft_tokens > 0);
 }

@@ -7,12 +7,14 @@
 //! - [`HubClient`]: the hub endpoints (listing, file URLs), token, typed HTTP errors.
 //! - [`download`]: one job, reported through a callback; [`Control`] pauses or cancels it.
 //! - [`DownloadManager`]: the jobs a server holds, driven from async handlers.
+//! - [`fetch_tensors`]: chosen tensors of a repository by byte ranges (`rmlx pull --mtp`).
 
 mod api;
 mod download;
 mod error;
 mod manager;
 mod paths;
+mod tensors;
 #[cfg(feature = "test-hub")]
 pub mod testing;
 
@@ -23,3 +25,4 @@ pub use download::{
 pub use error::{HubError, Result};
 pub use manager::DownloadManager;
 pub use paths::{check_file_name, check_revision, default_models_dir, RepoId, PARTIAL_SUFFIX};
+pub use tensors::{fetch_tensors, RemoteTensor};

@@ -3,7 +3,7 @@
 //! folders (the repo fixtures) the way the hub does: the listing of
 //! `GET /api/models/{org}/{name}/revision/{rev}?blobs=true` (sizes; `*.safetensors` as LFS files
 //! with `lfs.sha256`, the rest with their git blob id), and file bytes from
-//! `GET /{org}/{name}/resolve/{rev}/{file}` honouring `Range: bytes=N-`. Switches make it
+//! `GET /{org}/{name}/resolve/{rev}/{file}` honouring `Range: bytes=N-` and `bytes=N-M`. Switches make it
 //! misbehave: cut the connection mid-file, corrupt a file, list hostile file names, require a
 //! token, or trickle bytes slowly (for pause). Every request is recorded.
 //! Reference: huggingface_hub `hf_api.py` (`RepoSibling`, `BlobLfsInfo`) and `utils/_http.py`
@@ -299,14 +299,24 @@ fn serve_file(name: &str, path: &Path, range: Option<&str>, switches: &Switches)
         bytes[middle] ^= 0xff;
     }
     let len = bytes.len() as u64;
-    // Only the form clients send for a resume: `bytes=N-`.
-    let start = range
+    // The forms clients send: `bytes=N-` (a resume) and `bytes=N-M` (a header or a tensor).
+    let asked = range
         .filter(|_| !switches.ignore_range)
         .and_then(|range| range.strip_prefix("bytes="))
-        .and_then(|range| range.strip_suffix('-'))
-        .and_then(|start| start.parse::<u64>().ok());
+        .and_then(|range| range.split_once('-'))
+        .and_then(|(start, end)| {
+            let start = start.parse::<u64>().ok()?;
+            match end {
+                "" => Some((start, None)),
+                end => end.parse::<u64>().ok().map(|end| (start, Some(end))),
+            }
+        });
+    let start = asked.map(|(start, _)| start);
+    let end = asked
+        .and_then(|(_, end)| end)
+        .map_or(len, |end| (end + 1).min(len));
     let (status, start) = match start {
-        Some(start) if start >= len => {
+        Some(start) if start >= len || start >= end => {
             let mut response = StatusCode::RANGE_NOT_SATISFIABLE.into_response();
             response.headers_mut().insert(
                 header::CONTENT_RANGE,
@@ -317,7 +327,7 @@ fn serve_file(name: &str, path: &Path, range: Option<&str>, switches: &Switches)
         Some(start) => (StatusCode::PARTIAL_CONTENT, start),
         None => (StatusCode::OK, 0),
     };
-    let body = Bytes::from(bytes).slice(start as usize..);
+    let body = Bytes::from(bytes).slice(start as usize..end as usize);
     let cut = switches
         .cut
         .as_ref()
@@ -335,7 +345,7 @@ fn serve_file(name: &str, path: &Path, range: Option<&str>, switches: &Switches)
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len() as u64));
     headers.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
     if status == StatusCode::PARTIAL_CONTENT {
-        let range = format!("bytes {start}-{}/{len}", len - 1);
+        let range = format!("bytes {start}-{}/{len}", end - 1);
         headers.insert(
             header::CONTENT_RANGE,
             HeaderValue::from_str(&range).unwrap(),

@@ -618,6 +618,9 @@ pub struct ModelObject {
     pub loaded: bool,
     /// Whether it takes images.
     pub vision: bool,
+    /// Whether it ships a multi-token-prediction draft head (Qwen3.5 / 3.6 `mtp.*`, or a
+    /// sidecar beside the weights): `--speculative mtp` or `auto` drafts with it.
+    pub draft_head: bool,
     pub model_type: Option<String>,
     pub parameters: Option<u64>,
     pub quantization: Option<Quantization>,

@@ -55,6 +55,10 @@ fn model_object(
             || crate::convert::config_has_vision(&config),
             |info| info.vision,
         ),
+        draft_head: info.as_ref().map_or_else(
+            || rmlx_engine::models::ships_draft_head_at(&entry.path),
+            |info| info.draft_head,
+        ),
         model_type: config["model_type"].as_str().map(Into::into),
         parameters: info.as_ref().map(|info| info.parameters),
         quantization: quantization(&config),

@@ -81,3 +81,30 @@ async fn max_loaded_keeps_both_until_unloaded() {
         StatusCode::NOT_FOUND
     );
 }
+
+/// `/v1/models` says which checkpoints ship a draft head (`mtp.*` of Qwen3.5 / 3.6) before and
+/// after loading, so clients can offer `--speculative mtp` only where it can draft.
+#[tokio::test]
+async fn models_say_which_ship_a_draft_head() {
+    const HEADED: &str = "qwen3.6-35b-a3b";
+    let config = ServerConfigExt::with(|c| {
+        c.models
+            .push(fixture().with_file_name("releases").join(HEADED));
+    });
+    let (app, _) = router(config);
+    let heads = |models: Value| -> Vec<(String, bool)> {
+        models["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| (m["id"].as_str().unwrap().into(), m["draft_head"] == true))
+            .collect()
+    };
+    let want = [(MODEL.to_string(), false), (HEADED.to_string(), true)];
+    assert_eq!(heads(get(&app, "/v1/models").await.json()), want);
+    let reply = post(&app, "/v1/chat/completions", &chat_with(HEADED)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    let models = get(&app, "/v1/models").await.json();
+    assert_eq!(models["data"][1]["loaded"], true);
+    assert_eq!(heads(models), want);
+}

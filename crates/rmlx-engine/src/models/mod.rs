@@ -245,7 +245,8 @@ pub struct ModelInfo {
     pub recurrent_state_bytes: u64,
     /// What sliding-window layers keep per sequence (their window; 0 without such layers).
     pub window_state_bytes: u64,
-    /// Whether the checkpoint ships a multi-token-prediction draft head (`mtp.*`).
+    /// Whether the checkpoint ships a multi-token-prediction draft head (`mtp.*`, or a sidecar
+    /// beside it: `models::qwen3_5::mtp::Sidecar`).
     pub draft_head: bool,
     /// Whether that head was loaded (speculative decoding on).
     pub draft_head_loaded: bool,
@@ -291,7 +292,9 @@ pub fn load_model_with(dir: &Path, options: LoadOptions) -> Result<LoadedModel> 
     }
     check_head_geometry(dir, &config.json)?;
     let mut store = WeightStore::open(dir)?;
-    let ships_draft_head = store.names().iter().any(|name| name.starts_with("mtp."));
+    let ships_draft_head = store.names().iter().any(|name| name.starts_with("mtp."))
+        || (model_type.starts_with("qwen3_5") && qwen3_5::mtp::find_sidecar(dir).is_some());
+    debug_assert_eq!(ships_draft_head, ships_draft_head_at(dir));
     let model: Box<dyn LanguageModel> = match model_type.as_str() {
         "qwen3" => Box::new(qwen3::Model::load(dir, &config, &mut store)?),
         "qwen3_moe" => Box::new(qwen3_moe::load(dir, &config, &mut store)?),
@@ -337,6 +340,41 @@ pub fn load_model_with(dir: &Path, options: LoadOptions) -> Result<LoadedModel> 
         draft_head_loaded: model.draft_head().is_some(),
     };
     Ok(LoadedModel { model, info })
+}
+
+/// Whether the checkpoint in `dir` ships a multi-token-prediction draft head (Qwen3.5 / 3.6
+/// `mtp.*` in its weights, or a sidecar beside them), read from the index or the safetensors
+/// headers without loading anything: for model listings.
+pub fn ships_draft_head_at(dir: &Path) -> bool {
+    let Ok(config) = crate::config::read_json(&dir.join("config.json")) else {
+        return false;
+    };
+    if !config["model_type"]
+        .as_str()
+        .is_some_and(|kind| kind.starts_with("qwen3_5"))
+    {
+        return false;
+    }
+    if qwen3_5::mtp::find_sidecar(dir).is_some() {
+        return true;
+    }
+    if let Ok(index) = crate::config::read_json(&dir.join("model.safetensors.index.json")) {
+        return index["weight_map"]
+            .as_object()
+            .is_some_and(|map| map.keys().any(|name| name.starts_with("mtp.")));
+    }
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+        .filter(|path| {
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            name.starts_with("model") && name.ends_with(".safetensors")
+        })
+        .any(|file| {
+            crate::weights::check_header(&file)
+                .is_ok_and(|names| names.iter().any(|name| name.starts_with("mtp.")))
+        })
 }
 
 /// Zero or non-dividing head counts would reach MLX as a division by zero (a SIGFPE that kills

@@ -65,6 +65,8 @@ export interface ModelInfo {
   context_length?: number;
   loaded?: boolean;
   vision?: boolean;
+  /** Ships a multi-token-prediction draft head (Qwen3.5 / 3.6 `mtp.*` or a sidecar). */
+  draft_head?: boolean;
   size_bytes?: number;
   model_type?: string;
   quantization?: Quantization | null;

@@ -64,8 +64,14 @@ const SHIFTED_HEAD_NORMS: &[&str] = &[
 /// `[C, 1, K]` to `[C, K, 1]`, and +1 on the zero-centred norms of a Hugging Face file (never
 /// on an mlx conversion: it already added it). The draft head (`mtp.*`) is set aside unless
 /// `keep_head`; kept, its norms are shifted as the trunk's are (exactly once). The vision
-/// tower's Conv3d is transposed by its own loader.
-fn sanitize(store: &mut WeightStore, tied: bool, keep_head: bool) -> Result<()> {
+/// tower's Conv3d is transposed by its own loader. `head_shift`: a sidecar head's own rule
+/// (see `mtp::Sidecar`) instead of the file's.
+fn sanitize(
+    store: &mut WeightStore,
+    tied: bool,
+    keep_head: bool,
+    head_shift: Option<bool>,
+) -> Result<()> {
     let names = store.names();
     let unconverted_conv = names.iter().any(|name| {
         name.ends_with("conv1d.weight")
@@ -80,7 +86,9 @@ fn sanitize(store: &mut WeightStore, tied: bool, keep_head: bool) -> Result<()> 
     for name in names.iter().filter(|name| name.starts_with("mtp.")) {
         if !keep_head {
             store.discard(name);
-        } else if hugging_face_file && SHIFTED_HEAD_NORMS.iter().any(|s| name.ends_with(s)) {
+        } else if head_shift.unwrap_or(hugging_face_file)
+            && SHIFTED_HEAD_NORMS.iter().any(|s| name.ends_with(s))
+        {
             store.transform(name, |w| {
                 if w.ndim() != 1 {
                     return Ok(w.clone());
@@ -139,19 +147,27 @@ impl Model {
         let rope = args.rope(dir)?;
         let moe = args.moe(dir, model_type)?;
         let quant = config.base.quantization.as_ref();
-        let head_layers = store
-            .names()
-            .iter()
-            .any(|name| name.starts_with("mtp."))
+        let ships_head = store.names().iter().any(|name| name.starts_with("mtp."));
+        // A conversion without the head may keep it beside (see `mtp::Sidecar`).
+        let sidecar = match (with_head && !ships_head, mtp::find_sidecar(dir)) {
+            (true, Some(sidecar)) => Some(mtp::add_sidecar(store, &sidecar)?),
+            _ => None,
+        };
+        let head_layers = (ships_head || sidecar.is_some())
             .then(|| args.text_config.mtp_num_hidden_layers.unwrap_or(1).max(1) as usize)
             .filter(|_| with_head);
-        sanitize(store, args.tied(), head_layers.is_some())?;
+        let head_shift = sidecar.as_ref().map(|head| head.shift_norms);
+        sanitize(store, args.tied(), head_layers.is_some(), head_shift)?;
         // The converters never quantize the tower: loading it dense makes a quantized one a
         // strict-loading error rather than a silent mis-read.
         let vision = VisionModel::load(store, "vision_tower", &args.vision_config)?;
         let language = TextModel::load(store, quant, &args, moe.as_ref(), rope)?;
+        let head_quant = sidecar
+            .as_ref()
+            .and_then(|head| head.quantization.as_ref())
+            .or(quant);
         let mtp = head_layers
-            .map(|layers| MtpHead::load(store, quant, &args, moe.as_ref(), layers))
+            .map(|layers| MtpHead::load(store, head_quant, &args, moe.as_ref(), layers))
             .transpose()?;
         Ok(Self {
             config: args,

@@ -173,13 +173,14 @@ pub struct RecurrentState {
 /// What a linear-attention layer keeps of a speculative step of `T` tokens: its state before
 /// the step, the conv's input window `[B, kernel - 1 + T, C]`, and the recurrence's per-token
 /// inputs. Rewinding to `kept[b]` tokens replays only the recurrence (`replay`, given those
-/// inputs, the state before, and a `[B, T]` mask of the steps to apply), never the model.
+/// inputs, the state before, how many steps some row keeps and, where rows differ, a mask of
+/// each row's), never the model.
 #[derive(Clone)]
 pub struct StepInputs {
     pub before: Array,
     pub conv_input: Array,
     pub inputs: Vec<Array>,
-    pub replay: fn(&[Array], &Array, &Array) -> Result<Array>,
+    pub replay: fn(&[Array], &Array, i32, Option<&Array>) -> Result<Array>,
 }
 
 impl KvCache {
@@ -724,9 +725,17 @@ impl KvCache {
         if let Some(steps) = stashed {
             let batch = rows as i32;
             let kept_rows = Array::from_slice(kept, &[batch, 1]);
-            let step_index = ops::arange::<_, i32>(0, written, None)?.reshape(&[1, written])?;
-            let apply = ops::lt(&step_index, &kept_rows)?;
-            let state = (steps.replay)(&steps.inputs, &steps.before, &apply)?;
+            // Only the steps some row keeps replay; a mask only where rows keep different counts.
+            let deepest = kept.iter().copied().max().unwrap_or(1);
+            let apply = match kept.iter().all(|&k| k == deepest) {
+                true => None,
+                false => {
+                    let step_index =
+                        ops::arange::<_, i32>(0, deepest, None)?.reshape(&[1, deepest])?;
+                    Some(ops::lt(&step_index, &kept_rows)?)
+                }
+            };
+            let state = (steps.replay)(&steps.inputs, &steps.before, deepest, apply.as_ref())?;
             // The conv keeps the `kernel - 1` inputs ending at the last kept token.
             let window = steps.conv_input.shape()[1] - written;
             let channels = steps.conv_input.shape()[2];

@@ -1,7 +1,7 @@
 //! Where a decode step's wall time goes, by batch width and tokens per row (1 for a plain step;
 //! 1 + drafts for a speculative one): building the lazy graph (the model's forward, the draft
 //! head's drafts and the sampling ops), handing it to MLX (`async_eval`: on a GPU this is where
-//! every kernel is encoded; a speculative step waits in `eval` instead, counted as reading),
+//! every kernel is encoded; a speculative step is handed over the same way while profiled),
 //! waiting for the tokens, and the engine loop's other work between steps (prefill chunks,
 //! joins, sending text; a speculative step's acceptance and cache rollback). For `rmlx bench
 //! --step-profile`; off unless enabled, and then only clock reads.

@@ -169,6 +169,9 @@ pub(super) fn verify_iteration<R: DecodeRow>(
     let head_tokens = drafts.head.as_ref().map(|(tokens, _)| tokens);
     if let Some(clock) = clock.as_mut() {
         clock.built();
+        // Profiled, the step is handed over first (where a GPU encodes its kernels), so the
+        // wait that follows is only the device's.
+        crate::runtime::async_eval(std::iter::once(&argmax).chain(head_tokens))?;
         clock.submitted();
     }
     crate::runtime::eval(std::iter::once(&argmax).chain(head_tokens))?;

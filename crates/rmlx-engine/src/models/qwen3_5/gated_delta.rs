@@ -22,7 +22,10 @@ pub fn decay(a_log: &Array, a: &Array, dt_bias: &Array) -> Result<Array> {
 }
 
 /// One token for every head: q, k `[B, H, Dk]`, v `[B, H, Dv]`, g and beta `[B, H]`, state
-/// `[B, H, Dv, Dk]` → (y `[B, H, Dv]` in q's dtype, new state).
+/// `[B, H, Dv, Dk]` → (y `[B, H, Dv]` in q's dtype, new state). Compiled (shapeless): the
+/// elementwise work between its two reductions fuses, so a token costs a few kernels instead of
+/// a dozen (decode and a speculative step's tokens are launch-bound on a GPU).
+/// `MLX_DISABLE_COMPILE=1` runs the plain ops.
 fn step(
     q: &Array,
     k: &Array,
@@ -31,6 +34,42 @@ fn step(
     beta: &Array,
     state: &Array,
 ) -> Result<(Array, Array)> {
+    let inputs = [q, k, v, g, beta, state].map(Array::clone);
+    let outputs = STEP.with(|compiled| (compiled.borrow_mut())(&inputs))?;
+    let [y, state]: [Array; 2] = outputs.try_into().map_err(|_| {
+        crate::error::EngineError::InvalidRequest("the delta rule's step gave no pair".into())
+    })?;
+    Ok((y, state))
+}
+
+type CompiledStep = Box<
+    dyn for<'a> FnMut(&'a [Array]) -> std::result::Result<Vec<Array>, mlx_rs::error::Exception>,
+>;
+
+thread_local! {
+    // One compiled function per thread for its life: MLX caches the trace under its id.
+    static STEP: std::cell::RefCell<CompiledStep> = std::cell::RefCell::new(Box::new(
+        mlx_rs::transforms::compile::compile(
+            |inputs: &[Array]| -> std::result::Result<Vec<Array>, mlx_rs::error::Exception> {
+                let [q, k, v, g, beta, state] = inputs else {
+                    unreachable!("the step is called with its six inputs")
+                };
+                let (y, state) = plain_step(q, k, v, g, beta, state)?;
+                Ok(vec![y, state])
+            },
+            true,
+        ),
+    ));
+}
+
+fn plain_step(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: &Array,
+) -> std::result::Result<(Array, Array), mlx_rs::error::Exception> {
     let state = ops::multiply(state, g.expand_dims_axes(&[-1, -2])?)?;
     let k_row = k.expand_dims(-2)?;
     let remembered = ops::multiply(&state, &k_row)?.sum_axis(-1, false)?;
@@ -66,20 +105,44 @@ pub fn gated_delta_ops(
     sequential_ops(q, k, v, g, beta, state)
 }
 
-/// The state after only the steps `apply` (`[B, T]` booleans) marks of a speculative step whose
-/// recurrence inputs were `[q, k, v, g, beta]`, from `before`: a step left out neither decays
-/// (g = 1) nor writes (β = 0), so the state passes it unchanged, bit for bit. Same kernel and
-/// ops as the step itself (the Metal kernel on a Mac's GPU), and no model forward.
-pub fn replay_kept(inputs: &[Array], before: &Array, apply: &Array) -> Result<Array> {
+/// The state after the first `kept` steps of a speculative step whose recurrence inputs were
+/// `[q, k, v, g, beta]` (`[B, T, ...]`), from `before`. `apply` (`[B, kept]` booleans) marks,
+/// when rows keep different counts, the steps each row applies: a step left out neither decays
+/// (g = 1) nor writes (β = 0), so the state passes it unchanged, bit for bit. Only the kept
+/// steps run (one where every draft was rejected), with the step's own kernel and ops (the
+/// Metal kernel on a Mac's GPU) and no model forward.
+pub fn replay_kept(
+    inputs: &[Array],
+    before: &Array,
+    kept: i32,
+    apply: Option<&Array>,
+) -> Result<Array> {
     let [q, k, v, g, beta] = inputs else {
         return Err(crate::error::EngineError::InvalidRequest(
             "a speculative step's recurrence needs q, k, v, g and beta".into(),
         ));
     };
-    let apply = apply.expand_dims(-1)?;
-    let g = ops::select(&apply, g, Array::from_f32(1.0).as_dtype(g.dtype())?)?;
-    let beta = ops::select(&apply, beta, Array::from_f32(0.0).as_dtype(beta.dtype())?)?;
-    let (_, state) = gated_delta_ops(q, k, v, &g, &beta, before)?;
+    let first = |x: &Array| -> Array {
+        match x.shape()[1] == kept {
+            true => x.clone(),
+            false => x.index((.., ..kept)),
+        }
+    };
+    let (g, beta) = match apply {
+        Some(apply) => {
+            let apply = apply.expand_dims(-1)?;
+            (
+                ops::select(&apply, first(g), Array::from_f32(1.0).as_dtype(g.dtype())?)?,
+                ops::select(
+                    &apply,
+                    first(beta),
+                    Array::from_f32(0.0).as_dtype(beta.dtype())?,
+                )?,
+            )
+        }
+        None => (first(g), first(beta)),
+    };
+    let (_, state) = gated_delta_ops(&first(q), &first(k), &first(v), &g, &beta, before)?;
     Ok(state)
 }
 
@@ -385,6 +448,39 @@ mod tests {
             worst = worst.max((a - *b as f64).abs());
         }
         assert!(worst < 1e-5, "max difference {worst}");
+    }
+
+    /// The compiled step equals the plain ops at every shape it meets (shapeless: traced once,
+    /// then run at other batch sizes and head counts), in float32 and with bf16 activations.
+    #[test]
+    fn compiled_step_equals_the_plain_ops() {
+        for (batch, heads, dk, dv, dtype) in [
+            (1, 4, 8, 4, Dtype::Float32),
+            (3, 6, 16, 8, Dtype::Float32),
+            (2, 4, 8, 4, Dtype::Bfloat16),
+        ] {
+            let q = randn(&[batch, heads, dk], 1).as_dtype(dtype).unwrap();
+            let k = randn(&[batch, heads, dk], 2).as_dtype(dtype).unwrap();
+            let v = randn(&[batch, heads, dv], 3).as_dtype(dtype).unwrap();
+            let g = ops::sigmoid(randn(&[batch, heads], 4)).unwrap();
+            let beta = ops::sigmoid(randn(&[batch, heads], 5)).unwrap();
+            let state = randn(&[batch, heads, dv, dk], 6);
+            let (y, next) = step(&q, &k, &v, &g, &beta, &state).unwrap();
+            let (plain_y, plain_next) = plain_step(&q, &k, &v, &g, &beta, &state).unwrap();
+            assert_eq!(y.dtype(), dtype);
+            assert_eq!(y.shape(), plain_y.shape());
+            assert_eq!(next.shape(), plain_next.shape());
+            let worst = |a: &Array, b: &Array| {
+                host(a)
+                    .iter()
+                    .zip(host(b))
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max)
+            };
+            assert!(worst(&next, &plain_next) < 1e-6, "{batch}x{heads} state");
+            let tolerance = if dtype == Dtype::Float32 { 1e-6 } else { 1e-2 };
+            assert!(worst(&y, &plain_y) < tolerance, "{batch}x{heads} y");
+        }
     }
 
     /// Splitting a prompt into chunks carries the state exactly: 1 / 3 / whole agree.

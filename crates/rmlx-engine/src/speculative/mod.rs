@@ -8,6 +8,7 @@
 //! Files: `lookup.rs` (drafts from n-grams already in the conversation), `depth.rs` (how many
 //! tokens to draft per step, from measured acceptance and step costs).
 
+pub mod accept;
 pub mod depth;
 pub mod lookup;
 

@@ -668,6 +668,30 @@ impl Constraint {
             })
     }
 
+    /// The masks a speculative step needs: for the next token, then after each of `drafts`
+    /// in turn, as far as the grammar allows them (the drafts after the first it refuses could
+    /// never be kept, so they are cut). Returns the masks (one more than the drafts kept) and
+    /// leaves the grammar where it was.
+    pub fn draft_masks(&mut self, drafts: &[u32]) -> Result<Vec<Array>, ConstrainError> {
+        fn grammar(error: impl std::fmt::Display) -> ConstrainError {
+            ConstrainError::Grammar(error.to_string())
+        }
+        let mut masks = vec![self.mask()?];
+        let allowed = self.matcher.validate_tokens(drafts).map_err(grammar)?;
+        let mut consumed = 0;
+        for &draft in &drafts[..allowed] {
+            if self.is_finished() {
+                // A complete document: nothing but EOS follows, and the row stops there.
+                break;
+            }
+            self.consume(draft)?;
+            consumed += 1;
+            masks.push(self.mask()?);
+        }
+        self.matcher.rollback(consumed).map_err(grammar)?;
+        Ok(masks)
+    }
+
     /// The same grammar from its start (a triggered grammar's next activation).
     fn fresh(&self) -> Constraint {
         Constraint {

@@ -52,6 +52,10 @@ pub struct Timings {
     pub draft_tokens: usize,
     /// Drafted tokens the model agreed with: each saved a decode step.
     pub accepted_tokens: usize,
+    /// Per draft position (a step's first draft, its second, ...): drafts checked there, and
+    /// kept (empty without drafts).
+    pub drafted_at: Vec<usize>,
+    pub accepted_at: Vec<usize>,
 }
 
 /// A figure JSON can carry: serde_json writes NaN and infinities as `null`, which the schema's
@@ -75,6 +79,8 @@ impl Timings {
             batched_with: completion.batched_with,
             draft_tokens: t.draft_tokens,
             accepted_tokens: t.accepted_tokens,
+            drafted_at: t.drafted_at.clone(),
+            accepted_at: t.accepted_at.clone(),
         }
     }
 }

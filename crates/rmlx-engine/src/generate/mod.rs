@@ -3,7 +3,8 @@
 //! `stream_generate`).
 //!
 //! Files: `params.rs` (a request's settings and its answer), `solo.rs` (one request alone),
-//! `prefill.rs`, `sequence.rs` (one request's decode state), `batch.rs` (a batch's decode step), `verify.rs` (a speculative step),
+//! `prefill.rs`, `sequence.rs` (one request's decode state), `batch.rs` (a batch's decode step), `verify.rs` (a speculative step), `settle.rs` (its sampled, penalised
+//! and constrained rows),
 //! `head.rs` (the model's own draft head in the decode loop).
 
 mod batch;
@@ -11,6 +12,7 @@ mod head;
 mod params;
 mod prefill;
 mod sequence;
+mod settle;
 mod solo;
 mod verify;
 

@@ -48,8 +48,8 @@ pub struct GenerateParams {
     /// stay dense.
     #[serde(skip)]
     pub kv_storage: KvStorage,
-    /// Drafting tokens and checking them in one forward (greedy rows without a grammar or
-    /// penalties; the others decode one token per step).
+    /// Drafting tokens and checking them in one forward (greedy, sampled, penalised and
+    /// constrained rows; not those with custom-tool grammars or a reasoning budget).
     #[serde(default)]
     pub speculative: SpeculativeParams,
 }
@@ -100,6 +100,13 @@ pub struct Timings {
     pub draft_tokens: usize,
     #[serde(default)]
     pub accepted_tokens: usize,
+    /// Per draft position (the first draft of a step, the second, ...): how many drafts were
+    /// checked there and how many kept. A head's or proposer's accuracy falls with depth; this
+    /// says where.
+    #[serde(default)]
+    pub drafted_at: Vec<usize>,
+    #[serde(default)]
+    pub accepted_at: Vec<usize>,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]

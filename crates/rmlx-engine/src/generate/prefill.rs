@@ -274,6 +274,8 @@ impl Prefill {
             depth,
             drafted: 0,
             accepted: 0,
+            drafted_at: Vec::new(),
+            accepted_at: Vec::new(),
             head: Default::default(),
             params,
         };

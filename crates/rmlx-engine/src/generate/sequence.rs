@@ -66,6 +66,9 @@ fn read_logprob(
             logprob,
         })
         .collect();
+    // A token the grammar or a filter ruled out is no alternative (its id would be arbitrary
+    // among the ties at -inf).
+    alternatives.retain(|alternative| alternative.logprob.is_finite());
     alternatives.sort_by(|a, b| b.logprob.total_cmp(&a.logprob));
     alternatives.truncate(top);
     TokenLogprob {
@@ -123,6 +126,9 @@ pub struct Sequence {
     /// Draft tokens proposed and kept so far.
     pub(super) drafted: usize,
     pub(super) accepted: usize,
+    /// The same per draft position.
+    pub(super) drafted_at: Vec<usize>,
+    pub(super) accepted_at: Vec<usize>,
     /// Hidden states the model's draft head has yet to take in (empty without a head).
     pub(super) head: super::head::Pending,
 }
@@ -208,12 +214,19 @@ impl Sequence {
         Ok(())
     }
 
-    /// Whether this request may draft its next tokens: it has a proposer, its token is the
-    /// argmax after at most a logit bias (the rows a speculative step checks; sampled,
-    /// constrained and penalised rows decode one token per step), and it wants two or more.
+    /// Whether this request may draft its next tokens: it has a proposer and wants two or
+    /// more. Greedy, sampled, penalised and constrained rows all speculate (settle.rs), but
+    /// not a row with custom-tool grammars or a reasoning budget (they switch on from the
+    /// text read so far, so a draft could cross a trigger), and the draft head, whose drafts
+    /// stay on the device, only for rows whose processing does not follow the drafts (no
+    /// grammar, no penalty).
     pub(super) fn can_speculate(&self) -> bool {
-        self.proposer.is_some()
-            && self.is_batchable_greedy()
+        let Some(proposer) = self.proposer.as_ref() else {
+            return false;
+        };
+        let follows_drafts = self.constraint.is_some() || self.sampler.params().needs_history();
+        self.tools.is_empty()
+            && !(proposer.is_head() && follows_drafts)
             && self.wants_step()
             && self.max_new - self.queued >= 2
     }
@@ -416,6 +429,8 @@ impl Sequence {
         timings.total_ms = ms(self.started.elapsed());
         timings.draft_tokens = self.drafted;
         timings.accepted_tokens = self.accepted;
+        timings.drafted_at = std::mem::take(&mut self.drafted_at);
+        timings.accepted_at = std::mem::take(&mut self.accepted_at);
         timings.prefill_tps = self.prompt_ids.len() as f64 / (timings.ttft_ms / 1000.0).max(1e-9);
         let decode_ms: f64 = timings.itl_ms.iter().sum();
         timings.decode_tps = if timings.itl_ms.is_empty() {

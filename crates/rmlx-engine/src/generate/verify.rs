@@ -24,6 +24,7 @@ use crate::{
 use super::{
     batch::{read_all, with_bias_rows, DecodeRow},
     sequence::logprob_arrays,
+    settle::Settling,
 };
 
 /// A step's drafts: each row's from a host proposer (empty for the others), and the model's
@@ -155,26 +156,47 @@ pub(super) fn verify_iteration<R: DecodeRow>(
     // tie-break), so a kept draft is exactly the token the plain step would have chosen.
     let logprobs = crate::sample::log_softmax(&with_bias_rows(&logits, rows)?)?;
     let argmax = crate::sample::greedy(&logprobs)?;
+    // Sampled, constrained or penalised rows: with drafts, each position processed as a plain
+    // step would (settle.rs); without, one token from the first position.
     let mut sampled = vec![false; count];
+    let mut settling: Vec<Option<Settling>> = (0..count).map(|_| None).collect();
     for (b, row) in rows.iter_mut().enumerate() {
         let sequence = row.sequence();
-        if sequence.wants_step() && !sequence.is_batchable_greedy() {
-            // Sampled, constrained or penalised: one token from the first position.
-            let b = b as i32;
-            sequence.sample(&logits.index((b..b + 1, 0, ..)))?;
-            sampled[b as usize] = true;
+        if !sequence.wants_step() || sequence.is_batchable_greedy() {
+            continue;
         }
+        let at = b as i32;
+        let head_depth = drafts.head.as_ref().map_or(0, |(_, depths)| depths[b]);
+        let host = &drafts.host[b];
+        if host.is_empty() && head_depth == 0 {
+            sequence.sample(&logits.index((at..at + 1, 0, ..)))?;
+            sampled[b] = true;
+            continue;
+        }
+        let own = logits.index(at);
+        settling[b] = Some(match &drafts.head {
+            Some((tokens, _)) if head_depth > 0 => {
+                let device = tokens.index(at..at + 1);
+                sequence.settle(&own, None, Some(&device), head_depth)?
+            }
+            _ => sequence.settle(&own, Some(host), None, host.len())?,
+        });
     }
     // The step's one wait for the device (rows without log-probs read nothing else).
     let head_tokens = drafts.head.as_ref().map(|(tokens, _)| tokens);
+    let settled = settling.iter().flatten().flat_map(Settling::arrays);
+    let waited: Vec<&Array> = std::iter::once(&argmax)
+        .chain(head_tokens)
+        .chain(settled)
+        .collect();
     if let Some(clock) = clock.as_mut() {
         clock.built();
         // Profiled, the step is handed over first (where a GPU encodes its kernels), so the
         // wait that follows is only the device's.
-        crate::runtime::async_eval(std::iter::once(&argmax).chain(head_tokens))?;
+        crate::runtime::async_eval(waited.iter().copied())?;
         clock.submitted();
     }
-    crate::runtime::eval(std::iter::once(&argmax).chain(head_tokens))?;
+    crate::runtime::eval(waited.iter().copied())?;
     let now = std::time::Instant::now();
     if let Some(clock) = clock {
         clock.finish(count, width);
@@ -202,31 +224,42 @@ pub(super) fn verify_iteration<R: DecodeRow>(
             kept.push(1);
             continue;
         }
-        let targets = &chosen[b * width..(b + 1) * width];
-        let agreed = draft
-            .iter()
-            .zip(targets)
-            .take_while(|(draft, target)| draft == target)
-            .count();
-        let tokens = &targets[..=agreed];
         let sequence = row.sequence();
-        let logprobs: Vec<Option<[Array; 3]>> = match sequence.params.logprobs {
-            Some(top) => tokens
-                .iter()
-                .enumerate()
-                .map(|(t, &token)| {
-                    let at = logprobs.index((b as i32, t as i32, ..));
-                    let token = Array::from_slice(&[token], &[1]);
-                    logprob_arrays(&at, &token, top).map(Some)
-                })
-                .collect::<Result<_>>()?,
-            None => Vec::new(),
+        let (tokens, agreed, logprobs) = match &settling[b] {
+            Some(settling) => settling.tokens(draft, sequence.params.logprobs)?,
+            None => {
+                let targets = &chosen[b * width..(b + 1) * width];
+                let agreed = draft
+                    .iter()
+                    .zip(targets)
+                    .take_while(|(draft, target)| draft == target)
+                    .count();
+                let tokens = targets[..=agreed].to_vec();
+                let logprobs: Vec<Option<[Array; 3]>> = match sequence.params.logprobs {
+                    Some(top) => tokens
+                        .iter()
+                        .enumerate()
+                        .map(|(t, &token)| {
+                            let at = logprobs.index((b as i32, t as i32, ..));
+                            let token = Array::from_slice(&[token], &[1]);
+                            logprob_arrays(&at, &token, top).map(Some)
+                        })
+                        .collect::<Result<_>>()?,
+                    None => Vec::new(),
+                };
+                (tokens, agreed, logprobs)
+            }
         };
-        sequence.drafted += draft.len();
+        let tokens = &tokens[..];
+        // Drafts checked (a grammar cuts those it refuses).
+        let checked = settling[b]
+            .as_ref()
+            .map_or(draft.len(), |settling| settling.usable().min(draft.len()));
+        sequence.drafted += checked;
         if let Some(control) = sequence.depth.as_mut().filter(|_| !draft.is_empty()) {
             // On the clock plain steps are measured by: the gap since the row's last token.
             let step_ms = (now - sequence.last_token_at).as_secs_f64() * 1000.0;
-            control.observe_step(draft.len(), agreed, width, step_ms);
+            control.observe_step(checked, agreed, width, step_ms);
         }
         let cancelled = row.cancelled();
         let mut deltas = Vec::new();
@@ -240,7 +273,11 @@ pub(super) fn verify_iteration<R: DecodeRow>(
         )?;
         deltas.into_iter().for_each(|delta| row.emit(delta));
         // Drafts taken (the model's own token, the last one taken, is not a draft).
-        row.sequence().accepted += taken.min(agreed);
+        let sequence = row.sequence();
+        let kept_drafts = taken.min(agreed);
+        sequence.accepted += kept_drafts;
+        count_at(&mut sequence.drafted_at, checked);
+        count_at(&mut sequence.accepted_at, kept_drafts);
         // The caches keep the fed token and every taken token but the last (fed next).
         kept.push(taken.max(1) as i32);
     }
@@ -256,4 +293,12 @@ pub(super) fn verify_iteration<R: DecodeRow>(
         }
     }
     Ok(())
+}
+
+/// Adds one to each of the first `n` positions of `counts`, growing it as needed.
+fn count_at(counts: &mut Vec<usize>, n: usize) {
+    if counts.len() < n {
+        counts.resize(n, 0);
+    }
+    counts[..n].iter_mut().for_each(|count| *count += 1);
 }

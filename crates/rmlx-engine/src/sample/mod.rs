@@ -292,7 +292,8 @@ impl Sampler {
         Ok(out)
     }
 
-    fn next_key(&mut self) -> Result<Array, SampleError> {
+    /// A fresh PRNG key for one draw (each call advances the request's stream).
+    pub(crate) fn next_key(&mut self) -> Result<Array, SampleError> {
         let (next, this_step) = mlx_rs::random::split(&self.key, 2)?;
         self.key = next;
         Ok(this_step)

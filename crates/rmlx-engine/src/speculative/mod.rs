@@ -1,11 +1,13 @@
 //! Speculative decoding: a proposer guesses a row's next tokens, one forward of the model checks
 //! them all (`generate/verify.rs`), and the row keeps the guesses the model agrees with plus the
 //! model's own next token. Greedy output is unchanged token for token: a guess is kept only where
-//! it equals the argmax the plain step would have taken.
+//! it equals the argmax the plain step would have taken. Sampled output keeps its distribution:
+//! guesses are kept by the rejection rule (`accept.rs`).
 //! Reference: ../shared/research/speculative-decoding.md (the MLX peers, their traps); vLLM's
 //! n-gram proposer and Hugging Face's `prompt_lookup_num_tokens` for prompt lookup.
 //!
-//! Files: `lookup.rs` (drafts from n-grams already in the conversation), `depth.rs` (how many
+//! Files: `lookup.rs` (drafts from n-grams already in the conversation), `accept.rs` (the
+//! rejection rule for sampled rows), `depth.rs` (how many
 //! tokens to draft per step, from measured acceptance and step costs).
 
 pub mod accept;

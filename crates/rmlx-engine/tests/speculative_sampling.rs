@@ -1,0 +1,395 @@
+//! Speculative decoding under processors and sampling (generate/settle.rs). Greedy rows with a
+//! penalty or a JSON-schema grammar speculate with each position processed as a plain step
+//! would (the history plus the drafts before it; the grammar advanced through them and rolled
+//! back): their output equals plain decode token for token, log-probs included, with an oracle,
+//! an always-wrong and a right-then-wrong proposer. Sampled rows apply the rejection rule: over
+//! many seeds the tokens speculative steps emit follow plain sampling's law (two-sample
+//! chi-square), and the draft head drafts for sampled rows too.
+
+mod common;
+
+use std::sync::{atomic::AtomicBool, Arc};
+
+use common::{assert_same, fixture, text_ids};
+use rmlx_engine::{
+    chat::ChatTokenizer,
+    constrain::ResponseFormat,
+    generate::{generate, Completion, GenerateParams},
+    models::{load_model, load_model_with, LoadOptions, LoadedModel},
+    sample::SamplingParams,
+    speculative::{Drafter, SpeculativeMode, SpeculativeParams},
+};
+use serde_json::json;
+
+const MAX_DRAFT: usize = 4;
+
+struct Solo {
+    loaded: LoadedModel,
+    tokenizer: ChatTokenizer,
+}
+
+impl Solo {
+    fn open(dir: &str) -> Self {
+        Self {
+            loaded: load_model(&fixture(dir)).unwrap(),
+            tokenizer: ChatTokenizer::from_dir(&fixture(dir)).unwrap(),
+        }
+    }
+
+    fn run(&self, prompt: &[u32], params: &GenerateParams) -> Completion {
+        generate(
+            self.loaded.model.as_ref(),
+            &self.tokenizer,
+            prompt,
+            params,
+            &AtomicBool::new(false),
+            |_| {},
+        )
+        .unwrap()
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Adversary {
+    Oracle,
+    AlwaysWrong,
+    RightThenWrong,
+}
+
+/// Drafts from the plain run's tokens (see tests/speculative.rs).
+fn drafter(plain: Vec<u32>, prompt_len: usize, adversary: Adversary, vocab: u32) -> Drafter {
+    Drafter(Arc::new(move |history: &[u32], max: usize| {
+        let generated = history.len() - prompt_len;
+        let right: Vec<u32> = plain.iter().skip(generated).take(max).copied().collect();
+        let wrong = |token: u32| (token + 1 + generated as u32) % vocab;
+        match adversary {
+            Adversary::Oracle => right,
+            Adversary::AlwaysWrong => right.iter().map(|&t| wrong(t)).collect(),
+            Adversary::RightThenWrong => {
+                let keep = generated % (MAX_DRAFT + 1);
+                right
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &t)| if i < keep { t } else { wrong(t) })
+                    .collect()
+            }
+        }
+    }))
+}
+
+fn with_drafter(mut params: GenerateParams, drafter: Option<Drafter>) -> GenerateParams {
+    params.speculative = SpeculativeParams {
+        mode: Some(SpeculativeMode::Off),
+        max_draft: MAX_DRAFT,
+        drafter,
+    };
+    params
+}
+
+/// `params` plain, then with each adversary: the same tokens, log-probs and end.
+fn check_exact(solo: &Solo, prompt: &[u32], params: GenerateParams, what: &str) {
+    let plain = solo.run(prompt, &with_drafter(params.clone(), None));
+    let vocab = solo.loaded.model.vocab_size() as u32;
+    for adversary in [
+        Adversary::Oracle,
+        Adversary::AlwaysWrong,
+        Adversary::RightThenWrong,
+    ] {
+        let drafts = drafter(plain.token_ids.clone(), prompt.len(), adversary, vocab);
+        let speculative = solo.run(prompt, &with_drafter(params.clone(), Some(drafts)));
+        let what = format!("{what} {adversary:?}");
+        assert_same(&plain, &speculative, &what);
+        assert_eq!(plain.finish_reason, speculative.finish_reason, "{what}");
+        let timings = &speculative.timings;
+        // Per draft position: the counts add up, and a draft is kept only after the one before.
+        assert_eq!(timings.drafted_at.iter().sum::<usize>(), timings.draft_tokens);
+        assert_eq!(timings.accepted_at.iter().sum::<usize>(), timings.accepted_tokens);
+        assert!(timings.accepted_at.windows(2).all(|w| w[1] <= w[0]), "{timings:?}");
+        match adversary {
+            Adversary::Oracle => {
+                assert!(timings.draft_tokens > 0, "{what}: nothing drafted");
+                assert_eq!(timings.accepted_tokens, timings.draft_tokens, "{what}");
+                assert_eq!(timings.accepted_at, timings.drafted_at, "{what}");
+            }
+            Adversary::AlwaysWrong => assert_eq!(timings.accepted_tokens, 0, "{what}"),
+            Adversary::RightThenWrong => assert!(
+                timings.accepted_tokens > 0 && timings.accepted_tokens < timings.draft_tokens,
+                "{what}: {timings:?}"
+            ),
+        }
+    }
+}
+
+fn greedy(max_tokens: usize, sampling: SamplingParams) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
+        ignore_eos: true,
+        logprobs: Some(2),
+        sampling,
+        ..GenerateParams::default()
+    }
+}
+
+/// Each penalty reads the history: at a draft's position it must count the drafts before it.
+#[test]
+fn penalised_greedy_rows_speculate_exactly() {
+    let penalties = [
+        (
+            "repetition",
+            SamplingParams {
+                repetition_penalty: Some(1.8),
+                repetition_context_size: 20,
+                ..SamplingParams::greedy()
+            },
+        ),
+        (
+            "presence",
+            SamplingParams {
+                presence_penalty: 1.5,
+                presence_context_size: 20,
+                ..SamplingParams::greedy()
+            },
+        ),
+        (
+            "frequency",
+            SamplingParams {
+                frequency_penalty: 3.0,
+                frequency_context_size: 20,
+                ..SamplingParams::greedy()
+            },
+        ),
+    ];
+    // A KV model and a Gated DeltaNet hybrid with MoE. A logit bias makes one token the
+    // argmax wherever nothing penalises it, so the penalties decide (and read the drafts).
+    for dir in ["releases/qwen3-0.6b", "releases/qwen3.6-35b-a3b"] {
+        let solo = Solo::open(dir);
+        let prompt = text_ids(24, 7, 10, 900);
+        let biased = |sampling: &SamplingParams| SamplingParams {
+            logit_bias: [(17, 6.0)].into(),
+            ..sampling.clone()
+        };
+        for (name, sampling) in &penalties {
+            let sampling = biased(sampling);
+            // The penalty must change the answer, or this would test nothing.
+            let plain = solo.run(&prompt, &greedy(24, biased(&SamplingParams::greedy())));
+            let penalised = solo.run(&prompt, &greedy(24, sampling.clone()));
+            assert_ne!(plain.token_ids, penalised.token_ids, "{dir} {name}");
+            check_exact(
+                &solo,
+                &prompt,
+                greedy(24, sampling.clone()),
+                &format!("{dir} {name}"),
+            );
+        }
+    }
+}
+
+/// The grammar's mask at each draft's position follows the drafts before it; drafts it refuses
+/// are cut, and the grammar is back where it was for the tokens kept.
+#[test]
+fn constrained_greedy_rows_speculate_exactly() {
+    let solo = Solo::open("qwen3-tiny");
+    let prompt = text_ids(16, 3, 10, 900);
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "kind": {"enum": ["cat", "dog", "axolotl"]},
+            "age": {"type": "integer", "minimum": 0, "maximum": 30}
+        },
+        "required": ["name", "kind", "age"],
+        "additionalProperties": false
+    });
+    let mut params = greedy(200, SamplingParams::greedy());
+    params.ignore_eos = false;
+    // Random weights seldom close a string: the bias makes `"` and `}` likely (as in
+    // tests/constrained.rs), the grammar decides.
+    params.sampling.logit_bias = [(1, 10.0), (92, 10.0)].into();
+    params.response_format = ResponseFormat::json_schema(schema, true);
+    let plain = solo.run(&prompt, &with_drafter(params.clone(), None));
+    let text: serde_json::Value = serde_json::from_str(&plain.text).expect("a JSON answer");
+    assert!(text.is_object(), "{text}");
+    check_exact(&solo, &prompt, params, "json schema");
+}
+
+/// Counts of each value, pooled into one cell where both samples are rare.
+fn two_sample_p_value(a: &[Vec<u32>], b: &[Vec<u32>]) -> f64 {
+    use std::collections::BTreeMap;
+    let mut cells: BTreeMap<&[u32], (f64, f64)> = BTreeMap::new();
+    a.iter()
+        .for_each(|key| cells.entry(key).or_default().0 += 1.0);
+    b.iter()
+        .for_each(|key| cells.entry(key).or_default().1 += 1.0);
+    let mut pooled = Vec::new();
+    let mut rare = (0.0, 0.0);
+    for (_, (x, y)) in cells {
+        if x + y < 10.0 {
+            rare = (rare.0 + x, rare.1 + y);
+        } else {
+            pooled.push((x, y));
+        }
+    }
+    if rare.0 + rare.1 > 0.0 {
+        pooled.push(rare);
+    }
+    let (total_a, total_b) = (a.len() as f64, b.len() as f64);
+    let statistic: f64 = pooled
+        .iter()
+        .map(|(x, y)| {
+            let d = x * (total_b / total_a).sqrt() - y * (total_a / total_b).sqrt();
+            d * d / (x + y)
+        })
+        .sum();
+    chi_square_p_value(statistic, pooled.len() - 1)
+}
+
+/// P(χ²_k ≥ x) (the series of the regularised lower incomplete gamma function).
+fn chi_square_p_value(x: f64, k: usize) -> f64 {
+    let (a, half) = (k as f64 / 2.0, x / 2.0);
+    let (mut term, mut sum, mut n) = (1.0 / a, 1.0 / a, 0.0);
+    while term > 1e-17 * sum {
+        n += 1.0;
+        term *= half / (a + n);
+        sum += term;
+    }
+    let mut ln_gamma = 0.0f64;
+    let mut z = a;
+    while z > 1.0 {
+        z -= 1.0;
+        ln_gamma += z.ln();
+    }
+    if z == 0.5 {
+        ln_gamma += std::f64::consts::PI.sqrt().ln();
+    }
+    (1.0 - (-half + a * half.ln() - ln_gamma).exp() * sum).max(0.0)
+}
+
+const SEEDS: u64 = 600;
+
+/// Tokens 1-3 of `SEEDS` sampled answers (the first from the prefill, the next two from a
+/// speculative step when drafting), and the drafts checked and kept over all of them.
+fn sampled_answers(
+    solo: &Solo,
+    prompt: &[u32],
+    params: &GenerateParams,
+    first_seed: u64,
+) -> (Vec<Vec<u32>>, usize, usize) {
+    let (mut drafted, mut kept) = (0, 0);
+    let answers = (first_seed..first_seed + SEEDS)
+        .map(|seed| {
+            let mut params = params.clone();
+            params.sampling.seed = Some(seed);
+            let answer = solo.run(prompt, &params);
+            drafted += answer.timings.draft_tokens;
+            kept += answer.timings.accepted_tokens;
+            answer.token_ids[..3].to_vec()
+        })
+        .collect();
+    (answers, drafted, kept)
+}
+
+/// Top-2 sampling at temperature 1 (at most 8 answers of 3 tokens) with drafts from the greedy
+/// continuation of the first token, each draft kept with its probability under the target (at
+/// least one half): speculative answers follow plain sampling's law.
+#[test]
+fn sampled_rows_keep_plain_samplings_law() {
+    let solo = Solo::open("releases/qwen3-0.6b");
+    let prompt = text_ids(8, 5, 10, 900);
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        top_k: 2,
+        ..SamplingParams::default()
+    };
+    // The two first tokens sampling can give, and the greedy continuation after each.
+    let mut first = greedy(1, SamplingParams::greedy());
+    first.speculative.mode = Some(SpeculativeMode::Off);
+    let top = solo.run(&prompt, &first).logprobs.unwrap()[0].top.clone();
+    let continuations: Vec<(u32, Vec<u32>)> = top
+        .iter()
+        .map(|alternative| {
+            let mut after = prompt.clone();
+            after.push(alternative.token_id);
+            let greedy_rest = solo.run(
+                &after,
+                &with_drafter(greedy(3, SamplingParams::greedy()), None),
+            );
+            (alternative.token_id, greedy_rest.token_ids)
+        })
+        .collect();
+    let prompt_len = prompt.len();
+    let table = continuations.clone();
+    let guess = Drafter(Arc::new(move |history: &[u32], max: usize| {
+        let generated = &history[prompt_len..];
+        let Some((_, rest)) = table
+            .iter()
+            .find(|(first, _)| Some(first) == generated.first())
+        else {
+            return Vec::new();
+        };
+        // Following the greedy path drafted so far, else its next tokens anyway (a wrong guess).
+        let done = generated.len() - 1;
+        rest.iter().skip(done).take(max).copied().collect()
+    }));
+    let params = GenerateParams {
+        max_tokens: 4,
+        ignore_eos: true,
+        sampling,
+        ..GenerateParams::default()
+    };
+    let (plain, _, _) = sampled_answers(&solo, &prompt, &with_drafter(params.clone(), None), 0);
+    let (speculative, drafted, kept) =
+        sampled_answers(&solo, &prompt, &with_drafter(params, Some(guess)), SEEDS);
+    // Drafts were checked, most kept, some refused.
+    assert!(drafted > SEEDS as usize, "{drafted}");
+    assert!(kept > drafted / 3 && kept < drafted, "{drafted} {kept}");
+    let p = two_sample_p_value(&plain, &speculative);
+    assert!(p > 1e-4, "speculative sampling's law differs: p = {p}");
+    // The same test sees a skew: answers whose second token is always the greedy draft.
+    let skewed: Vec<Vec<u32>> = speculative
+        .iter()
+        .map(|answer| {
+            let (_, rest) = continuations
+                .iter()
+                .find(|(first, _)| *first == answer[0])
+                .unwrap();
+            vec![answer[0], rest[0], answer[2]]
+        })
+        .collect();
+    let p = two_sample_p_value(&plain, &skewed);
+    assert!(p < 1e-4, "a skewed law passed: p = {p}");
+}
+
+/// The draft head drafts for sampled rows (point masses under the rejection rule).
+#[test]
+fn the_draft_head_drafts_for_sampled_rows() {
+    let dir = "releases/qwen3.6-35b-a3b";
+    let loaded = load_model_with(&fixture(dir), LoadOptions { draft_head: true }).unwrap();
+    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+    let prompt = text_ids(16, 5, 10, 900);
+    let mut params = GenerateParams {
+        max_tokens: 24,
+        ignore_eos: true,
+        sampling: SamplingParams {
+            temperature: 0.7,
+            seed: Some(3),
+            ..SamplingParams::default()
+        },
+        ..GenerateParams::default()
+    };
+    params.speculative = SpeculativeParams {
+        mode: Some(SpeculativeMode::Mtp),
+        max_draft: 2,
+        drafter: None,
+    };
+    let answer = generate(
+        loaded.model.as_ref(),
+        &tokenizer,
+        &prompt,
+        &params,
+        &AtomicBool::new(false),
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(answer.completion_tokens, 24);
+    assert!(answer.timings.draft_tokens > 0, "{:?}", answer.timings);
+}

@@ -102,9 +102,18 @@ fn check_exact(solo: &Solo, prompt: &[u32], params: GenerateParams, what: &str) 
         assert_eq!(plain.finish_reason, speculative.finish_reason, "{what}");
         let timings = &speculative.timings;
         // Per draft position: the counts add up, and a draft is kept only after the one before.
-        assert_eq!(timings.drafted_at.iter().sum::<usize>(), timings.draft_tokens);
-        assert_eq!(timings.accepted_at.iter().sum::<usize>(), timings.accepted_tokens);
-        assert!(timings.accepted_at.windows(2).all(|w| w[1] <= w[0]), "{timings:?}");
+        assert_eq!(
+            timings.drafted_at.iter().sum::<usize>(),
+            timings.draft_tokens
+        );
+        assert_eq!(
+            timings.accepted_at.iter().sum::<usize>(),
+            timings.accepted_tokens
+        );
+        assert!(
+            timings.accepted_at.windows(2).all(|w| w[1] <= w[0]),
+            "{timings:?}"
+        );
         match adversary {
             Adversary::Oracle => {
                 assert!(timings.draft_tokens > 0, "{what}: nothing drafted");

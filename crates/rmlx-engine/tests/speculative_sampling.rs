@@ -402,3 +402,89 @@ fn the_draft_head_drafts_for_sampled_rows() {
     assert_eq!(answer.completion_tokens, 24);
     assert!(answer.timings.draft_tokens > 0, "{:?}", answer.timings);
 }
+
+/// A batch of a penalised greedy row, a seeded sampled row, a biased greedy row with a presence
+/// penalty and a plain greedy row, each drafting with its own adversary, on a Gated DeltaNet
+/// hybrid: each row equals its run alone (the greedy ones token for token with plain decode;
+/// the sampled one with its speculative run alone: the same drafts and draws, per row).
+#[test]
+fn mixed_rows_in_a_batch_equal_their_solo_runs() {
+    use rmlx_engine::engine::{Engine, EngineOptions, Prompt, Request};
+    let dir = "releases/qwen3.5-0.8b";
+    let solo = Solo::open(dir);
+    let vocab = solo.loaded.model.vocab_size() as u32;
+    let max_tokens = 16;
+    let rows: Vec<(SamplingParams, Adversary)> = vec![
+        (
+            SamplingParams {
+                repetition_penalty: Some(1.8),
+                logit_bias: [(17, 6.0)].into(),
+                ..SamplingParams::greedy()
+            },
+            Adversary::RightThenWrong,
+        ),
+        (
+            SamplingParams {
+                temperature: 0.8,
+                top_p: 0.9,
+                seed: Some(11),
+                ..SamplingParams::default()
+            },
+            Adversary::RightThenWrong,
+        ),
+        (
+            SamplingParams {
+                presence_penalty: 1.5,
+                logit_bias: [(17, 6.0)].into(),
+                ..SamplingParams::greedy()
+            },
+            Adversary::AlwaysWrong,
+        ),
+        (SamplingParams::greedy(), Adversary::Oracle),
+    ];
+    let prompts: Vec<Vec<u32>> = (0..rows.len())
+        .map(|row| text_ids(20 + 3 * row, 11 + row as u32, 10, 900))
+        .collect();
+    // Each row alone: plain, then with its drafter (built from the plain answer).
+    let mut alone = Vec::new();
+    for (prompt, (sampling, adversary)) in prompts.iter().zip(&rows) {
+        let params = greedy(max_tokens, sampling.clone());
+        let plain = solo.run(prompt, &with_drafter(params.clone(), None));
+        let drafts = drafter(plain.token_ids.clone(), prompt.len(), *adversary, vocab);
+        let params = with_drafter(params, Some(drafts));
+        let speculative = solo.run(prompt, &params);
+        if sampling.is_greedy() {
+            assert_same(&plain, &speculative, &format!("{adversary:?} alone"));
+        }
+        alone.push((speculative, params));
+    }
+    drop(solo);
+    let engine = Engine::start_with(EngineOptions {
+        max_queue: 8,
+        ..EngineOptions::default()
+    })
+    .unwrap();
+    let handles: Vec<_> = prompts
+        .iter()
+        .zip(&alone)
+        .map(|(prompt, (_, params))| {
+            engine
+                .submit(Request {
+                    model: fixture(dir),
+                    prompt: Prompt::Ids(prompt.clone()),
+                    params: params.clone(),
+                    ..Request::default()
+                })
+                .unwrap()
+        })
+        .collect();
+    for (row, (handle, (solo_answer, _))) in handles.into_iter().zip(&alone).enumerate() {
+        let batched = handle.wait().unwrap();
+        assert!(batched.batched_with > 1, "row {row} ran alone");
+        assert_same(solo_answer, &batched, &format!("batch row {row}"));
+        assert!(
+            batched.timings.draft_tokens > 0,
+            "row {row} drafted nothing"
+        );
+    }
+}

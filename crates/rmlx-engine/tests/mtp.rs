@@ -526,3 +526,93 @@ fn a_release_head_written_beside_a_conversion() {
     assert_same(&plain, &answer, "4-bit conversion with a written head");
     assert!(answer.timings.draft_tokens > 0);
 }
+
+/// Every 4-bit conversion structure (dense Qwen3.5, the MoE Qwen3.6) with the release's head
+/// written beside it (`rmlx pull --mtp`'s split drafter, quantized as the conversion): greedy
+/// output with the head equals plain decode, alone (`mtp`, `auto`) and in a batch of rows that
+/// keep different counts of drafts.
+#[test]
+fn four_bit_conversions_with_written_heads_are_exact() {
+    let pairs = [
+        ("releases/qwen3.5-4b-mlx-4bit", "releases/qwen3.5-4b"),
+        ("releases/qwen3.5-9b-4bit", "releases/qwen3.5-9b"),
+        ("releases/qwen3.6-35b-a3b-4bit", "releases/qwen3.6-35b-a3b"),
+    ];
+    for (conversion, release) in pairs {
+        let (_release_copy, head) = without_head(release);
+        let dir = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(fixture(conversion)).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+        }
+        let release_head = dir.path().join("release-head.safetensors");
+        Array::save_safetensors(&head, None, &release_head).unwrap();
+        rmlx_engine::models::qwen3_5::mtp::write_split_drafter(dir.path(), &release_head).unwrap();
+        std::fs::remove_file(&release_head).unwrap();
+        let tokenizer = ChatTokenizer::from_dir(dir.path()).unwrap();
+        let run_at = |loaded: &LoadedModel, prompt: &[u32], params: &GenerateParams| {
+            let cancel = std::sync::atomic::AtomicBool::new(false);
+            generate(
+                loaded.model.as_ref(),
+                &tokenizer,
+                prompt,
+                params,
+                &cancel,
+                |_| {},
+            )
+            .unwrap()
+        };
+        let plain_model = load_model(dir.path()).unwrap();
+        let loaded = load_model_with(dir.path(), LoadOptions { draft_head: true }).unwrap();
+        assert!(loaded.info.draft_head_loaded, "{conversion}");
+        let prompts: Vec<Vec<u32>> = (0..3)
+            .map(|row| text_ids(20 + 5 * row, 71 + row as u32, 10, 900))
+            .collect();
+        let bias = |row: usize| (row != 1).then_some(PARTIAL_BIAS);
+        let plains: Vec<Completion> = prompts
+            .iter()
+            .enumerate()
+            .map(|(row, prompt)| {
+                run_at(
+                    &plain_model,
+                    prompt,
+                    &biased(params(24, SpeculativeMode::Off), bias(row)),
+                )
+            })
+            .collect();
+        for mode in [SpeculativeMode::Mtp, SpeculativeMode::Auto] {
+            let answer = run_at(&loaded, &prompts[0], &biased(params(24, mode), bias(0)));
+            assert_same(&plains[0], &answer, &format!("{conversion} {mode:?} alone"));
+            if mode == SpeculativeMode::Mtp {
+                let timings = &answer.timings;
+                assert!(
+                    timings.accepted_tokens > 0 && timings.accepted_tokens < timings.draft_tokens,
+                    "{conversion}: {timings:?}"
+                );
+            }
+        }
+        drop((plain_model, loaded));
+        let engine = engine(SpeculativeMode::Mtp);
+        let handles: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(row, prompt)| {
+                engine
+                    .submit(Request {
+                        model: dir.path().to_path_buf(),
+                        prompt: Prompt::Ids(prompt.clone()),
+                        params: biased(params(24, SpeculativeMode::Mtp), bias(row)),
+                        ..Request::default()
+                    })
+                    .unwrap()
+            })
+            .collect();
+        let mut batched = false;
+        for (row, (handle, plain)) in handles.into_iter().zip(&plains).enumerate() {
+            let answer = handle.wait().unwrap();
+            batched |= answer.batched_with > 1;
+            assert_same(plain, &answer, &format!("{conversion} batch row {row}"));
+        }
+        assert!(batched, "{conversion}: nothing ran batched");
+    }
+}

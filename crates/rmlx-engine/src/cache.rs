@@ -713,7 +713,12 @@ impl KvCache {
         self.speculating = false;
         let stashed = self.stashed.take();
         let rows = self.batch_size();
-        let least = if self.recurrent.is_some() { 1 } else { 0 };
+        // A recurrent state can only go back within the step it stashed (to its state before).
+        let least = if self.recurrent.is_some() && stashed.is_none() {
+            1
+        } else {
+            0
+        };
         if kept.len() != rows || kept.iter().any(|&k| k < least || k > written) {
             return Err(EngineError::InvalidRequest(format!(
                 "a speculative step kept {kept:?} of {written} tokens for {rows} rows"
@@ -726,7 +731,7 @@ impl KvCache {
             let batch = rows as i32;
             let kept_rows = Array::from_slice(kept, &[batch, 1]);
             // Only the steps some row keeps replay; a mask only where rows keep different counts.
-            let deepest = kept.iter().copied().max().unwrap_or(1);
+            let deepest = kept.iter().copied().max().unwrap_or(0);
             let apply = match kept.iter().all(|&k| k == deepest) {
                 true => None,
                 false => {
@@ -735,7 +740,11 @@ impl KvCache {
                     Some(ops::lt(&step_index, &kept_rows)?)
                 }
             };
-            let state = (steps.replay)(&steps.inputs, &steps.before, deepest, apply.as_ref())?;
+            let state = match deepest {
+                // Every row keeps none (a draft model's catch-up of rows that lacked nothing).
+                0 => steps.before.clone(),
+                _ => (steps.replay)(&steps.inputs, &steps.before, deepest, apply.as_ref())?,
+            };
             // The conv keeps the `kernel - 1` inputs ending at the last kept token.
             let window = steps.conv_input.shape()[1] - written;
             let channels = steps.conv_input.shape()[2];
@@ -764,6 +773,29 @@ impl KvCache {
             None => self.cut_to(furthest),
         }
         Ok(())
+    }
+
+    /// What [`Self::take_back`] needs to undo single-token steps taken from here: a recurrent
+    /// layer's state (the others forget by offset).
+    pub fn mark(&self) -> Option<RecurrentState> {
+        self.recurrent.clone()
+    }
+
+    /// Undoes the last `steps` single-token steps of every row, taken since `mark` (a draft
+    /// model's deeper drafts): a recurrent layer takes its marked state back, the others move
+    /// each row's end back.
+    pub fn take_back(&mut self, mark: Option<RecurrentState>, steps: i32) -> Result<()> {
+        match (mark, self.recurrent.is_some()) {
+            (Some(state), _) => {
+                self.recurrent = Some(state);
+                self.offset -= steps;
+                Ok(())
+            }
+            (None, false) => self.keep_written(steps, &vec![0; self.batch_size()]),
+            (None, true) => Err(EngineError::InvalidRequest(
+                "a recurrent state was stepped without a mark to take it back to".into(),
+            )),
+        }
     }
 
     /// Whether the cache can be cut back to `len` positions: a KV cache always can, a recurrent

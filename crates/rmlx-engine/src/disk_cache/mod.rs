@@ -39,10 +39,25 @@ pub const FORMAT: &str = "rmlx-prefix-v2";
 /// safetensors file's name, size and header, its folder name, the KV storage, and whether its
 /// draft head is loaded (its caches then follow the trunk's in every file).
 pub fn fingerprint(dir: &Path, storage: KvStorage, draft_head: bool) -> std::io::Result<String> {
+    fingerprint_with_draft(dir, storage, draft_head, None)
+}
+
+/// [`fingerprint`] of a model paired with a separate draft model (whose caches the entries
+/// carry too): the draft model's own fingerprint goes into the key.
+pub fn fingerprint_with_draft(
+    dir: &Path,
+    storage: KvStorage,
+    draft_head: bool,
+    draft_model: Option<&Path>,
+) -> std::io::Result<String> {
     let mut hash = Sha256::new();
     hash.update(FORMAT.as_bytes());
     if draft_head {
         hash.update(b"draft-head");
+    }
+    if let Some(draft) = draft_model {
+        hash.update(b"draft-model");
+        hash.update(fingerprint_with_draft(draft, storage, false, None)?.as_bytes());
     }
     let name = dir
         .file_name()

@@ -81,11 +81,17 @@ impl EngineThread {
         if let Some(fingerprint) = self.fingerprints.get(key) {
             return Some(fingerprint.clone());
         }
-        let draft_head = self
-            .models
-            .get(key)
-            .is_some_and(|resident| resident.loaded.model.draft_head().is_some());
-        let fingerprint = crate::disk_cache::fingerprint(key, self.kv_storage, draft_head).ok()?;
+        let model = self.models.get(key).map(|resident| &resident.loaded.model);
+        let draft_head = model.is_some_and(|model| model.draft_head().is_some());
+        let draft_model =
+            model.and_then(|model| model.draft_model().map(|draft| draft.path.clone()));
+        let fingerprint = crate::disk_cache::fingerprint_with_draft(
+            key,
+            self.kv_storage,
+            draft_head,
+            draft_model.as_deref(),
+        )
+        .ok()?;
         self.fingerprints
             .insert(key.to_path_buf(), fingerprint.clone());
         Some(fingerprint)

@@ -91,6 +91,9 @@ pub struct EngineOptions {
     pub prefix_disk_bytes: Option<u64>,
     /// Speculative decoding for requests that do not choose (`GenerateParams::speculative`).
     pub speculative: crate::speculative::SpeculativeMode,
+    /// A draft model paired with every model this engine loads (`--draft-model`): it must
+    /// share their tokenizer, checked at load.
+    pub draft_model: Option<PathBuf>,
     /// Holds every disk-cache read back this long (tests: a slow disk).
     #[doc(hidden)]
     pub disk_read_delay: Option<std::time::Duration>,
@@ -109,6 +112,7 @@ impl Default for EngineOptions {
             prefix_disk_dir: None,
             prefix_disk_bytes: None,
             speculative: crate::speculative::SpeculativeMode::default(),
+            draft_model: None,
             disk_read_delay: None,
         }
     }
@@ -215,6 +219,7 @@ impl Engine {
                     prefix_budgets: (options.prefix_cache_bytes, options.prefix_snapshot_bytes),
                     kv_storage,
                     speculative: options.speculative,
+                    draft_model: options.draft_model.clone(),
                     disk,
                     fingerprints: HashMap::new(),
                     prefix_ids: HashMap::new(),

@@ -92,6 +92,8 @@ pub(super) struct EngineThread {
     pub(super) kv_storage: KvStorage,
     /// Speculative decoding for requests that do not choose (`EngineOptions::speculative`).
     pub(super) speculative: crate::speculative::SpeculativeMode,
+    /// Paired with every model loaded (`EngineOptions::draft_model`).
+    pub(super) draft_model: Option<PathBuf>,
     /// The disk cache and each model's fingerprint (`EngineOptions::prefix_disk_dir`).
     pub(super) disk: Option<DiskCache>,
     pub(super) fingerprints: HashMap<PathBuf, String>,
@@ -283,7 +285,10 @@ impl EngineThread {
             let options = models::LoadOptions {
                 draft_head: self.speculative != crate::speculative::SpeculativeMode::Off,
             };
-            let loaded = models::load_model_with(&key, options)?;
+            let mut loaded = models::load_model_with(&key, options)?;
+            if let Some(draft) = &self.draft_model {
+                loaded = models::draft_model::attach(loaded, draft)?;
+            }
             let footprint = footprint(&key)?;
             self.models.insert(
                 key.clone(),

@@ -78,6 +78,8 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
     if rows.iter_mut().any(|row| row.sequence().wants_step()) {
         let mut queued = Vec::new();
         let head = model.draft_head();
+        let own = crate::models::draft_model::own_caches(model, caches.len());
+        let (caches, draft_caches) = caches.split_at_mut(own);
         let trunk = super::head::trunk_layers(model, caches);
         if let Some(head) = head.filter(|_| {
             rows.iter_mut()
@@ -91,6 +93,13 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
                     .flat_map(|cache| cache.state())
                     .cloned(),
             );
+        }
+        if let Some(draft) = model.draft_model() {
+            if super::draft::lags(draft_caches, rows) {
+                // Likewise the draft model, a bounded piece at a time.
+                super::draft::catch_up(draft, draft_caches, rows, model.vocab_size())?;
+                queued.extend(draft_caches.iter().flat_map(|cache| cache.state()).cloned());
+            }
         }
         let input = batch_input(rows)?;
         let logits = match head {

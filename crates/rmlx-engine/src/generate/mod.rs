@@ -5,9 +5,11 @@
 //! Files: `params.rs` (a request's settings and its answer), `solo.rs` (one request alone),
 //! `prefill.rs`, `sequence.rs` (one request's decode state), `batch.rs` (a batch's decode step), `verify.rs` (a speculative step), `settle.rs` (its sampled, penalised
 //! and constrained rows),
-//! `head.rs` (the model's own draft head in the decode loop).
+//! `head.rs` (the model's own draft head in the decode loop), `draft.rs` (a separate draft model
+//! in it).
 
 mod batch;
+mod draft;
 mod head;
 mod params;
 mod prefill;

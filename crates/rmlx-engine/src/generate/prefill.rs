@@ -62,12 +62,22 @@ impl Prefill {
         }
         let mut head_carry = false;
         let (caches, cached_tokens) = match reuse {
-            Some(reuse) if reuse.cached_tokens < prompt_ids.len() => {
+            Some(reuse)
+                if reuse.cached_tokens < prompt_ids.len()
+                    && draft_caches_hold(model, &reuse.caches, reuse.cached_tokens) =>
+            {
                 let mut caches = reuse.caches;
                 caches
                     .iter_mut()
                     .for_each(|cache| cache.set_max_ctx(max_ctx));
+                // The draft model's caches set aside while the head's are aligned.
+                let own = crate::models::draft_model::own_caches(model, caches.len());
+                let mut draft_caches = caches.split_off(own);
+                draft_caches
+                    .iter_mut()
+                    .for_each(|cache| cache.truncate(reuse.cached_tokens as i32));
                 head_carry = align_head(model, &mut caches, reuse.cached_tokens, max_ctx)?;
+                caches.append(&mut draft_caches);
                 (caches, reuse.cached_tokens)
             }
             _ => {
@@ -160,6 +170,8 @@ impl Prefill {
         let primed = primed
             .as_ref()
             .map(|(head, next, carry)| (*head, next, *carry));
+        let own = crate::models::draft_model::own_caches(model, self.caches.len());
+        let (caches, draft_caches) = self.caches.split_at_mut(own);
         match (&self.images, model.as_vision()) {
             (Some(images), Some(vision)) => multimodal::prefill_piece(
                 vision,
@@ -167,21 +179,24 @@ impl Prefill {
                 images,
                 &self.prompt_ids,
                 piece.clone(),
-                &mut self.caches,
+                caches,
             )?,
             _ => {
                 let input = as_input(&self.prompt_ids[piece.clone()]);
                 match primed {
-                    Some((head, next, carry)) => {
-                        head.prime(&input, None, next, carry, &mut self.caches)?
-                    }
+                    Some((head, next, carry)) => head.prime(&input, None, next, carry, caches)?,
                     None => {
-                        model.forward(&input, &mut self.caches, Logits::Last)?;
+                        model.forward(&input, caches, Logits::Last)?;
                     }
                 }
-                crate::runtime::eval(self.caches.iter().flat_map(|cache| cache.state()))?;
             }
         }
+        // A separate draft model takes in the same piece (token ids only: it sees no images).
+        if let Some(draft) = model.draft_model() {
+            let input = as_input(&self.prompt_ids[piece.clone()]);
+            draft.model.forward(&input, draft_caches, Logits::Last)?;
+        }
+        crate::runtime::eval(self.caches.iter().flat_map(|cache| cache.state()))?;
         if self.cuts.contains(&piece.end) {
             self.snapshots.push(CachedSequence {
                 tokens: self.prompt_ids[..piece.end].to_vec(),
@@ -238,8 +253,10 @@ impl Prefill {
             .max_tokens
             .min(self.max_ctx - self.prompt_ids.len() + 1);
         let has_head = model.draft_head().is_some();
+        let has_draft_model = model.draft_model().is_some();
         let (proposer, depth) =
-            match crate::speculative::Proposer::new(&params.speculative, has_head) {
+            match crate::speculative::Proposer::new(&params.speculative, has_head, has_draft_model)
+            {
                 Some((proposer, depth)) => (Some(proposer), depth),
                 None => (None, None),
             };
@@ -281,6 +298,21 @@ impl Prefill {
         };
         Ok((sequence, self.caches))
     }
+}
+
+/// Whether a reused prefix's caches suit this model: a separate draft model's caches must be
+/// there and hold the prefix (they are settled before an entry is stored); otherwise the prompt
+/// is prefilled afresh.
+fn draft_caches_hold(model: &dyn LanguageModel, caches: &[KvCache], cached: usize) -> bool {
+    let Some(draft) = model.draft_model() else {
+        return true;
+    };
+    let own = crate::models::draft_model::own_caches(model, caches.len());
+    caches.len() >= draft.caches
+        && caches.len() == model.new_cache(1).len()
+        && caches[own..]
+            .iter()
+            .all(|cache| cache.offset() >= cached as i32 && cache.can_truncate_to(cached as i32))
 }
 
 /// A reused prefix of `cached` tokens for a model with a draft head: the head's last entry

@@ -217,16 +217,16 @@ impl Sequence {
     /// Whether this request may draft its next tokens: it has a proposer and wants two or
     /// more. Greedy, sampled, penalised and constrained rows all speculate (settle.rs), but
     /// not a row with custom-tool grammars or a reasoning budget (they switch on from the
-    /// text read so far, so a draft could cross a trigger), and the draft head, whose drafts
-    /// stay on the device, only for rows whose processing does not follow the drafts (no
-    /// grammar, no penalty).
+    /// text read so far, so a draft could cross a trigger), and the draft head or draft model,
+    /// whose drafts stay on the device, only for rows whose processing does not follow the
+    /// drafts (no grammar, no penalty).
     pub(super) fn can_speculate(&self) -> bool {
         let Some(proposer) = self.proposer.as_ref() else {
             return false;
         };
         let follows_drafts = self.constraint.is_some() || self.sampler.params().needs_history();
         self.tools.is_empty()
-            && !(proposer.is_head() && follows_drafts)
+            && !(proposer.drafts_on_device() && follows_drafts)
             && self.wants_step()
             && self.max_new - self.queued >= 2
     }
@@ -398,9 +398,14 @@ impl Sequence {
         emit: &mut dyn FnMut(Delta),
     ) -> (Completion, CachedSequence) {
         let _ = tokenizer;
-        if let Err(error) = super::head::settle(model, &mut self, &mut caches) {
+        let own = crate::models::draft_model::own_caches(model, caches.len());
+        if let Err(error) = super::head::settle(model, &mut self, &mut caches[..own]) {
             // The head's caches then end early: a later turn's drafts see less, nothing else.
             eprintln!("rmlx: the draft head did not take in its last tokens: {error}");
+        }
+        if let Err(error) = super::draft::settle(model, &mut self, &mut caches) {
+            // The draft model's caches then end early, and the prefix cache keeps nothing.
+            eprintln!("rmlx: the draft model did not take in its last tokens: {error}");
         }
         let mut finish_reason = self.finish.unwrap_or(FinishReason::Length);
         let mut stop_sequence = self.stop_sequence.take();

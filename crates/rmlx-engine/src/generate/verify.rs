@@ -18,7 +18,6 @@ use crate::{
     chat::ChatTokenizer,
     error::Result,
     models::{LanguageModel, Logits},
-    speculative::Proposer,
 };
 
 use super::{
@@ -27,22 +26,22 @@ use super::{
     settle::Settling,
 };
 
-/// A step's drafts: each row's from a host proposer (empty for the others), and the model's
-/// draft head's for the rows it drafts for.
+/// A step's drafts: each row's from a host proposer (empty for the others), and those made on
+/// the device (the model's draft head, a separate draft model) for the rows they draft for.
 pub(super) struct Drafts {
     host: Vec<Vec<u32>>,
-    /// `[B, K]` int32 and how many of its row's each row drafts (0: not the head's row).
-    head: Option<(Array, Vec<usize>)>,
+    /// `[B, K]` int32 and how many of its row's each row drafts (0: not a device row).
+    device: Option<(Array, Vec<usize>)>,
 }
 
 impl Drafts {
     fn width(&self) -> usize {
         let host = self.host.iter().map(Vec::len).max().unwrap_or(0);
-        let head = self
-            .head
+        let device = self
+            .device
             .as_ref()
             .map_or(0, |(_, depths)| depths.iter().copied().max().unwrap_or(0));
-        1 + host.max(head)
+        1 + host.max(device)
     }
 }
 
@@ -59,6 +58,7 @@ pub(super) fn drafts<R: DecodeRow>(
     let count = rows.len();
     let mut host = vec![Vec::new(); count];
     let mut head_depths = vec![0; count];
+    let mut model_depths = vec![0; count];
     let mut any = false;
     for (b, row) in rows.iter_mut().enumerate() {
         let depth = row.sequence().draft_depth(count);
@@ -67,31 +67,96 @@ pub(super) fn drafts<R: DecodeRow>(
         }
         read_all(row, tokenizer, kv_bytes, 0)?;
         let sequence = row.sequence();
-        if sequence.proposer.as_ref().is_some_and(Proposer::is_head) {
-            head_depths[b] = depth.min(sequence.params.speculative.max_draft);
-            any = true;
-        } else {
-            host[b] = sequence.propose(depth);
-            any |= !host[b].is_empty();
+        let most = depth.min(sequence.params.speculative.max_draft);
+        match sequence.proposer.as_ref() {
+            Some(proposer) if proposer.is_head() => {
+                head_depths[b] = most;
+                any = true;
+            }
+            Some(proposer) if proposer.is_draft_model() => {
+                model_depths[b] = most;
+                any = true;
+            }
+            _ => {
+                host[b] = sequence.propose(depth);
+                any |= !host[b].is_empty();
+            }
         }
     }
     if !any {
         return Ok(None);
     }
-    let deepest = head_depths.iter().copied().max().unwrap_or(0);
-    let head = match model.draft_head().filter(|_| deepest > 0) {
+    let own = crate::models::draft_model::own_caches(model, caches.len());
+    let (caches, draft_caches) = caches.split_at_mut(own);
+    let deepest = |depths: &[usize]| depths.iter().copied().max().unwrap_or(0);
+    let from_head = match model.draft_head().filter(|_| deepest(&head_depths) > 0) {
         Some(head) => {
             // The head takes in every row's pairs, so the others' unread tokens come first too.
             for row in rows.iter_mut() {
                 read_all(row, tokenizer, kv_bytes, 0)?;
             }
             let trunk = super::head::trunk_layers(model, caches);
-            let tokens = super::head::draft(head, trunk, caches, rows, deepest)?;
-            Some((tokens, head_depths))
+            Some(super::head::draft(
+                head,
+                trunk,
+                caches,
+                rows,
+                deepest(&head_depths),
+            )?)
         }
         None => None,
     };
-    Ok(Some(Drafts { host, head }))
+    let from_model = match model.draft_model().filter(|_| deepest(&model_depths) > 0) {
+        Some(draft) => {
+            // Every row catches up (the batch's draft caches move together).
+            for row in rows.iter_mut() {
+                read_all(row, tokenizer, kv_bytes, 0)?;
+            }
+            let depth = deepest(&model_depths);
+            let vocab = model.vocab_size();
+            Some(super::draft::draft(
+                draft,
+                draft_caches,
+                rows,
+                depth,
+                vocab,
+            )?)
+        }
+        None => None,
+    };
+    let depths: Vec<usize> = head_depths
+        .iter()
+        .zip(&model_depths)
+        .map(|(&head, &model)| head.max(model))
+        .collect();
+    let device = match (from_head, from_model) {
+        (None, None) => None,
+        (Some(tokens), None) | (None, Some(tokens)) => Some(tokens),
+        (Some(head), Some(drafted)) => {
+            // Each row takes its own proposer's drafts, both padded to the wider.
+            let width = head.shape()[1].max(drafted.shape()[1]);
+            let pad = |tokens: Array| -> Result<Array> {
+                let short = width - tokens.shape()[1];
+                Ok(match short {
+                    0 => tokens,
+                    _ => mlx_rs::ops::concatenate(
+                        &[
+                            tokens,
+                            mlx_rs::ops::zeros_dtype(&[count as i32, short], Dtype::Int32)?,
+                        ],
+                        1,
+                    )?,
+                })
+            };
+            let by_model: Vec<bool> = model_depths.iter().map(|&depth| depth > 0).collect();
+            let by_model = Array::from_slice(&by_model, &[count as i32, 1]);
+            Some(mlx_rs::ops::select(&by_model, &pad(drafted)?, &pad(head)?)?)
+        }
+    };
+    Ok(Some(Drafts {
+        host,
+        device: device.map(|tokens| (tokens, depths)),
+    }))
 }
 
 /// The speculative step (see the module doc) with its `drafts`; `clock` started before they
@@ -117,7 +182,7 @@ pub(super) fn verify_iteration<R: DecodeRow>(
         let sequence = row.sequence();
         sequence.batched_with = sequence.batched_with.max(count);
         let first = sequence.input.as_dtype(Dtype::Int32)?.reshape(&[1, 1])?;
-        let rest = match &drafts.head {
+        let rest = match &drafts.device {
             Some((tokens, depths)) if depths[b] > 0 => {
                 // The head drafted the batch's deepest count for every row: this row's extra
                 // ones are padding it never keeps, like the zeros below.
@@ -141,6 +206,8 @@ pub(super) fn verify_iteration<R: DecodeRow>(
         inputs.push(mlx_rs::ops::concatenate(&[first, rest], 1)?);
     }
     let input = mlx_rs::ops::concatenate(&inputs, 0)?;
+    let own = crate::models::draft_model::own_caches(model, caches.len());
+    let caches = &mut caches[..own];
     let trunk = super::head::trunk_layers(model, caches);
     caches[..trunk]
         .iter_mut()
@@ -166,7 +233,7 @@ pub(super) fn verify_iteration<R: DecodeRow>(
             continue;
         }
         let at = b as i32;
-        let head_depth = drafts.head.as_ref().map_or(0, |(_, depths)| depths[b]);
+        let head_depth = drafts.device.as_ref().map_or(0, |(_, depths)| depths[b]);
         let host = &drafts.host[b];
         if host.is_empty() && head_depth == 0 {
             sequence.sample(&logits.index((at..at + 1, 0, ..)))?;
@@ -174,7 +241,7 @@ pub(super) fn verify_iteration<R: DecodeRow>(
             continue;
         }
         let own = logits.index(at);
-        settling[b] = Some(match &drafts.head {
+        settling[b] = Some(match &drafts.device {
             Some((tokens, _)) if head_depth > 0 => {
                 let device = tokens.index(at..at + 1);
                 sequence.settle(&own, None, Some(&device), head_depth)?
@@ -183,7 +250,7 @@ pub(super) fn verify_iteration<R: DecodeRow>(
         });
     }
     // The step's one wait for the device (rows without log-probs read nothing else).
-    let head_tokens = drafts.head.as_ref().map(|(tokens, _)| tokens);
+    let head_tokens = drafts.device.as_ref().map(|(tokens, _)| tokens);
     let settled = settling.iter().flatten().flat_map(Settling::arrays);
     let waited: Vec<&Array> = std::iter::once(&argmax)
         .chain(head_tokens)
@@ -211,7 +278,7 @@ pub(super) fn verify_iteration<R: DecodeRow>(
     let mut kept = Vec::with_capacity(count);
     for (b, (row, draft)) in rows.iter_mut().zip(&drafts.host).enumerate() {
         let head_draft: Vec<u32>;
-        let draft = match (&head_drafts, &drafts.head) {
+        let draft = match (&head_drafts, &drafts.device) {
             (Some((tokens, deepest)), Some((_, depths))) if depths[b] > 0 => {
                 let own = &tokens[b * deepest..b * deepest + depths[b]];
                 head_draft = own.iter().map(|&token| token as u32).collect();

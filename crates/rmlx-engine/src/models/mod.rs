@@ -1,5 +1,6 @@
 //! Model families by config.json `model_type`, one file each, behind one trait.
 
+pub mod draft_model;
 pub mod gemma4;
 pub mod ignored_keys;
 pub mod qwen3;
@@ -69,6 +70,12 @@ pub trait LanguageModel {
     /// The model's own draft head when it ships one and it was loaded (Qwen3.5 / 3.6 MTP).
     /// Its caches then follow the model's `num_layers()` in every cache list.
     fn draft_head(&self) -> Option<&dyn DraftHead> {
+        None
+    }
+
+    /// A separate draft model paired with this one (`draft_model::attach`); its caches follow
+    /// this model's own.
+    fn draft_model(&self) -> Option<&draft_model::DraftModel> {
         None
     }
 }
@@ -250,6 +257,8 @@ pub struct ModelInfo {
     pub draft_head: bool,
     /// Whether that head was loaded (speculative decoding on).
     pub draft_head_loaded: bool,
+    /// The separate draft model paired with this one (`--draft-model`), if any.
+    pub draft_model: Option<PathBuf>,
 }
 
 /// A model ready to run, with its facts.
@@ -338,6 +347,7 @@ pub fn load_model_with(dir: &Path, options: LoadOptions) -> Result<LoadedModel> 
         window_state_bytes: structure::window_state_bytes(&config.json),
         draft_head: ships_draft_head,
         draft_head_loaded: model.draft_head().is_some(),
+        draft_model: None,
     };
     Ok(LoadedModel { model, info })
 }

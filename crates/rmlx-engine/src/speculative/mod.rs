@@ -28,7 +28,10 @@ pub enum SpeculativeMode {
     /// The model's own draft head (Qwen3.5 / 3.6 MTP) at the full depth; prompt lookup for a
     /// model without one.
     Mtp,
-    /// The model's draft head if it has one, else prompt lookup, its depth chosen per request
+    /// A separate draft model (`--draft-model`) at the full depth; prompt lookup without one.
+    Draft,
+    /// The model's draft head if it has one, else a draft model if one is paired with it, else
+    /// prompt lookup, its depth chosen per request
     /// from measured acceptance and step costs (`depth.rs`): it switches itself off where it
     /// loses.
     Auto,
@@ -40,6 +43,7 @@ impl SpeculativeMode {
             "off" => Some(Self::Off),
             "lookup" => Some(Self::Lookup),
             "mtp" => Some(Self::Mtp),
+            "draft" => Some(Self::Draft),
             "auto" => Some(Self::Auto),
             _ => None,
         }
@@ -50,6 +54,7 @@ impl SpeculativeMode {
             Self::Off => "off",
             Self::Lookup => "lookup",
             Self::Mtp => "mtp",
+            Self::Draft => "draft",
             Self::Auto => "auto",
         }
     }
@@ -106,23 +111,29 @@ pub(crate) enum Proposer {
     /// The model's draft head: its drafts are made on the device for the whole batch
     /// (`generate/head.rs`), not here.
     Head,
+    /// A separate draft model, also on the device for the whole batch (`generate/draft.rs`).
+    DraftModel,
 }
 
 impl Proposer {
     /// The proposer and, for `auto`, its depth control. `has_head`: the model's draft head is
-    /// loaded.
+    /// loaded; `has_draft_model`: a draft model is paired with it.
     pub(crate) fn new(
         params: &SpeculativeParams,
         has_head: bool,
+        has_draft_model: bool,
     ) -> Option<(Self, Option<depth::DepthControl>)> {
         let mode = params.mode.unwrap_or_default();
         if params.max_draft == 0 || (params.drafter.is_none() && mode == SpeculativeMode::Off) {
             return None;
         }
         let head = has_head && matches!(mode, SpeculativeMode::Mtp | SpeculativeMode::Auto);
+        let draft_model = has_draft_model
+            && (mode == SpeculativeMode::Draft || (mode == SpeculativeMode::Auto && !has_head));
         let proposer = match &params.drafter {
             Some(drafter) => Self::Given(drafter.clone()),
             None if head => Self::Head,
+            None if draft_model => Self::DraftModel,
             None => Self::Lookup(lookup::PromptLookup),
         };
         let control =
@@ -134,11 +145,20 @@ impl Proposer {
         matches!(self, Self::Head)
     }
 
+    pub(crate) fn is_draft_model(&self) -> bool {
+        matches!(self, Self::DraftModel)
+    }
+
+    /// Whether the drafts are made on the device (head, draft model), not by `propose`.
+    pub(crate) fn drafts_on_device(&self) -> bool {
+        self.is_head() || self.is_draft_model()
+    }
+
     pub(crate) fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
         let mut draft = match self {
             Self::Lookup(lookup) => lookup.propose(history, max),
             Self::Given(drafter) => (drafter.0)(history, max),
-            Self::Head => Vec::new(),
+            Self::Head | Self::DraftModel => Vec::new(),
         };
         draft.truncate(max);
         draft

@@ -1,0 +1,308 @@
+//! A separate draft model (`--draft-model`, models/draft_model.rs, generate/draft.rs): greedy
+//! output with its drafts equals plain decode token for token for every family's release
+//! structure (the release pairs users run: Qwen3-0.6B for Qwen3-30B-A3B, Qwen3.5-0.8B for
+//! Qwen3.6-35B-A3B, Qwen3-VL-2B for Qwen3-VL-8B, Gemma 4 E2B for Gemma 4 31B), alone, in a batch
+//! of rows with other proposers, and on the next turn from the prefix cache; a model drafting
+//! for itself keeps every draft; a draft model of another tokenizer is refused at load.
+
+mod common;
+
+use std::sync::atomic::AtomicBool;
+
+use common::{assert_same, fixture, text_ids};
+use rmlx_engine::{
+    chat::ChatTokenizer,
+    engine::{Engine, EngineOptions, Prompt, Request},
+    generate::{generate, Completion, GenerateParams},
+    models::{draft_model, load_model, LoadedModel},
+    speculative::{SpeculativeMode, SpeculativeParams},
+};
+
+/// (target, draft) of each family, as released.
+const PAIRS: &[(&str, &str)] = &[
+    ("releases/qwen3-30b-a3b", "releases/qwen3-0.6b"),
+    ("releases/qwen3.6-35b-a3b", "releases/qwen3.5-0.8b"),
+    (
+        "releases/qwen3-vl-8b-instruct",
+        "releases/qwen3-vl-2b-instruct",
+    ),
+    ("releases/gemma-4-31b-it", "releases/gemma-4-e2b-it"),
+];
+
+/// A logit bias that makes target and draft both pick one token often but not always, so
+/// some drafts are kept and some not (random weights otherwise never agree). Gemma 4 caps its
+/// logits (30 tanh(x / 30)) and its random logits are small: a smaller bias does there what
+/// this one does elsewhere.
+const PARTIAL_BIAS: (u32, f32) = (300, 12.0);
+
+fn partial_bias(target: &str) -> f32 {
+    match target.contains("gemma") {
+        true => 3.0,
+        false => PARTIAL_BIAS.1,
+    }
+}
+
+fn params(max_tokens: usize, mode: SpeculativeMode, bias: Option<f32>) -> GenerateParams {
+    let mut params = GenerateParams {
+        max_tokens,
+        ignore_eos: true,
+        logprobs: Some(2),
+        speculative: SpeculativeParams {
+            mode: Some(mode),
+            max_draft: 3,
+            drafter: None,
+        },
+        ..GenerateParams::default()
+    };
+    if let Some(bias) = bias {
+        params.sampling.logit_bias = [(PARTIAL_BIAS.0, bias)].into();
+    }
+    params
+}
+
+fn run(loaded: &LoadedModel, dir: &str, prompt: &[u32], params: &GenerateParams) -> Completion {
+    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+    generate(
+        loaded.model.as_ref(),
+        &tokenizer,
+        prompt,
+        params,
+        &AtomicBool::new(false),
+        |_| {},
+    )
+    .unwrap()
+}
+
+fn paired(target: &str, draft: &str) -> LoadedModel {
+    draft_model::attach(load_model(&fixture(target)).unwrap(), &fixture(draft)).unwrap()
+}
+
+#[test]
+fn every_family_with_its_draft_model_is_exact_alone() {
+    for &(target, draft) in PAIRS {
+        let plain_model = load_model(&fixture(target)).unwrap();
+        let loaded = paired(target, draft);
+        assert_eq!(
+            loaded.info.draft_model.as_deref(),
+            Some(fixture(draft).as_path())
+        );
+        let prompt = text_ids(40, 13, 10, 900);
+        for bias in [None, Some(partial_bias(target))] {
+            let plain = run(
+                &plain_model,
+                target,
+                &prompt,
+                &params(20, SpeculativeMode::Off, bias),
+            );
+            for mode in [SpeculativeMode::Draft, SpeculativeMode::Auto] {
+                let answer = run(&loaded, target, &prompt, &params(20, mode, bias));
+                let what = format!("{target} drafted by {draft}, {mode:?}, bias {bias:?}");
+                assert_same(&plain, &answer, &what);
+                if mode == SpeculativeMode::Draft {
+                    let timings = &answer.timings;
+                    assert!(timings.draft_tokens > 0, "{what}: nothing drafted");
+                    if bias.is_some() {
+                        assert!(
+                            timings.accepted_tokens > 0
+                                && timings.accepted_tokens < timings.draft_tokens,
+                            "{what}: {timings:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The draft model is the target itself: every draft is the target's own argmax.
+#[test]
+fn a_model_drafting_for_itself_keeps_every_draft() {
+    let dir = "releases/qwen3.5-0.8b";
+    let plain_model = load_model(&fixture(dir)).unwrap();
+    let loaded = paired(dir, dir);
+    let prompt = text_ids(30, 17, 10, 900);
+    let plain = run(
+        &plain_model,
+        dir,
+        &prompt,
+        &params(24, SpeculativeMode::Off, None),
+    );
+    let answer = run(
+        &loaded,
+        dir,
+        &prompt,
+        &params(24, SpeculativeMode::Draft, None),
+    );
+    assert_same(&plain, &answer, "self-drafted");
+    let timings = &answer.timings;
+    assert!(timings.draft_tokens >= 15, "{timings:?}");
+    assert_eq!(timings.accepted_tokens, timings.draft_tokens);
+}
+
+#[test]
+fn a_draft_model_of_another_tokenizer_is_refused_at_load() {
+    let target = load_model(&fixture("releases/qwen3-0.6b")).unwrap();
+    let error = draft_model::attach(target, &fixture("releases/gemma-4-e2b-it"))
+        .err()
+        .expect("a Gemma draft for a Qwen model")
+        .to_string();
+    assert!(
+        error.contains("gemma-4-e2b-it") && error.contains("qwen3-0.6b"),
+        "{error}"
+    );
+    assert!(error.contains("tokenizer"), "{error}");
+}
+
+fn engine(draft: &str) -> Engine {
+    Engine::start_with(EngineOptions {
+        max_queue: 8,
+        draft_model: Some(fixture(draft)),
+        ..EngineOptions::default()
+    })
+    .unwrap()
+}
+
+/// Rows drafting with the draft model, prompt lookup, `auto` and none share a batch; the rows
+/// that keep drafts keep different counts. Each equals its plain run alone.
+#[test]
+fn batched_rows_with_a_draft_model_equal_their_plain_runs() {
+    let (target, draft) = PAIRS[1];
+    let plain_model = load_model(&fixture(target)).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|row| text_ids(20 + 5 * row, 51 + row as u32, 10, 900))
+        .collect();
+    let bias = |row: usize| row.is_multiple_of(2).then_some(PARTIAL_BIAS.1);
+    let plains: Vec<Completion> = prompts
+        .iter()
+        .enumerate()
+        .map(|(row, prompt)| {
+            run(
+                &plain_model,
+                target,
+                prompt,
+                &params(24, SpeculativeMode::Off, bias(row)),
+            )
+        })
+        .collect();
+    drop(plain_model);
+    let engine = engine(draft);
+    let modes = [
+        SpeculativeMode::Draft,
+        SpeculativeMode::Off,
+        SpeculativeMode::Draft,
+        SpeculativeMode::Lookup,
+    ];
+    let handles: Vec<_> = prompts
+        .iter()
+        .zip(modes)
+        .enumerate()
+        .map(|(row, (prompt, mode))| {
+            engine
+                .submit(Request {
+                    model: fixture(target),
+                    prompt: Prompt::Ids(prompt.clone()),
+                    params: params(24, mode, bias(row)),
+                    ..Request::default()
+                })
+                .unwrap()
+        })
+        .collect();
+    let (mut batched, mut kept) = (false, 0);
+    for (row, (handle, plain)) in handles.into_iter().zip(&plains).enumerate() {
+        let answer = handle.wait().unwrap();
+        batched |= answer.batched_with > 1;
+        kept += answer.timings.accepted_tokens;
+        assert_same(plain, &answer, &format!("batch row {row}"));
+    }
+    assert!(batched, "nothing ran batched");
+    assert!(kept > 0, "no draft kept in the batch");
+}
+
+/// Turn 2 starts from turn 1's caches, the draft model's included (settled to the target's
+/// length before they were stored): the answer equals a cold plain run's.
+#[test]
+fn the_next_turn_reuses_the_draft_models_caches_exactly() {
+    let (target, draft) = PAIRS[0];
+    let plain_model = load_model(&fixture(target)).unwrap();
+    let first = text_ids(24, 61, 10, 900);
+    let plain_first = run(
+        &plain_model,
+        target,
+        &first,
+        &params(20, SpeculativeMode::Off, Some(PARTIAL_BIAS.1)),
+    );
+    let mut second = first.clone();
+    second.extend(&plain_first.token_ids);
+    second.extend(text_ids(12, 62, 10, 900));
+    let plain_second = run(
+        &plain_model,
+        target,
+        &second,
+        &params(20, SpeculativeMode::Off, Some(PARTIAL_BIAS.1)),
+    );
+    drop(plain_model);
+    let engine = engine(draft);
+    let ask = |prompt: &[u32]| {
+        engine
+            .submit(Request {
+                model: fixture(target),
+                prompt: Prompt::Ids(prompt.to_vec()),
+                params: params(20, SpeculativeMode::Draft, Some(PARTIAL_BIAS.1)),
+                ..Request::default()
+            })
+            .unwrap()
+            .wait()
+            .unwrap()
+    };
+    let answer_first = ask(&first);
+    assert_same(&plain_first, &answer_first, "turn 1");
+    let answer_second = ask(&second);
+    assert!(
+        answer_second.cached_tokens > first.len(),
+        "{}",
+        answer_second.cached_tokens
+    );
+    assert_same(&plain_second, &answer_second, "turn 2");
+    assert!(answer_second.timings.draft_tokens > 0);
+}
+
+/// Self-drafting in a batch of rows of different lengths (some drafting, one not, so the draft
+/// model's caches grow ragged and catch up unevenly): every row keeps every draft, so the
+/// draft model's caches held exactly each row's tokens throughout.
+#[test]
+fn self_drafting_rows_in_a_batch_keep_every_draft() {
+    let dir = "releases/qwen3.5-0.8b";
+    let engine = engine(dir);
+    let modes = [
+        SpeculativeMode::Draft,
+        SpeculativeMode::Off,
+        SpeculativeMode::Draft,
+        SpeculativeMode::Draft,
+    ];
+    let handles: Vec<_> = modes
+        .iter()
+        .enumerate()
+        .map(|(row, &mode)| {
+            engine
+                .submit(Request {
+                    model: fixture(dir),
+                    prompt: Prompt::Ids(text_ids(18 + 7 * row, 81 + row as u32, 10, 900)),
+                    params: params(20 + 4 * row, mode, None),
+                    ..Request::default()
+                })
+                .unwrap()
+        })
+        .collect();
+    for (row, handle) in handles.into_iter().enumerate() {
+        let answer = handle.wait().unwrap();
+        let timings = &answer.timings;
+        assert!(answer.batched_with > 1, "row {row} ran alone");
+        if modes[row] == SpeculativeMode::Draft {
+            assert!(timings.draft_tokens > 0, "row {row}");
+            assert_eq!(
+                timings.accepted_tokens, timings.draft_tokens,
+                "row {row}: {timings:?}"
+            );
+        }
+    }
+}

@@ -92,12 +92,18 @@ struct GenerateArgs {
     #[arg(long, value_name = "8|4")]
     kv_bits: Option<i32>,
     /// Speculative decoding: `lookup` drafts the tokens that followed the conversation's last
-    /// few tokens where they occurred before, checked in one forward (greedy requests; output
-    /// unchanged); `mtp` drafts with the model's own multi-token-prediction head (Qwen3.5 /
-    /// 3.6 checkpoints that ship one; lookup otherwise); `auto` uses the head or lookup where
-    /// it measures a gain and switches itself off elsewhere
-    #[arg(long, value_name = "auto|off|lookup|mtp", value_parser = parse_speculative, default_value = DEFAULT_SPECULATIVE)]
+    /// few tokens where they occurred before, checked in one forward (greedy output unchanged,
+    /// sampled output keeps its distribution); `mtp` drafts with the model's own
+    /// multi-token-prediction head (Qwen3.5 / 3.6 checkpoints that ship one; lookup otherwise);
+    /// `draft` with `--draft-model`; `auto` uses the head, the draft model or lookup where it
+    /// measures a gain and switches itself off elsewhere
+    #[arg(long, value_name = "auto|off|lookup|mtp|draft", value_parser = parse_speculative, default_value = DEFAULT_SPECULATIVE)]
     speculative: rmlx_engine::speculative::SpeculativeMode,
+    /// A small model of the same tokenizer that drafts for this one (`--speculative draft` or
+    /// `auto`), e.g. Qwen3-0.6B for a Qwen3, Qwen3.5-0.8B for a Qwen3.5 / 3.6, Gemma 4 E2B for a
+    /// Gemma 4
+    #[arg(long, value_name = "DIR", env = "RMLX_DRAFT_MODEL")]
+    draft_model: Option<PathBuf>,
     /// Keep going through end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
@@ -124,12 +130,12 @@ struct GenerateArgs {
 /// `--speculative`'s default: the engine's.
 const DEFAULT_SPECULATIVE: &str = "off";
 
-/// `--speculative auto|off|lookup|mtp`.
+/// `--speculative auto|off|lookup|mtp|draft`.
 pub(crate) fn parse_speculative(
     text: &str,
 ) -> Result<rmlx_engine::speculative::SpeculativeMode, String> {
     rmlx_engine::speculative::SpeculativeMode::parse(text)
-        .ok_or_else(|| format!("`{text}` is none of auto, off, lookup, mtp"))
+        .ok_or_else(|| format!("`{text}` is none of auto, off, lookup, mtp, draft"))
 }
 
 fn main() -> ExitCode {
@@ -253,6 +259,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         max_queue: 1,
         kv_bits: args.kv_bits,
         speculative: args.speculative,
+        draft_model: args.draft_model,
         ..Default::default()
     })?;
     let handle = engine.submit(request)?;

@@ -67,12 +67,18 @@ pub struct ServeArgs {
     #[arg(long, value_name = "GB", env = "RMLX_PREFIX_DISK_GB")]
     prefix_disk_gb: Option<f64>,
     /// Speculative decoding: `lookup` drafts the tokens that followed the conversation's last
-    /// few tokens where they occurred before, checked in one forward (greedy requests; output
-    /// unchanged); `mtp` drafts with the model's own multi-token-prediction head (Qwen3.5 /
-    /// 3.6 checkpoints that ship one; lookup otherwise); `auto` uses the head or lookup where
-    /// it measures a gain and switches itself off elsewhere
-    #[arg(long, value_name = "auto|off|lookup|mtp", value_parser = parse_speculative, env = "RMLX_SPECULATIVE", default_value = DEFAULT_SPECULATIVE)]
+    /// few tokens where they occurred before, checked in one forward (greedy output unchanged,
+    /// sampled output keeps its distribution); `mtp` drafts with the model's own
+    /// multi-token-prediction head (Qwen3.5 / 3.6 checkpoints that ship one; lookup otherwise);
+    /// `draft` with `--draft-model`; `auto` uses the head, the draft model or lookup where it
+    /// measures a gain and switches itself off elsewhere
+    #[arg(long, value_name = "auto|off|lookup|mtp|draft", value_parser = parse_speculative, env = "RMLX_SPECULATIVE", default_value = DEFAULT_SPECULATIVE)]
     speculative: rmlx_engine::speculative::SpeculativeMode,
+    /// A small model of the same tokenizer that drafts for every model served (`--speculative
+    /// draft` or `auto`), e.g. Qwen3.5-0.8B for a Qwen3.5 / 3.6; a model of another tokenizer
+    /// then fails to load, saying so
+    #[arg(long, value_name = "DIR", env = "RMLX_DRAFT_MODEL")]
+    draft_model: Option<PathBuf>,
     /// Folder of the disk prefix cache [default: ~/.rmlx/cache]
     #[arg(long, value_name = "DIR", env = "RMLX_PREFIX_DISK_DIR")]
     prefix_disk_dir: Option<PathBuf>,
@@ -127,6 +133,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .flatten(),
         prefix_disk_bytes: args.prefix_disk_gb.map(|gb| (gb * 1e9) as u64),
         speculative: args.speculative,
+        draft_model: args.draft_model,
         ui_dir: args.ui_dir,
         embedded_ui: !args.no_ui,
     };

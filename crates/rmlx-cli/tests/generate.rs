@@ -378,3 +378,61 @@ fn bench_reports_single_and_concurrent_streams() {
         assert!(report["ttft_p50_ms"].as_f64().unwrap() <= report["ttft_p95_ms"].as_f64().unwrap());
     }
 }
+
+/// `rmlx generate --draft-model`: Qwen3.5-0.8B drafts for Qwen3.6-35B-A3B (the release pair),
+/// greedy output unchanged, drafts counted and kept per position; a draft model of another
+/// tokenizer is refused with a message naming both.
+#[test]
+fn a_draft_model_drafts_for_generate() {
+    let target = fixture("releases/qwen3.6-35b-a3b");
+    let draft = fixture("releases/qwen3.5-0.8b");
+    let (target, draft) = (target.to_str().unwrap(), draft.to_str().unwrap());
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            target,
+            "--prompt",
+            "Count to ten.",
+            "--max-tokens",
+            "16",
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        generate_json(&args)
+    };
+    let plain = run(&[]);
+    let drafted = run(&["--draft-model", draft, "--speculative", "draft"]);
+    assert_eq!(plain["token_ids"], drafted["token_ids"]);
+    let timings = &drafted["timings"];
+    assert!(timings["draft_tokens"].as_u64().unwrap() > 0, "{drafted}");
+    let at: u64 = timings["drafted_at"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_u64().unwrap())
+        .sum();
+    assert_eq!(at, timings["draft_tokens"].as_u64().unwrap());
+    let gemma = fixture("releases/gemma-4-e2b-it");
+    let output = rmlx(&[
+        "generate",
+        "--model",
+        target,
+        "--prompt",
+        "hi",
+        "--draft-model",
+        gemma.to_str().unwrap(),
+        "--speculative",
+        "draft",
+    ]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("tokenizer") && stderr.contains("gemma-4-e2b-it"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -90,6 +90,8 @@ pub struct ServerConfig {
     pub prefix_disk_bytes: Option<u64>,
     /// Speculative decoding (off, lookup, mtp or auto) for every request.
     pub speculative: rmlx_engine::speculative::SpeculativeMode,
+    /// A draft model paired with every model served (`EngineOptions::draft_model`).
+    pub draft_model: Option<PathBuf>,
     /// A built web UI to serve at `/` (no API key needed for its files; its API calls still
     /// send one).
     pub ui_dir: Option<PathBuf>,
@@ -121,6 +123,7 @@ impl Default for ServerConfig {
             prefix_disk_dir: None,
             prefix_disk_bytes: None,
             speculative: EngineOptions::default().speculative,
+            draft_model: None,
             ui_dir: None,
             embedded_ui: false,
             // A 2560x2560 RGBA PNG is at most ~26 MB, ~35 MB as base64 in a data URI.
@@ -155,6 +158,7 @@ impl AppState {
             prefix_disk_dir: config.prefix_disk_dir.clone(),
             prefix_disk_bytes: config.prefix_disk_bytes,
             speculative: config.speculative,
+            draft_model: config.draft_model.clone(),
             ..EngineOptions::default()
         })
         .context("cannot start the engine")?;

@@ -254,10 +254,18 @@ impl EngineThread {
         let Some(available) = self.memory_budget.or_else(crate::runtime::available_memory) else {
             return Ok(());
         };
-        let needed = crate::runtime::memory_needed(dir).map_err(|error| EngineError::Io {
-            path: dir.to_path_buf(),
-            message: error.to_string(),
-        })?;
+        let needed_at = |dir: &Path| {
+            crate::runtime::memory_needed(dir).map_err(|error| EngineError::Io {
+                path: dir.to_path_buf(),
+                message: error.to_string(),
+            })
+        };
+        // A draft model is loaded beside the model: both must fit.
+        let draft = match &self.draft_model {
+            Some(draft) => needed_at(draft)?,
+            None => 0,
+        };
+        let needed = needed_at(dir)? + draft;
         if needed > available {
             return Err(EngineError::ModelTooLarge {
                 model: dir.to_path_buf(),

@@ -127,6 +127,7 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
                     }),
                     max_draft: depth.unwrap_or(args.draft_tokens),
                     drafter,
+                    costs: None,
                 },
                 ..plain_params(p)
             }
@@ -268,6 +269,7 @@ pub fn bench_ragged(args: &BenchArgs, engine: &Engine, vocab: usize) -> anyhow::
                         }),
                         max_draft: 1,
                         drafter,
+                        costs: None,
                     },
                     ..GenerateParams::default()
                 };

@@ -51,6 +51,7 @@ fn params(max_tokens: usize, mode: SpeculativeMode, bias: Option<f32>) -> Genera
             mode: Some(mode),
             max_draft: 3,
             drafter: None,
+            costs: None,
         },
         ..GenerateParams::default()
     };

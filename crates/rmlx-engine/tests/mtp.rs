@@ -229,6 +229,7 @@ fn params(max_tokens: usize, mode: SpeculativeMode) -> GenerateParams {
             mode: Some(mode),
             max_draft: 4,
             drafter: None,
+            costs: None,
         },
         ..GenerateParams::default()
     }

@@ -95,6 +95,7 @@ fn params(max_tokens: usize, drafter: Option<Drafter>) -> GenerateParams {
             mode: Some(SpeculativeMode::Off),
             max_draft: MAX_DRAFT,
             drafter,
+            costs: None,
         },
         ..GenerateParams::default()
     }

@@ -82,6 +82,7 @@ fn with_drafter(mut params: GenerateParams, drafter: Option<Drafter>) -> Generat
         mode: Some(SpeculativeMode::Off),
         max_draft: MAX_DRAFT,
         drafter,
+        costs: None,
     };
     params
 }
@@ -389,6 +390,7 @@ fn the_draft_head_drafts_for_sampled_rows() {
         mode: Some(SpeculativeMode::Mtp),
         max_draft: 2,
         drafter: None,
+        costs: None,
     };
     let answer = generate(
         loaded.model.as_ref(),

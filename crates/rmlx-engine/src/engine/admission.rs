@@ -367,6 +367,10 @@ impl EngineThread {
         let mut params = request.params.clone();
         params.kv_storage = self.kv_storage;
         params.speculative.mode.get_or_insert(self.speculative);
+        params
+            .speculative
+            .costs
+            .get_or_insert_with(|| resident.step_costs.clone());
         let prefill = Prefill::new(
             resident.loaded.model.as_ref(),
             &resident.tokenizer,

@@ -31,6 +31,8 @@ pub(super) struct Resident {
     footprint: ModelFootprint,
     /// Built on the first constrained request: most models never see one.
     constraints: Option<ConstraintFactory>,
+    /// What decode steps cost on this model, shared by its requests' depth control.
+    pub(super) step_costs: crate::speculative::depth::SharedCosts,
 }
 
 impl Resident {
@@ -305,6 +307,7 @@ impl EngineThread {
                     tokenizer,
                     footprint,
                     constraints: None,
+                    step_costs: Default::default(),
                 },
             );
             self.refresh_prefix_budgets();

@@ -21,6 +21,58 @@ const MARGIN: f64 = 0.1;
 const FIRST_PROBE_EVERY: usize = 16;
 pub const MAX_PROBE_EVERY: usize = 256;
 
+/// Step costs per batch size class and width (see [`DepthControl`]'s `costs`).
+type CostTable = [Vec<Option<f64>>; SIZE_CLASSES];
+
+/// What one model's requests measured, shared by the next ones: what a step of k + 1 tokens
+/// costs belongs to the machine and the model, not to one request (on a GPU where a
+/// speculative step costs 2.5 plain ones, a new request does not spend its first steps
+/// relearning that), and the share of drafts kept so far is a fair first guess for the next
+/// request (an agent's turns look alike), worth [`PRIOR_DRAFTS`] drafts of its own evidence.
+#[derive(Debug, Clone, Default)]
+pub struct SharedCosts(std::sync::Arc<std::sync::Mutex<Shared>>);
+
+#[derive(Debug, Clone, Default)]
+struct Shared {
+    costs: Option<CostTable>,
+    /// Decayed counts of drafts kept and tried, over all requests.
+    kept: f64,
+    tried: f64,
+}
+
+/// How many drafts' worth of weight the model's acceptance has in a new request's estimate.
+const PRIOR_DRAFTS: f64 = 2.0;
+
+impl SharedCosts {
+    fn snapshot(&self) -> Shared {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn record_acceptance(&self, kept: f64, tried: f64) {
+        let mut shared = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        shared.kept = KEEP * shared.kept + kept;
+        shared.tried = KEEP * shared.tried + tried;
+    }
+
+    fn record(&self, class: usize, index: usize, ms: f64) {
+        let mut shared = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let table = shared
+            .costs
+            .get_or_insert_with(|| std::array::from_fn(|_| Vec::new()));
+        let row = &mut table[class];
+        if row.len() <= index {
+            row.resize(index + 1, None);
+        }
+        // One slow step (a kernel compiled for a new shape, a prefill between steps) moves the
+        // shared estimate by at most what a doubling would: requests that trust a cost too
+        // high never draft at that width again to correct it.
+        row[index] = Some(match row[index] {
+            Some(cost) => KEEP * cost + (1.0 - KEEP) * ms.min(2.0 * cost),
+            None => ms,
+        });
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct DepthControl {
     max: usize,
@@ -35,20 +87,41 @@ pub struct DepthControl {
     /// Plain steps since drafting last stopped paying, and the wait before the next probe.
     idle: usize,
     probe_every: usize,
+    /// The model's costs, read at the start and fed with every step measured.
+    shared: Option<SharedCosts>,
 }
 
 impl DepthControl {
     /// Up to `max` drafts per step; it starts drafting (a light prior: half a draft kept in
     /// one) and measures from there.
     pub fn new(max: usize) -> Self {
+        Self::sharing(max, None)
+    }
+
+    /// Like [`Self::new`], starting from the step costs other requests on the same model
+    /// measured, and adding its own to them.
+    pub fn sharing(max: usize, shared: Option<SharedCosts>) -> Self {
+        let mut costs: CostTable = std::array::from_fn(|_| vec![None; max + 1]);
+        let (mut kept, mut tried) = (0.5, 1.0);
+        if let Some(known) = shared.as_ref().map(SharedCosts::snapshot) {
+            for (own, known) in costs.iter_mut().zip(known.costs.into_iter().flatten()) {
+                for (slot, cost) in own.iter_mut().zip(known) {
+                    *slot = cost;
+                }
+            }
+            if known.tried > 0.0 {
+                (kept, tried) = (PRIOR_DRAFTS * known.kept / known.tried, PRIOR_DRAFTS);
+            }
+        }
         Self {
             max,
-            kept: 0.5,
-            tried: 1.0,
-            costs: std::array::from_fn(|_| vec![None; max + 1]),
+            kept,
+            tried,
+            costs,
             rows: 1,
             idle: 0,
             probe_every: FIRST_PROBE_EVERY,
+            shared,
         }
     }
 
@@ -114,8 +187,12 @@ impl DepthControl {
     pub fn observe_step(&mut self, drafted: usize, kept: usize, width: usize, ms: f64) {
         if drafted > 0 {
             let rejected = usize::from(kept < drafted);
+            let tried = (kept + rejected) as f64;
             self.kept = KEEP * self.kept + kept as f64;
-            self.tried = KEEP * self.tried + (kept + rejected) as f64;
+            self.tried = KEEP * self.tried + tried;
+            if let Some(shared) = &self.shared {
+                shared.record_acceptance(kept as f64, tried);
+            }
         }
         self.observe_cost(width, ms);
     }
@@ -127,11 +204,18 @@ impl DepthControl {
 
     fn observe_cost(&mut self, width: usize, ms: f64) {
         let class = size_class(self.rows);
-        if let Some(slot) = self.costs[class].get_mut(width.max(1) - 1) {
+        let index = width.max(1) - 1;
+        if let Some(slot) = self.costs[class].get_mut(index) {
+            let measured_before = slot.is_some();
             *slot = Some(match *slot {
                 Some(cost) => KEEP * cost + (1.0 - KEEP) * ms,
                 None => ms,
             });
+            // A request's first step at a width often carries one-time costs (kernels compiled
+            // for the shape): the model's shared costs take its later ones.
+            if let (Some(shared), true) = (&self.shared, measured_before) {
+                shared.record(class, index, ms);
+            }
         }
     }
 }
@@ -220,6 +304,49 @@ mod tests {
         }
         assert!(control.best_depth(1) > 0);
         assert_eq!(control.best_depth(8), 0);
+    }
+
+    /// Costs and acceptance measured by one request start the next: where a speculative step
+    /// costs 2.5 plain ones and drafts were never kept, a new request does not draft at all
+    /// until a probe says its drafts are kept (alone it would first draft at full depth); where
+    /// they were all kept, it drafts at full depth from its first step.
+    #[test]
+    fn a_new_request_starts_from_the_models_measured_costs() {
+        let kept_before = SharedCosts::default();
+        let mut first = DepthControl::sharing(4, Some(kept_before.clone()));
+        for _ in 0..10 {
+            let k = first.next_depth(1).max(1);
+            first.observe_step(k, k, k + 1, 10.0 + 15.0 * k as f64 / 4.0);
+            first.observe_plain(10.0);
+        }
+        assert!(DepthControl::sharing(4, Some(kept_before)).next_depth(1) > 0);
+
+        let shared = SharedCosts::default();
+        let mut first = DepthControl::sharing(4, Some(shared.clone()));
+        assert!(
+            first.next_depth(1) > 0,
+            "the prior drafts before any cost is known"
+        );
+        for k in 1..=4 {
+            first.observe_step(k, 0, k + 1, 25.0);
+        }
+        first.observe_plain(10.0);
+        let mut next = DepthControl::sharing(4, Some(shared));
+        assert_eq!(next.next_depth(1), 0, "starts from the measured 2.5x");
+        assert!(DepthControl::new(4).next_depth(1) > 0);
+        // Probes whose drafts are all kept turn it back on (a few, against the model's history
+        // of none kept).
+        let mut on = false;
+        for _ in 0..300 {
+            match next.next_depth(1) {
+                0 => next.observe_plain(10.0),
+                k => {
+                    next.observe_step(k, k, k + 1, 25.0);
+                    on |= next.best_depth(1) > 0;
+                }
+            }
+        }
+        assert!(on, "kept drafts never turned it on");
     }
 
     /// A proposer that turns right again after a wrong spell is picked up by a probe.

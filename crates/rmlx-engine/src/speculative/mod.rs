@@ -75,6 +75,10 @@ pub struct SpeculativeParams {
     /// A proposer given by the caller instead of `mode`'s (tests pass oracles and adversaries).
     #[serde(skip)]
     pub drafter: Option<Drafter>,
+    /// The model's step costs as its earlier requests measured them (the engine passes its
+    /// resident model's); None: this request measures its own from scratch.
+    #[serde(skip)]
+    pub costs: Option<depth::SharedCosts>,
 }
 
 fn default_max_draft() -> usize {
@@ -87,6 +91,7 @@ impl Default for SpeculativeParams {
             mode: None,
             max_draft: DEFAULT_MAX_DRAFT,
             drafter: None,
+            costs: None,
         }
     }
 }
@@ -136,8 +141,8 @@ impl Proposer {
             None if draft_model => Self::DraftModel,
             None => Self::Lookup(lookup::PromptLookup),
         };
-        let control =
-            (mode == SpeculativeMode::Auto).then(|| depth::DepthControl::new(params.max_draft));
+        let control = (mode == SpeculativeMode::Auto)
+            .then(|| depth::DepthControl::sharing(params.max_draft, params.costs.clone()));
         Some((proposer, control))
     }
 

@@ -93,6 +93,7 @@ fn server_config(settings: &Settings, data: &Path) -> ServerConfig {
             .as_deref()
             .and_then(SpeculativeMode::parse)
             .unwrap_or(ServerConfig::default().speculative),
+        draft_model: settings.draft_model.clone(),
         api_key: settings.api_key.clone(),
         cors_origins: settings.cors_origins.clone(),
         ..ServerConfig::default()
@@ -407,6 +408,7 @@ mod tests {
             (Some("auto"), SpeculativeMode::Auto),
             (Some("lookup"), SpeculativeMode::Lookup),
             (Some("mtp"), SpeculativeMode::Mtp),
+            (Some("draft"), SpeculativeMode::Draft),
             (Some("off"), SpeculativeMode::Off),
             (Some("always"), default),
             (None, default),
@@ -422,6 +424,23 @@ mod tests {
                 "{saved:?}"
             );
         }
+    }
+
+    /// The draft model's folder reaches the engine as is; none by default.
+    #[test]
+    fn the_draft_model_setting_reaches_the_server_config() {
+        let data = std::env::temp_dir();
+        let settings = Settings {
+            models_dir: Some(data.clone()),
+            ..Settings::default()
+        };
+        assert_eq!(server_config(&settings, &data).draft_model, None);
+        let draft = data.join("Qwen3.5-0.8B");
+        let settings = Settings {
+            draft_model: Some(draft.clone()),
+            ..settings
+        };
+        assert_eq!(server_config(&settings, &data).draft_model, Some(draft));
     }
 
     #[test]

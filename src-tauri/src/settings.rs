@@ -35,10 +35,14 @@ pub struct Settings {
     pub prefix_disk_gb: Option<f64>,
     /// Its folder; None: ~/.rmlx/cache, shared with `rmlx serve`.
     pub prefix_disk_dir: Option<PathBuf>,
-    /// Speculative decoding (`--speculative`): auto, off, lookup or mtp; None: the engine's
-    /// default.
+    /// Speculative decoding (`--speculative`): auto, off, lookup, mtp or draft; None: the
+    /// engine's default.
     /// Taken when the app starts.
     pub speculative: Option<String>,
+    /// A small model of the same tokenizer that drafts for every model (`--draft-model`);
+    /// None: none. Taken when the app starts.
+    #[serde(default)]
+    pub draft_model: Option<PathBuf>,
     /// Opt-in: the app never registers itself as a login item on its own.
     pub launch_at_login: bool,
     pub update_channel: UpdateChannel,
@@ -70,6 +74,7 @@ impl Default for Settings {
             prefix_disk_gb: None,
             prefix_disk_dir: None,
             speculative: None,
+            draft_model: None,
             launch_at_login: false,
             update_channel: UpdateChannel::Stable,
             other: serde_json::Map::new(),
@@ -119,6 +124,7 @@ mod tests {
             server_port: 9123,
             kv_cache_bits: Some(4),
             speculative: Some("lookup".into()),
+            draft_model: Some(PathBuf::from("/Users/me/Models/Qwen3.5-0.8B-4bit")),
             ..Settings::default()
         };
         saved.save(&path).unwrap();

@@ -465,7 +465,12 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
       await page.getByLabel('Prompt cache on disk').selectOption('8');
       await page.getByLabel('Prompt cache folder').fill('/Volumes/fast/rmlx-cache');
       expect(await page.getByLabel('Speculative decoding').inputValue()).toBe('default');
-      await page.getByLabel('Speculative decoding').selectOption('mtp');
+      await page.getByLabel('Speculative decoding').selectOption('draft');
+      expect(await page.getByLabel('Draft model folder').inputValue()).toBe('');
+      await page.getByLabel('Draft model folder').fill('/Users/me/Models/Qwen3.5-0.8B-4bit');
+      await page
+        .locator('fieldset', { has: page.getByLabel('Draft model folder') })
+        .screenshot({ path: path.join(artifactsDir, 'settings-draft-model-light.png') });
       await page.getByLabel('API key').fill('k3y');
       await page.getByLabel('CORS origins').fill('https://a.example\nhttps://b.example');
       await page.getByLabel('Launch at login').check();
@@ -479,7 +484,8 @@ describe('the desktop app\'s Settings over a scripted Tauri IPC', () => {
         settings: {
           models_dir: '/Users/me/Models', hub_url: 'http://127.0.0.1:9999', server_enabled: true, server_host: '127.0.0.1', server_port: 9090,
           api_key: 'k3y', cors_origins: ['https://a.example', 'https://b.example'], default_max_context: 32768, kv_cache_bits: 8,
-          prefix_disk_gb: 8, prefix_disk_dir: '/Volumes/fast/rmlx-cache', speculative: 'mtp', launch_at_login: true, update_channel: 'beta',
+          prefix_disk_gb: 8, prefix_disk_dir: '/Volumes/fast/rmlx-cache', speculative: 'draft', draft_model: '/Users/me/Models/Qwen3.5-0.8B-4bit',
+          launch_at_login: true, update_channel: 'beta',
         },
       });
       expect(log.filter(([c]) => c === 'server_set').at(-1)?.[1]).toEqual({ enabled: true, port: 9090 });

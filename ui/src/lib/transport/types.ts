@@ -203,8 +203,10 @@ export interface AppConfig {
   prefix_disk_gb?: number | null;
   /** Its folder; null: ~/.rmlx/cache. */
   prefix_disk_dir?: string | null;
-  /** Speculative decoding: 'auto', 'off', 'lookup' or 'mtp' (taken when the app starts); null or absent: the engine's default. */
-  speculative?: 'auto' | 'off' | 'lookup' | 'mtp' | null;
+  /** Speculative decoding: 'auto', 'off', 'lookup', 'mtp' or 'draft' (taken when the app starts); null or absent: the engine's default. */
+  speculative?: 'auto' | 'off' | 'lookup' | 'mtp' | 'draft' | null;
+  /** A small model of the same tokenizer that drafts for every model (its folder); null or absent: none. */
+  draft_model?: string | null;
   launch_at_login: boolean;
   update_channel: 'stable' | 'beta';
   /** Fields this UI does not know are kept and sent back. */

@@ -307,3 +307,59 @@ fn self_drafting_rows_in_a_batch_keep_every_draft() {
         }
     }
 }
+
+/// A picture in the prompt: the draft model takes in the prompt's token ids only (no image
+/// features), so its drafts there are weaker, never wrong: answers with an image, and a text
+/// row beside them in a batch, equal the plain ones (Qwen3-VL drafted by Qwen3-VL-2B, Gemma 4
+/// 31B by E2B: both vision families).
+#[test]
+fn images_in_the_prompt_with_a_draft_model_are_exact() {
+    use rmlx_engine::chat::TemplateOptions;
+    let picture = image::open(fixture("vision-images").join("gradient_64x48.png"))
+        .unwrap()
+        .to_rgb8();
+    for &(target, draft) in &[PAIRS[2], PAIRS[3]] {
+        let request = |image: bool, text: &str, mode| Request {
+            model: fixture(target),
+            prompt: Prompt::Chat {
+                messages: vec![match image {
+                    true => serde_json::json!({"role": "user", "content": [
+                        {"type": "image"}, {"type": "text", "text": text}]}),
+                    false => serde_json::json!({"role": "user", "content": text}),
+                }],
+                options: TemplateOptions {
+                    add_generation_prompt: true,
+                    ..Default::default()
+                },
+            },
+            images: match image {
+                true => vec![picture.clone()],
+                false => Vec::new(),
+            },
+            params: params(16, mode, Some(partial_bias(target))),
+            ..Request::default()
+        };
+        let plain_engine = Engine::start(8).unwrap();
+        let answer =
+            |engine: &Engine, request: Request| engine.submit(request).unwrap().wait().unwrap();
+        let with_image = answer(
+            &plain_engine,
+            request(true, "What is in the picture?", SpeculativeMode::Off),
+        );
+        let text_only = answer(
+            &plain_engine,
+            request(false, "Name three rivers.", SpeculativeMode::Off),
+        );
+        drop(plain_engine);
+        let engine = engine(draft);
+        let handles = [
+            request(true, "What is in the picture?", SpeculativeMode::Draft),
+            request(false, "Name three rivers.", SpeculativeMode::Draft),
+        ]
+        .map(|request| engine.submit(request).unwrap());
+        let [a, b] = handles.map(|handle| handle.wait().unwrap());
+        assert_same(&with_image, &a, &format!("{target} image, drafted"));
+        assert_same(&text_only, &b, &format!("{target} text beside it, drafted"));
+        assert!(a.timings.draft_tokens > 0 && b.timings.draft_tokens > 0);
+    }
+}

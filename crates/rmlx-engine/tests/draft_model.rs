@@ -363,3 +363,62 @@ fn images_in_the_prompt_with_a_draft_model_are_exact() {
         assert!(a.timings.draft_tokens > 0 && b.timings.draft_tokens > 0);
     }
 }
+
+/// Sampled rows draw their drafts from the draft model's distribution processed as theirs (q)
+/// and keep them with probability min(1, p/q). Both models' top 3 are made the same three
+/// tokens (a logit bias), each model weighing them its own way, so p and q overlap without
+/// being equal: over 300 seeds each, answers' first three tokens follow plain sampling's law
+/// (two-sample chi-square). A model drafting for itself under sampling keeps nearly every
+/// draft (q = p up to rounding), where drafting its argmax would keep only p(argmax).
+#[test]
+fn sampled_rows_draw_drafts_from_the_draft_model_and_keep_the_law() {
+    const SEEDS: u64 = 300;
+    let sampled = |mode| {
+        let mut params = params(4, mode, None);
+        params.logprobs = None;
+        params.sampling.temperature = 1.0;
+        params.sampling.top_k = 3;
+        params.sampling.logit_bias = [(300, 20.0), (301, 20.0), (302, 20.0)].into();
+        params
+    };
+    let answers = |loaded: &LoadedModel, dir: &str, mode, first: u64| {
+        let prompt = text_ids(8, 5, 10, 900);
+        let (mut drafted, mut kept) = (0, 0);
+        let answers: Vec<Vec<u32>> = (first..first + SEEDS)
+            .map(|seed| {
+                let mut params = sampled(mode);
+                params.sampling.seed = Some(seed);
+                let answer = run(loaded, dir, &prompt, &params);
+                drafted += answer.timings.draft_tokens;
+                kept += answer.timings.accepted_tokens;
+                answer.token_ids[..3].to_vec()
+            })
+            .collect();
+        (answers, drafted, kept)
+    };
+    let (target, draft) = ("releases/qwen3-4b", "releases/qwen3-0.6b");
+    let plain_model = load_model(&fixture(target)).unwrap();
+    let (plain, _, _) = answers(&plain_model, target, SpeculativeMode::Off, 0);
+    drop(plain_model);
+    let loaded = paired(target, draft);
+    let (drafted_answers, drafted, kept) = answers(&loaded, target, SpeculativeMode::Draft, SEEDS);
+    assert!(
+        drafted > SEEDS as usize && kept > 0 && kept < drafted,
+        "{drafted} drafted, {kept} kept"
+    );
+    let p = common::two_sample_p_value(&plain, &drafted_answers);
+    assert!(p > 1e-4, "the draft model's drafts skewed the law: p = {p}");
+    // The same test sees a skew: the second token always the first of the three.
+    let skewed: Vec<Vec<u32>> = drafted_answers
+        .iter()
+        .map(|answer| vec![answer[0], 300, answer[2]])
+        .collect();
+    assert!(common::two_sample_p_value(&plain, &skewed) < 1e-4);
+
+    let own = paired(draft, draft);
+    let (_, drafted, kept) = answers(&own, draft, SpeculativeMode::Draft, 0);
+    assert!(
+        kept as f64 >= 0.98 * drafted as f64,
+        "self-drafting under sampling kept {kept} of {drafted}"
+    );
+}

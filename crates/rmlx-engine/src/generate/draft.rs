@@ -118,19 +118,43 @@ pub(super) fn catch_up<R: DecodeRow>(
     Ok(ops::concatenate(&rows_logits, 0)?.index((.., .., ..columns)))
 }
 
-/// `depth` greedy drafts for every row, `[B, depth]` int32: each row catches up, the draft
-/// model's logits after its last token give the first draft, and each deeper one is a further
-/// single-token step, taken back afterwards. Logit biases apply as in the target's step.
+/// A draft model's drafts: `[B, depth]` int32, and for sampled rows the distributions they
+/// were drawn from (`[B, depth, C]` float32, zeros for the other rows), which the rejection
+/// rule divides by.
+pub(super) struct ModelDrafts {
+    pub(super) tokens: Array,
+    pub(super) sampled: Option<(Array, Vec<bool>)>,
+}
+
+/// `depth` drafts for every row: each row catches up, the draft model's logits after its last
+/// token give the first draft, and each deeper one is a further single-token step, taken back
+/// afterwards. Logit biases apply as in the target's step. A greedy row drafts the argmax; a
+/// sampled row (temperature, filters) draws from the draft's distribution processed as the
+/// row's own (q), so the rejection rule keeps about Σ min(p, q) of its drafts rather than
+/// p(argmax q).
 pub(super) fn draft<R: DecodeRow>(
     draft: &DraftModel,
     caches: &mut [KvCache],
     rows: &mut [R],
     depth: usize,
     vocab: usize,
-) -> Result<Array> {
+) -> Result<ModelDrafts> {
     let mut logits = catch_up(draft, caches, rows, vocab)?;
     let marks: Vec<_> = caches.iter().map(KvCache::mark).collect();
+    let sampled: Vec<bool> = rows
+        .iter_mut()
+        .map(|row| {
+            let sequence = row.sequence();
+            sequence
+                .proposer
+                .as_ref()
+                .is_some_and(|p| p.is_draft_model())
+                && !sequence.sampler.params().is_greedy()
+        })
+        .collect();
+    let any_sampled = sampled.iter().any(|&s| s);
     let mut drafts = Vec::with_capacity(depth);
+    let mut distributions = Vec::with_capacity(depth);
     for step in 0..depth {
         if step > 0 {
             let previous: &Array = &drafts[step - 1];
@@ -142,14 +166,47 @@ pub(super) fn draft<R: DecodeRow>(
                     .index((.., .., ..columns));
         }
         let biased = with_bias_rows(&logits, rows)?;
-        drafts.push(ops::indexing::argmax_axis(&biased, -1, None)?.as_dtype(Dtype::Int32)?);
+        let argmax = ops::indexing::argmax_axis(&biased, -1, None)?.as_dtype(Dtype::Int32)?;
+        if !any_sampled {
+            drafts.push(argmax);
+            continue;
+        }
+        let columns = biased.shape()[2];
+        let mut tokens = Vec::with_capacity(rows.len());
+        let mut qs = Vec::with_capacity(rows.len());
+        for (b, row) in rows.iter_mut().enumerate() {
+            let at = b as i32;
+            if !sampled[b] {
+                tokens.push(argmax.index(at..at + 1));
+                qs.push(ops::zeros_dtype(&[1, 1, columns], Dtype::Float32)?);
+                continue;
+            }
+            let sampler = &mut row.sequence().sampler;
+            let logprobs = crate::sample::log_softmax(&biased.index((at..at + 1, 0, ..)))?;
+            let temperature = sampler.params().temperature;
+            let scaled =
+                crate::sample::temperature_scaled(&sampler.filter(&logprobs)?, temperature)?
+                    .as_dtype(Dtype::Float32)?;
+            let token = mlx_rs::random::categorical(&scaled, -1, None, Some(&sampler.next_key()?))?;
+            tokens.push(token.as_dtype(Dtype::Int32)?.reshape(&[1, 1])?);
+            qs.push(ops::softmax_axis(&scaled, -1, None)?.reshape(&[1, 1, columns])?);
+        }
+        drafts.push(ops::concatenate(&tokens, 0)?);
+        distributions.push(ops::concatenate(&qs, 0)?);
     }
     if depth > 1 {
         for (cache, mark) in caches.iter_mut().zip(marks) {
             cache.take_back(mark, depth as i32 - 1)?;
         }
     }
-    Ok(ops::concatenate(&drafts, 1)?)
+    let sampled = match any_sampled {
+        true => Some((ops::concatenate(&distributions, 1)?, sampled)),
+        false => None,
+    };
+    Ok(ModelDrafts {
+        tokens: ops::concatenate(&drafts, 1)?,
+        sampled,
+    })
 }
 
 /// Before a request's caches go to the prefix cache: the draft model takes in every committed

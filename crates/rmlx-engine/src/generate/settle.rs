@@ -83,12 +83,14 @@ impl Sequence {
     /// Builds the row's outcome from its raw logits `[T, vocab]` (T = 1 + the drafts fed) and
     /// its drafts: on the host (`host`, prompt lookup and given drafters: the grammar and the
     /// penalties follow them position by position) or on the device (`device`, `[1, n]` int32:
-    /// the draft head's, for rows whose processors do not read the history).
+    /// the draft head's or draft model's, for rows whose processors do not read the history).
+    /// `q` (`[1, n, C]`): the distributions sampled drafts were drawn from; None: point masses.
     pub(super) fn settle(
         &mut self,
         logits: &Array,
         host: Option<&[u32]>,
         device: Option<&Array>,
+        q: Option<&Array>,
         count: usize,
     ) -> Result<Settling> {
         let masks = match (self.constraint.as_mut(), host) {
@@ -135,11 +137,29 @@ impl Sequence {
                 (None, Some(device)) => device.index((.., ..usable as i32)),
                 (None, None) => ops::zeros_dtype(&[1, 0], Dtype::Int32)?,
             };
+            // A draft model's columns stop at the smaller vocabulary: the rest have q = 0.
+            let q = match q {
+                Some(q) => {
+                    let q = q.index((.., ..usable as i32, ..));
+                    let short = p.shape()[2] - q.shape()[2];
+                    Some(match short {
+                        0 => q,
+                        _ => ops::concatenate(
+                            &[
+                                q,
+                                ops::zeros_dtype(&[1, usable as i32, short], Dtype::Float32)?,
+                            ],
+                            2,
+                        )?,
+                    })
+                }
+                None => None,
+            };
             let keys = [self.sampler.next_key()?, self.sampler.next_key()?];
             Outcome::Sampled(accept::rejection_rule(
                 &p,
                 &drafts,
-                None,
+                q.as_ref(),
                 [&keys[0], &keys[1]],
             )?)
         };

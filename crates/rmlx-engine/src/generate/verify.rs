@@ -32,6 +32,9 @@ pub(super) struct Drafts {
     host: Vec<Vec<u32>>,
     /// `[B, K]` int32 and how many of its row's each row drafts (0: not a device row).
     device: Option<(Array, Vec<usize>)>,
+    /// The distributions a draft model's sampled rows drew their drafts from (`[B, K, C]`),
+    /// and which rows those are; the other device drafts are point masses.
+    sampled: Option<(Array, Vec<bool>)>,
 }
 
 impl Drafts {
@@ -124,6 +127,10 @@ pub(super) fn drafts<R: DecodeRow>(
         }
         None => None,
     };
+    let (from_model, sampled) = match from_model {
+        Some(drafted) => (Some(drafted.tokens), drafted.sampled),
+        None => (None, None),
+    };
     let depths: Vec<usize> = head_depths
         .iter()
         .zip(&model_depths)
@@ -156,6 +163,7 @@ pub(super) fn drafts<R: DecodeRow>(
     Ok(Some(Drafts {
         host,
         device: device.map(|tokens| (tokens, depths)),
+        sampled,
     }))
 }
 
@@ -244,9 +252,13 @@ pub(super) fn verify_iteration<R: DecodeRow>(
         settling[b] = Some(match &drafts.device {
             Some((tokens, _)) if head_depth > 0 => {
                 let device = tokens.index(at..at + 1);
-                sequence.settle(&own, None, Some(&device), head_depth)?
+                let q = match &drafts.sampled {
+                    Some((q, rows)) if rows[b] => Some(q.index(at..at + 1)),
+                    _ => None,
+                };
+                sequence.settle(&own, None, Some(&device), q.as_ref(), head_depth)?
             }
-            _ => sequence.settle(&own, Some(host), None, host.len())?,
+            _ => sequence.settle(&own, Some(host), None, None, host.len())?,
         });
     }
     // The step's one wait for the device (rows without log-probs read nothing else).

@@ -161,3 +161,56 @@ pub fn assert_same(
         }
     }
 }
+
+/// The two-sample chi-square p-value of two sets of answers (each answer one cell), cells
+/// rare in both pooled into one.
+pub fn two_sample_p_value(a: &[Vec<u32>], b: &[Vec<u32>]) -> f64 {
+    use std::collections::BTreeMap;
+    let mut cells: BTreeMap<&[u32], (f64, f64)> = BTreeMap::new();
+    a.iter()
+        .for_each(|key| cells.entry(key).or_default().0 += 1.0);
+    b.iter()
+        .for_each(|key| cells.entry(key).or_default().1 += 1.0);
+    let mut pooled = Vec::new();
+    let mut rare = (0.0, 0.0);
+    for (_, (x, y)) in cells {
+        if x + y < 10.0 {
+            rare = (rare.0 + x, rare.1 + y);
+        } else {
+            pooled.push((x, y));
+        }
+    }
+    if rare.0 + rare.1 > 0.0 {
+        pooled.push(rare);
+    }
+    let (total_a, total_b) = (a.len() as f64, b.len() as f64);
+    let statistic: f64 = pooled
+        .iter()
+        .map(|(x, y)| {
+            let d = x * (total_b / total_a).sqrt() - y * (total_a / total_b).sqrt();
+            d * d / (x + y)
+        })
+        .sum();
+    chi_square_p_value(statistic, pooled.len() - 1)
+}
+
+/// P(χ²_k ≥ x) (the series of the regularised lower incomplete gamma function).
+pub fn chi_square_p_value(x: f64, k: usize) -> f64 {
+    let (a, half) = (k as f64 / 2.0, x / 2.0);
+    let (mut term, mut sum, mut n) = (1.0 / a, 1.0 / a, 0.0);
+    while term > 1e-17 * sum {
+        n += 1.0;
+        term *= half / (a + n);
+        sum += term;
+    }
+    let mut ln_gamma = 0.0f64;
+    let mut z = a;
+    while z > 1.0 {
+        z -= 1.0;
+        ln_gamma += z.ln();
+    }
+    if z == 0.5 {
+        ln_gamma += std::f64::consts::PI.sqrt().ln();
+    }
+    (1.0 - (-half + a * half.ln() - ln_gamma).exp() * sum).max(0.0)
+}

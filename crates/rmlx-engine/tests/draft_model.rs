@@ -422,3 +422,60 @@ fn sampled_rows_draw_drafts_from_the_draft_model_and_keep_the_law() {
         "self-drafting under sampling kept {kept} of {drafted}"
     );
 }
+
+/// A model with its own draft head and a draft model beside it: rows drafting with the head
+/// and rows drafting with the draft model share a batch (each row takes its own proposer's
+/// drafts); each equals its plain run.
+#[test]
+fn head_rows_and_draft_model_rows_share_a_batch_exactly() {
+    let (target, draft) = PAIRS[1];
+    let plain_model = load_model(&fixture(target)).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|row| text_ids(20 + 4 * row, 91 + row as u32, 10, 900))
+        .collect();
+    let plains: Vec<Completion> = prompts
+        .iter()
+        .map(|prompt| {
+            run(
+                &plain_model,
+                target,
+                prompt,
+                &params(20, SpeculativeMode::Off, Some(PARTIAL_BIAS.1)),
+            )
+        })
+        .collect();
+    drop(plain_model);
+    let engine = Engine::start_with(EngineOptions {
+        max_queue: 8,
+        speculative: SpeculativeMode::Mtp,
+        draft_model: Some(fixture(draft)),
+        ..EngineOptions::default()
+    })
+    .unwrap();
+    let modes = [
+        SpeculativeMode::Mtp,
+        SpeculativeMode::Draft,
+        SpeculativeMode::Draft,
+        SpeculativeMode::Mtp,
+    ];
+    let handles: Vec<_> = prompts
+        .iter()
+        .zip(modes)
+        .map(|(prompt, mode)| {
+            engine
+                .submit(Request {
+                    model: fixture(target),
+                    prompt: Prompt::Ids(prompt.clone()),
+                    params: params(20, mode, Some(PARTIAL_BIAS.1)),
+                    ..Request::default()
+                })
+                .unwrap()
+        })
+        .collect();
+    for (row, (handle, plain)) in handles.into_iter().zip(&plains).enumerate() {
+        let answer = handle.wait().unwrap();
+        assert!(answer.batched_with > 1, "row {row} ran alone");
+        assert!(answer.timings.draft_tokens > 0, "row {row} drafted nothing");
+        assert_same(plain, &answer, &format!("row {row} ({:?})", modes[row]));
+    }
+}

@@ -317,40 +317,66 @@ fn sampled_rows_keep_plain_samplings_law() {
     assert!(p < 1e-4, "a skewed law passed: p = {p}");
 }
 
-/// The draft head drafts for sampled rows (point masses under the rejection rule).
+/// The draft head drafts for sampled rows by drawing from its own distribution processed as
+/// the row's (q), kept by min(1, p/q). Both trunk and head are made to put their top 3 on the
+/// same three tokens (a logit bias), each weighing them its own way: answers' first three
+/// tokens follow plain sampling's law (two-sample chi-square), and some drafts are kept, some
+/// not.
 #[test]
-fn the_draft_head_drafts_for_sampled_rows() {
-    let dir = "releases/qwen3.6-35b-a3b";
-    let loaded = load_model_with(&fixture(dir), LoadOptions { draft_head: true }).unwrap();
+fn the_draft_head_draws_for_sampled_rows_and_keeps_the_law() {
+    const HEAD_SEEDS: u64 = 250;
+    let dir = "releases/qwen3.5-0.8b";
     let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
-    let prompt = text_ids(16, 5, 10, 900);
-    let mut params = GenerateParams {
-        max_tokens: 24,
-        ignore_eos: true,
-        sampling: SamplingParams {
-            temperature: 0.7,
-            seed: Some(3),
-            ..SamplingParams::default()
-        },
-        ..GenerateParams::default()
+    let prompt = text_ids(12, 5, 10, 900);
+    let answers = |loaded: &LoadedModel, mode, first: u64| {
+        let (mut drafted, mut kept) = (0, 0);
+        let answers: Vec<Vec<u32>> = (first..first + HEAD_SEEDS)
+            .map(|seed| {
+                let mut params = GenerateParams {
+                    max_tokens: 4,
+                    ignore_eos: true,
+                    sampling: SamplingParams {
+                        temperature: 1.0,
+                        top_k: 3,
+                        logit_bias: [(300, 20.0), (301, 20.0), (302, 20.0)].into(),
+                        seed: Some(seed),
+                        ..SamplingParams::default()
+                    },
+                    ..GenerateParams::default()
+                };
+                params.speculative = SpeculativeParams {
+                    mode: Some(mode),
+                    max_draft: 2,
+                    drafter: None,
+                    costs: None,
+                };
+                let answer = generate(
+                    loaded.model.as_ref(),
+                    &tokenizer,
+                    &prompt,
+                    &params,
+                    &AtomicBool::new(false),
+                    |_| {},
+                )
+                .unwrap();
+                drafted += answer.timings.draft_tokens;
+                kept += answer.timings.accepted_tokens;
+                answer.token_ids[..3].to_vec()
+            })
+            .collect();
+        (answers, drafted, kept)
     };
-    params.speculative = SpeculativeParams {
-        mode: Some(SpeculativeMode::Mtp),
-        max_draft: 2,
-        drafter: None,
-        costs: None,
-    };
-    let answer = generate(
-        loaded.model.as_ref(),
-        &tokenizer,
-        &prompt,
-        &params,
-        &AtomicBool::new(false),
-        |_| {},
-    )
-    .unwrap();
-    assert_eq!(answer.completion_tokens, 24);
-    assert!(answer.timings.draft_tokens > 0, "{:?}", answer.timings);
+    let plain_model = load_model(&fixture(dir)).unwrap();
+    let (plain, _, _) = answers(&plain_model, SpeculativeMode::Off, 0);
+    drop(plain_model);
+    let loaded = load_model_with(&fixture(dir), LoadOptions { draft_head: true }).unwrap();
+    let (drafted_answers, drafted, kept) = answers(&loaded, SpeculativeMode::Mtp, HEAD_SEEDS);
+    assert!(
+        drafted > HEAD_SEEDS as usize && kept > 0 && kept < drafted,
+        "{drafted} drafted, {kept} kept"
+    );
+    let p = two_sample_p_value(&plain, &drafted_answers);
+    assert!(p > 1e-4, "the head's drafts skewed the law: p = {p}");
 }
 
 /// A batch of a penalised greedy row, a seeded sampled row, a biased greedy row with a presence

@@ -118,43 +118,100 @@ pub(super) fn catch_up<R: DecodeRow>(
     Ok(ops::concatenate(&rows_logits, 0)?.index((.., .., ..columns)))
 }
 
-/// A draft model's drafts: `[B, depth]` int32, and for sampled rows the distributions they
-/// were drawn from (`[B, depth, C]` float32, zeros for the other rows), which the rejection
-/// rule divides by.
-pub(super) struct ModelDrafts {
+/// Drafts made on the device (the model's draft head, a draft model): `[B, depth]` int32, and
+/// for sampled rows the distributions they were drawn from (`[B, depth, C]` float32, zeros for
+/// the other rows), which the rejection rule divides by.
+pub(super) struct DeviceDrafts {
     pub(super) tokens: Array,
     pub(super) sampled: Option<(Array, Vec<bool>)>,
 }
 
+/// Which rows draw their drafts (rather than take the argmax): those `ours` drafts for whose
+/// sampler is not greedy.
+pub(super) fn sampled_rows<R: DecodeRow>(
+    rows: &mut [R],
+    ours: fn(&crate::speculative::Proposer) -> bool,
+) -> Vec<bool> {
+    rows.iter_mut()
+        .map(|row| {
+            let sequence = row.sequence();
+            sequence.proposer.as_ref().is_some_and(ours) && !sequence.sampler.params().is_greedy()
+        })
+        .collect()
+}
+
+/// One draft per row from a proposer's logits `[B, 1, C]` (logit biases applied here): a
+/// greedy row's argmax, a sampled row's draw from the distribution processed as the row's own
+/// (filters, temperature) with the row's PRNG stream. Returns the tokens `[B, 1]` and, when
+/// some row drew, every row's distribution `[B, 1, C]` (zeros for the argmax rows).
+pub(super) fn pick<R: DecodeRow>(
+    logits: &Array,
+    rows: &mut [R],
+    sampled: &[bool],
+) -> Result<(Array, Option<Array>)> {
+    let biased = with_bias_rows(logits, rows)?;
+    let argmax = ops::indexing::argmax_axis(&biased, -1, None)?.as_dtype(Dtype::Int32)?;
+    if !sampled.iter().any(|&s| s) {
+        return Ok((argmax, None));
+    }
+    let columns = biased.shape()[2];
+    let mut tokens = Vec::with_capacity(rows.len());
+    let mut qs = Vec::with_capacity(rows.len());
+    for (b, row) in rows.iter_mut().enumerate() {
+        let at = b as i32;
+        if !sampled[b] {
+            tokens.push(argmax.index(at..at + 1));
+            qs.push(ops::zeros_dtype(&[1, 1, columns], Dtype::Float32)?);
+            continue;
+        }
+        let sampler = &mut row.sequence().sampler;
+        let logprobs = crate::sample::log_softmax(&biased.index((at..at + 1, 0, ..)))?;
+        let temperature = sampler.params().temperature;
+        let scaled = crate::sample::temperature_scaled(&sampler.filter(&logprobs)?, temperature)?
+            .as_dtype(Dtype::Float32)?;
+        let token = mlx_rs::random::categorical(&scaled, -1, None, Some(&sampler.next_key()?))?;
+        tokens.push(token.as_dtype(Dtype::Int32)?.reshape(&[1, 1])?);
+        qs.push(ops::softmax_axis(&scaled, -1, None)?.reshape(&[1, 1, columns])?);
+    }
+    Ok((
+        ops::concatenate(&tokens, 0)?,
+        Some(ops::concatenate(&qs, 0)?),
+    ))
+}
+
+/// Gathers `depth` steps of [`pick`]'s outputs into [`DeviceDrafts`].
+pub(super) fn gather(
+    tokens: Vec<Array>,
+    distributions: Vec<Array>,
+    sampled: Vec<bool>,
+) -> Result<DeviceDrafts> {
+    let sampled = match distributions.is_empty() {
+        true => None,
+        false => Some((ops::concatenate(&distributions, 1)?, sampled)),
+    };
+    Ok(DeviceDrafts {
+        tokens: ops::concatenate(&tokens, 1)?,
+        sampled,
+    })
+}
+
 /// `depth` drafts for every row: each row catches up, the draft model's logits after its last
 /// token give the first draft, and each deeper one is a further single-token step, taken back
-/// afterwards. Logit biases apply as in the target's step. A greedy row drafts the argmax; a
-/// sampled row (temperature, filters) draws from the draft's distribution processed as the
-/// row's own (q), so the rejection rule keeps about Σ min(p, q) of its drafts rather than
-/// p(argmax q).
+/// afterwards. Greedy rows draft the argmax, sampled rows draw from the draft's distribution
+/// processed as theirs (q), so the rejection rule keeps about Σ min(p, q) of their drafts
+/// rather than p(argmax q) ([`pick`]).
 pub(super) fn draft<R: DecodeRow>(
     draft: &DraftModel,
     caches: &mut [KvCache],
     rows: &mut [R],
     depth: usize,
     vocab: usize,
-) -> Result<ModelDrafts> {
+) -> Result<DeviceDrafts> {
     let mut logits = catch_up(draft, caches, rows, vocab)?;
     let marks: Vec<_> = caches.iter().map(KvCache::mark).collect();
-    let sampled: Vec<bool> = rows
-        .iter_mut()
-        .map(|row| {
-            let sequence = row.sequence();
-            sequence
-                .proposer
-                .as_ref()
-                .is_some_and(|p| p.is_draft_model())
-                && !sequence.sampler.params().is_greedy()
-        })
-        .collect();
-    let any_sampled = sampled.iter().any(|&s| s);
+    let sampled = sampled_rows(rows, crate::speculative::Proposer::is_draft_model);
     let mut drafts = Vec::with_capacity(depth);
-    let mut distributions = Vec::with_capacity(depth);
+    let mut distributions = Vec::new();
     for step in 0..depth {
         if step > 0 {
             let previous: &Array = &drafts[step - 1];
@@ -165,48 +222,16 @@ pub(super) fn draft<R: DecodeRow>(
                     .forward(previous, caches, Logits::Last)?
                     .index((.., .., ..columns));
         }
-        let biased = with_bias_rows(&logits, rows)?;
-        let argmax = ops::indexing::argmax_axis(&biased, -1, None)?.as_dtype(Dtype::Int32)?;
-        if !any_sampled {
-            drafts.push(argmax);
-            continue;
-        }
-        let columns = biased.shape()[2];
-        let mut tokens = Vec::with_capacity(rows.len());
-        let mut qs = Vec::with_capacity(rows.len());
-        for (b, row) in rows.iter_mut().enumerate() {
-            let at = b as i32;
-            if !sampled[b] {
-                tokens.push(argmax.index(at..at + 1));
-                qs.push(ops::zeros_dtype(&[1, 1, columns], Dtype::Float32)?);
-                continue;
-            }
-            let sampler = &mut row.sequence().sampler;
-            let logprobs = crate::sample::log_softmax(&biased.index((at..at + 1, 0, ..)))?;
-            let temperature = sampler.params().temperature;
-            let scaled =
-                crate::sample::temperature_scaled(&sampler.filter(&logprobs)?, temperature)?
-                    .as_dtype(Dtype::Float32)?;
-            let token = mlx_rs::random::categorical(&scaled, -1, None, Some(&sampler.next_key()?))?;
-            tokens.push(token.as_dtype(Dtype::Int32)?.reshape(&[1, 1])?);
-            qs.push(ops::softmax_axis(&scaled, -1, None)?.reshape(&[1, 1, columns])?);
-        }
-        drafts.push(ops::concatenate(&tokens, 0)?);
-        distributions.push(ops::concatenate(&qs, 0)?);
+        let (tokens, q) = pick(&logits, rows, &sampled)?;
+        drafts.push(tokens);
+        distributions.extend(q);
     }
     if depth > 1 {
         for (cache, mark) in caches.iter_mut().zip(marks) {
             cache.take_back(mark, depth as i32 - 1)?;
         }
     }
-    let sampled = match any_sampled {
-        true => Some((ops::concatenate(&distributions, 1)?, sampled)),
-        false => None,
-    };
-    Ok(ModelDrafts {
-        tokens: ops::concatenate(&drafts, 1)?,
-        sampled,
-    })
+    gather(drafts, distributions, sampled)
 }
 
 /// Before a request's caches go to the prefix cache: the draft model takes in every committed

@@ -20,10 +20,7 @@ use crate::{
     models::{DraftHead, LanguageModel},
 };
 
-use super::{
-    batch::{with_bias_rows, DecodeRow},
-    sequence::Sequence,
-};
+use super::{batch::DecodeRow, sequence::Sequence};
 
 /// Pending hidden states that make the decode loop take them in even when no row drafts: a
 /// row that never speculates (sampled, or depth control off) keeps its head's caches current
@@ -165,36 +162,40 @@ pub(super) fn catch_up<R: DecodeRow>(
     Ok(Some(outputs.take_along_axis(&last, 1)?))
 }
 
-/// `depth` greedy drafts for every row, `[B, depth]` int32: the head takes in each row's
-/// pending pairs, its output at the last one scores the first draft, and each further draft
-/// comes from the head applied to the previous draft and its own output. Logit biases apply as
-/// in the target's step. Rows that draft fewer use a prefix.
+/// `depth` drafts for every row, `[B, depth]` int32: the head takes in each row's pending
+/// pairs, its output at the last one scores the first draft, and each further draft comes from
+/// the head applied to the previous draft and its own output. Greedy rows draft the argmax,
+/// sampled rows draw from the head's distribution processed as theirs (`draft::pick`). Logit
+/// biases apply as in the target's step. Rows that draft fewer use a prefix.
 pub(super) fn draft<R: DecodeRow>(
     head: &dyn DraftHead,
     trunk: usize,
     caches: &mut [KvCache],
     rows: &mut [R],
     depth: usize,
-) -> Result<Array> {
+) -> Result<super::draft::DeviceDrafts> {
     let count = rows.len() as i32;
     let mut output = match catch_up(head, trunk, caches, rows, |_| true)? {
         Some(output) => output,
         // No row has a pair to give (nothing decoded yet): drafts from nothing, all rejected.
         None => {
-            return Ok(mlx_rs::ops::zeros_dtype(
-                &[count, depth as i32],
-                Dtype::Int32,
-            )?)
+            return Ok(super::draft::DeviceDrafts {
+                tokens: mlx_rs::ops::zeros_dtype(&[count, depth as i32], Dtype::Int32)?,
+                sampled: None,
+            })
         }
     };
+    let sampled = super::draft::sampled_rows(rows, crate::speculative::Proposer::is_head);
     let mut drafts = Vec::with_capacity(depth);
+    let mut distributions = Vec::new();
     for step in 0..depth {
         if step > 0 {
             let previous: &Array = &drafts[step - 1];
             output = head.head_forward(previous, &output, &mut caches[trunk..])?;
         }
-        let logits = with_bias_rows(&head.head_logits(&output)?, rows)?;
-        drafts.push(mlx_rs::ops::indexing::argmax_axis(&logits, -1, None)?.as_dtype(Dtype::Int32)?);
+        let (tokens, q) = super::draft::pick(&head.head_logits(&output)?, rows, &sampled)?;
+        drafts.push(tokens);
+        distributions.extend(q);
     }
     if depth > 1 {
         // The deeper drafts' own entries go: the head keeps only pairs the target computed.
@@ -203,7 +204,7 @@ pub(super) fn draft<R: DecodeRow>(
             cache.keep_written(depth as i32 - 1, &none)?;
         }
     }
-    Ok(mlx_rs::ops::concatenate(&drafts, 1)?)
+    super::draft::gather(drafts, distributions, sampled)
 }
 
 /// Before a request's caches go to the prefix cache: the head takes in every pending pair it

@@ -127,37 +127,18 @@ pub(super) fn drafts<R: DecodeRow>(
         }
         None => None,
     };
-    let (from_model, sampled) = match from_model {
-        Some(drafted) => (Some(drafted.tokens), drafted.sampled),
-        None => (None, None),
-    };
     let depths: Vec<usize> = head_depths
         .iter()
         .zip(&model_depths)
         .map(|(&head, &model)| head.max(model))
         .collect();
-    let device = match (from_head, from_model) {
-        (None, None) => None,
-        (Some(tokens), None) | (None, Some(tokens)) => Some(tokens),
+    let by_model: Vec<bool> = model_depths.iter().map(|&depth| depth > 0).collect();
+    let (device, sampled) = match (from_head, from_model) {
+        (None, None) => (None, None),
+        (Some(drafts), None) | (None, Some(drafts)) => (Some(drafts.tokens), drafts.sampled),
         (Some(head), Some(drafted)) => {
-            // Each row takes its own proposer's drafts, both padded to the wider.
-            let width = head.shape()[1].max(drafted.shape()[1]);
-            let pad = |tokens: Array| -> Result<Array> {
-                let short = width - tokens.shape()[1];
-                Ok(match short {
-                    0 => tokens,
-                    _ => mlx_rs::ops::concatenate(
-                        &[
-                            tokens,
-                            mlx_rs::ops::zeros_dtype(&[count as i32, short], Dtype::Int32)?,
-                        ],
-                        1,
-                    )?,
-                })
-            };
-            let by_model: Vec<bool> = model_depths.iter().map(|&depth| depth > 0).collect();
-            let by_model = Array::from_slice(&by_model, &[count as i32, 1]);
-            Some(mlx_rs::ops::select(&by_model, &pad(drafted)?, &pad(head)?)?)
+            let both = combine(head, drafted, &by_model, model.vocab_size())?;
+            (Some(both.tokens), both.sampled)
         }
     };
     Ok(Some(Drafts {
@@ -165,6 +146,58 @@ pub(super) fn drafts<R: DecodeRow>(
         device: device.map(|tokens| (tokens, depths)),
         sampled,
     }))
+}
+
+/// The head's and the draft model's drafts in one batch: each row takes its own proposer's
+/// (`by_model`), tokens `[B, K]` and distributions `[B, K, vocab]` padded to the wider.
+fn combine(
+    head: super::draft::DeviceDrafts,
+    drafted: super::draft::DeviceDrafts,
+    by_model: &[bool],
+    vocab: usize,
+) -> Result<super::draft::DeviceDrafts> {
+    let count = by_model.len() as i32;
+    let width = head.tokens.shape()[1].max(drafted.tokens.shape()[1]);
+    let pad = |array: Array, axis: usize, to: i32| -> Result<Array> {
+        let mut shape = array.shape().to_vec();
+        let short = to - shape[axis];
+        if short == 0 {
+            return Ok(array);
+        }
+        shape[axis] = short;
+        let zeros = mlx_rs::ops::zeros_dtype(&shape, array.dtype())?;
+        Ok(mlx_rs::ops::concatenate(&[array, zeros], axis as i32)?)
+    };
+    let rows = Array::from_slice(by_model, &[count, 1]);
+    let tokens = mlx_rs::ops::select(
+        &rows,
+        &pad(drafted.tokens, 1, width)?,
+        &pad(head.tokens, 1, width)?,
+    )?;
+    let sampled = match (head.sampled, drafted.sampled) {
+        (None, None) => None,
+        (head, drafted) => {
+            let full = |sampled: Option<(Array, Vec<bool>)>| -> Result<(Array, Vec<bool>)> {
+                match sampled {
+                    Some((q, rows)) => Ok((pad(pad(q, 1, width)?, 2, vocab as i32)?, rows)),
+                    None => Ok((
+                        mlx_rs::ops::zeros_dtype(&[count, width, vocab as i32], Dtype::Float32)?,
+                        vec![false; count as usize],
+                    )),
+                }
+            };
+            let (head_q, head_rows) = full(head)?;
+            let (model_q, model_rows) = full(drafted)?;
+            let q = mlx_rs::ops::select(&rows.reshape(&[count, 1, 1])?, &model_q, &head_q)?;
+            let sampled_rows = by_model
+                .iter()
+                .enumerate()
+                .map(|(b, &model)| if model { model_rows[b] } else { head_rows[b] })
+                .collect();
+            Some((q, sampled_rows))
+        }
+    };
+    Ok(super::draft::DeviceDrafts { tokens, sampled })
 }
 
 /// The speculative step (see the module doc) with its `drafts`; `clock` started before they

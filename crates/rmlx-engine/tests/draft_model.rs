@@ -9,7 +9,7 @@ mod common;
 
 use std::sync::atomic::AtomicBool;
 
-use common::{assert_same, fixture, text_ids};
+use common::{answer_all, assert_same, fixture, text_ids};
 use rmlx_engine::{
     chat::ChatTokenizer,
     engine::{Engine, EngineOptions, Prompt, Request},
@@ -193,24 +193,15 @@ fn batched_rows_with_a_draft_model_equal_their_plain_runs() {
         SpeculativeMode::Draft,
         SpeculativeMode::Lookup,
     ];
-    let handles: Vec<_> = prompts
+    let rows = prompts
         .iter()
         .zip(modes)
         .enumerate()
-        .map(|(row, (prompt, mode))| {
-            engine
-                .submit(Request {
-                    model: fixture(target),
-                    prompt: Prompt::Ids(prompt.clone()),
-                    params: params(24, mode, bias(row)),
-                    ..Request::default()
-                })
-                .unwrap()
-        })
+        .map(|(row, (prompt, mode))| (prompt.clone(), params(24, mode, bias(row))))
         .collect();
+    let answers = answer_all(&engine, &fixture(target), rows);
     let (mut batched, mut kept) = (false, 0);
-    for (row, (handle, plain)) in handles.into_iter().zip(&plains).enumerate() {
-        let answer = handle.wait().unwrap();
+    for (row, (answer, plain)) in answers.into_iter().zip(&plains).enumerate() {
         batched |= answer.batched_with > 1;
         kept += answer.timings.accepted_tokens;
         assert_same(plain, &answer, &format!("batch row {row}"));
@@ -458,22 +449,13 @@ fn head_rows_and_draft_model_rows_share_a_batch_exactly() {
         SpeculativeMode::Draft,
         SpeculativeMode::Mtp,
     ];
-    let handles: Vec<_> = prompts
+    let rows = prompts
         .iter()
         .zip(modes)
-        .map(|(prompt, mode)| {
-            engine
-                .submit(Request {
-                    model: fixture(target),
-                    prompt: Prompt::Ids(prompt.clone()),
-                    params: params(20, mode, Some(PARTIAL_BIAS.1)),
-                    ..Request::default()
-                })
-                .unwrap()
-        })
+        .map(|(prompt, mode)| (prompt.clone(), params(20, mode, Some(PARTIAL_BIAS.1))))
         .collect();
-    for (row, (handle, plain)) in handles.into_iter().zip(&plains).enumerate() {
-        let answer = handle.wait().unwrap();
+    let answers = answer_all(&engine, &fixture(target), rows);
+    for (row, (answer, plain)) in answers.into_iter().zip(&plains).enumerate() {
         assert!(answer.batched_with > 1, "row {row} ran alone");
         assert!(answer.timings.draft_tokens > 0, "row {row} drafted nothing");
         assert_same(plain, &answer, &format!("row {row} ({:?})", modes[row]));

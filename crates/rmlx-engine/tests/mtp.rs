@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{assert_same, fixture, ids_array, text_ids};
+use common::{answer_all, assert_same, fixture, ids_array, text_ids};
 use std::collections::HashMap;
 
 use mlx_rs::Array;
@@ -349,25 +349,16 @@ fn batched_rows_with_and_without_the_head_equal_their_solo_runs() {
             SpeculativeMode::Auto,
             SpeculativeMode::Lookup,
         ];
-        let handles: Vec<_> = prompts
+        let rows = prompts
             .iter()
             .zip(modes)
             .enumerate()
-            .map(|(row, (prompt, mode))| {
-                engine
-                    .submit(Request {
-                        model: fixture(dir),
-                        prompt: Prompt::Ids(prompt.clone()),
-                        params: biased(params(24, mode), bias(row)),
-                        ..Request::default()
-                    })
-                    .unwrap()
-            })
+            .map(|(row, (prompt, mode))| (prompt.clone(), biased(params(24, mode), bias(row))))
             .collect();
+        let answers = answer_all(&engine, &fixture(dir), rows);
         let mut batched = false;
         let mut kept = 0;
-        for (row, (handle, plain)) in handles.into_iter().zip(&plains).enumerate() {
-            let answer = handle.wait().unwrap();
+        for (row, (answer, plain)) in answers.into_iter().zip(&plains).enumerate() {
             batched |= answer.batched_with > 1;
             kept += answer.timings.accepted_tokens;
             assert_same(plain, &answer, &format!("{dir} batch row {row}"));

@@ -10,81 +10,17 @@
 
 mod common;
 
-use std::sync::{atomic::AtomicBool, Arc};
+use std::sync::Arc;
 
-use common::{assert_same, fixture, text_ids};
+use common::{
+    adversary::{drafter, Adversary, Solo, MAX_DRAFT},
+    assert_same, fixture, text_ids,
+};
 use rmlx_engine::{
-    chat::ChatTokenizer,
     engine::{Engine, EngineOptions, Prompt, Request},
-    generate::{generate, Completion, GenerateParams},
-    models::{load_model, LoadedModel},
+    generate::{Completion, GenerateParams},
     speculative::{Drafter, SpeculativeMode, SpeculativeParams},
 };
-
-const MAX_DRAFT: usize = 4;
-
-/// A fixture loaded for requests run alone on the test thread.
-struct Solo {
-    loaded: LoadedModel,
-    tokenizer: ChatTokenizer,
-}
-
-impl Solo {
-    fn open(dir: &str) -> Self {
-        Self {
-            loaded: load_model(&fixture(dir)).unwrap(),
-            tokenizer: ChatTokenizer::from_dir(&fixture(dir)).unwrap(),
-        }
-    }
-
-    fn model(&self) -> &dyn rmlx_engine::models::LanguageModel {
-        self.loaded.model.as_ref()
-    }
-
-    fn run(&self, prompt: &[u32], params: &GenerateParams) -> Completion {
-        let cancel = AtomicBool::new(false);
-        generate(
-            self.model(),
-            &self.tokenizer,
-            prompt,
-            params,
-            &cancel,
-            |_| {},
-        )
-        .unwrap()
-    }
-}
-
-/// How a test proposer's drafts relate to the plain continuation.
-#[derive(Clone, Copy, Debug)]
-enum Adversary {
-    Oracle,
-    AlwaysWrong,
-    /// Right for `(generated so far) % (MAX_DRAFT + 1)` tokens, then wrong.
-    RightThenWrong,
-}
-
-/// Drafts built from the plain run's tokens: `plain[g..]` is what follows a history holding
-/// `g` generated tokens after the `prompt_len` prompt tokens.
-fn drafter(plain: Vec<u32>, prompt_len: usize, adversary: Adversary, vocab: u32) -> Drafter {
-    Drafter(Arc::new(move |history: &[u32], max: usize| {
-        let generated = history.len() - prompt_len;
-        let right: Vec<u32> = plain.iter().skip(generated).take(max).copied().collect();
-        let wrong = |token: u32| (token + 1 + generated as u32) % vocab;
-        match adversary {
-            Adversary::Oracle => right,
-            Adversary::AlwaysWrong => right.iter().map(|&t| wrong(t)).collect(),
-            Adversary::RightThenWrong => {
-                let keep = generated % (MAX_DRAFT + 1);
-                right
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &t)| if i < keep { t } else { wrong(t) })
-                    .collect()
-            }
-        }
-    }))
-}
 
 fn params(max_tokens: usize, drafter: Option<Drafter>) -> GenerateParams {
     GenerateParams {

@@ -10,72 +10,19 @@ mod common;
 
 use std::sync::{atomic::AtomicBool, Arc};
 
-use common::{assert_same, fixture, text_ids, two_sample_p_value};
+use common::{
+    adversary::{drafter, Adversary, Solo, MAX_DRAFT},
+    assert_same, fixture, text_ids, two_sample_p_value,
+};
 use rmlx_engine::{
     chat::ChatTokenizer,
     constrain::ResponseFormat,
-    generate::{generate, Completion, GenerateParams},
+    generate::{generate, GenerateParams},
     models::{load_model, load_model_with, LoadOptions, LoadedModel},
     sample::SamplingParams,
     speculative::{Drafter, SpeculativeMode, SpeculativeParams},
 };
 use serde_json::json;
-
-const MAX_DRAFT: usize = 4;
-
-struct Solo {
-    loaded: LoadedModel,
-    tokenizer: ChatTokenizer,
-}
-
-impl Solo {
-    fn open(dir: &str) -> Self {
-        Self {
-            loaded: load_model(&fixture(dir)).unwrap(),
-            tokenizer: ChatTokenizer::from_dir(&fixture(dir)).unwrap(),
-        }
-    }
-
-    fn run(&self, prompt: &[u32], params: &GenerateParams) -> Completion {
-        generate(
-            self.loaded.model.as_ref(),
-            &self.tokenizer,
-            prompt,
-            params,
-            &AtomicBool::new(false),
-            |_| {},
-        )
-        .unwrap()
-    }
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Adversary {
-    Oracle,
-    AlwaysWrong,
-    RightThenWrong,
-}
-
-/// Drafts from the plain run's tokens (see tests/speculative.rs).
-fn drafter(plain: Vec<u32>, prompt_len: usize, adversary: Adversary, vocab: u32) -> Drafter {
-    Drafter(Arc::new(move |history: &[u32], max: usize| {
-        let generated = history.len() - prompt_len;
-        let right: Vec<u32> = plain.iter().skip(generated).take(max).copied().collect();
-        let wrong = |token: u32| (token + 1 + generated as u32) % vocab;
-        match adversary {
-            Adversary::Oracle => right,
-            Adversary::AlwaysWrong => right.iter().map(|&t| wrong(t)).collect(),
-            Adversary::RightThenWrong => {
-                let keep = generated % (MAX_DRAFT + 1);
-                right
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &t)| if i < keep { t } else { wrong(t) })
-                    .collect()
-            }
-        }
-    }))
-}
 
 fn with_drafter(mut params: GenerateParams, drafter: Option<Drafter>) -> GenerateParams {
     params.speculative = SpeculativeParams {

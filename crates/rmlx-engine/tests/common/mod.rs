@@ -1,6 +1,8 @@
 //! Helpers the golden tests share: fixture paths, id arrays, logits rows and diffs.
 #![allow(dead_code)]
 
+pub mod adversary;
+
 use std::path::PathBuf;
 
 use mlx_rs::{ops, Array, Dtype};
@@ -213,4 +215,30 @@ pub fn chi_square_p_value(x: f64, k: usize) -> f64 {
         ln_gamma += std::f64::consts::PI.sqrt().ln();
     }
     (1.0 - (-half + a * half.ln() - ln_gamma).exp() * sum).max(0.0)
+}
+
+/// Submits every `(prompt ids, params)` to `engine` for the model in `model` at once (so they
+/// can batch), then waits for each answer, in order.
+pub fn answer_all(
+    engine: &rmlx_engine::engine::Engine,
+    model: &std::path::Path,
+    rows: Vec<(Vec<u32>, rmlx_engine::generate::GenerateParams)>,
+) -> Vec<rmlx_engine::generate::Completion> {
+    let handles: Vec<_> = rows
+        .into_iter()
+        .map(|(prompt, params)| {
+            engine
+                .submit(rmlx_engine::engine::Request {
+                    model: model.to_path_buf(),
+                    prompt: rmlx_engine::engine::Prompt::Ids(prompt),
+                    params,
+                    ..Default::default()
+                })
+                .unwrap()
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|handle| handle.wait().unwrap())
+        .collect()
 }

@@ -627,6 +627,9 @@ pub struct ModelObject {
     /// Whether it ships a multi-token-prediction draft head (Qwen3.5 / 3.6 `mtp.*`, or a
     /// sidecar beside the weights): `--speculative mtp` or `auto` drafts with it.
     pub draft_head: bool,
+    /// The folder of the draft model paired with every model served (`--draft-model`), if any:
+    /// `--speculative draft` or `auto` drafts with it.
+    pub draft_model: Option<String>,
     pub model_type: Option<String>,
     pub parameters: Option<u64>,
     pub quantization: Option<Quantization>,

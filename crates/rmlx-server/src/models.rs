@@ -59,6 +59,11 @@ fn model_object(
             || rmlx_engine::models::ships_draft_head_at(&entry.path),
             |info| info.draft_head,
         ),
+        draft_model: state
+            .config
+            .draft_model
+            .as_ref()
+            .map(|draft| draft.display().to_string()),
         model_type: config["model_type"].as_str().map(Into::into),
         parameters: info.as_ref().map(|info| info.parameters),
         quantization: quantization(&config),

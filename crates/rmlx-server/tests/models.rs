@@ -108,3 +108,24 @@ async fn models_say_which_ship_a_draft_head() {
     assert_eq!(models["data"][1]["loaded"], true);
     assert_eq!(heads(models), want);
 }
+
+/// With `--draft-model`, every entry names the draft model that drafts for it; without, none.
+#[tokio::test]
+async fn models_name_the_paired_draft_model() {
+    let (app, _) = router(ServerConfigExt::with(|_| {}));
+    let models = get(&app, "/v1/models").await.json();
+    assert_eq!(models["data"][0]["draft_model"], Value::Null);
+    let draft = fixture().with_file_name("releases").join("qwen3-0.6b");
+    let config = ServerConfigExt::with(|c| c.draft_model = Some(draft.clone()));
+    let (app, _) = router(config);
+    let models = get(&app, "/v1/models").await.json();
+    assert_eq!(
+        models["data"][0]["draft_model"],
+        json!(draft.display().to_string())
+    );
+    // The model loads paired with it (the fixtures share a tokenizer) and answers.
+    let mut chat = chat_with(MODEL);
+    chat["max_tokens"] = json!(6);
+    let reply = post(&app, "/v1/chat/completions", &chat).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+}

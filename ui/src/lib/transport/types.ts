@@ -67,6 +67,8 @@ export interface ModelInfo {
   vision?: boolean;
   /** Ships a multi-token-prediction draft head (Qwen3.5 / 3.6 `mtp.*` or a sidecar). */
   draft_head?: boolean;
+  /** The folder of the draft model paired with every model served (`--draft-model`), or null. */
+  draft_model?: string | null;
   size_bytes?: number;
   model_type?: string;
   quantization?: Quantization | null;

@@ -66,7 +66,10 @@ describe.skipIf(skipReason !== null)('the Models view against rmlx serve and the
     await job.getByRole('button', { name: `Pause ${REPO}` }).click();
     await page.locator('li.job[data-state="paused"]').waitFor();
     const folder = path.join(models, 'test', 'qwen3-tiny');
-    expect(filesBelow(folder).some((name) => name.endsWith('.partial'))).toBe(true);
+    // Paused mid-file, the `.partial` stays for the resume; paused between two files there is
+    // none, but config.json (always fetched last) has not arrived.
+    const held = filesBelow(folder);
+    expect(held.some((name) => name.endsWith('.partial')) || !held.some((name) => name.endsWith('config.json'))).toBe(true);
     // A paused download is not a model yet.
     expect(await page.locator(`tr[data-model-id="${REPO}"]`).count()).toBe(0);
     await page.screenshot({ path: path.join(artifactsDir, 'models-real-paused.png'), fullPage: true });

@@ -233,29 +233,37 @@ fn the_next_turn_reuses_the_draft_models_caches_exactly() {
         &params(20, SpeculativeMode::Off, Some(PARTIAL_BIAS.1)),
     );
     drop(plain_model);
-    let engine = engine(draft);
-    let ask = |prompt: &[u32]| {
-        engine
-            .submit(Request {
-                model: fixture(target),
-                prompt: Prompt::Ids(prompt.to_vec()),
-                params: params(20, SpeculativeMode::Draft, Some(PARTIAL_BIAS.1)),
-                ..Request::default()
-            })
-            .unwrap()
-            .wait()
-            .unwrap()
-    };
-    let answer_first = ask(&first);
-    assert_same(&plain_first, &answer_first, "turn 1");
-    let answer_second = ask(&second);
-    assert!(
-        answer_second.cached_tokens > first.len(),
-        "{}",
-        answer_second.cached_tokens
-    );
-    assert_same(&plain_second, &answer_second, "turn 2");
-    assert!(answer_second.timings.draft_tokens > 0);
+    // Turn 1 drafting, or not drafting at all (the draft model then lags by the whole answer
+    // and catches up before the entry is stored).
+    for first_mode in [SpeculativeMode::Draft, SpeculativeMode::Off] {
+        let engine = engine(draft);
+        let ask = |prompt: &[u32], mode| {
+            engine
+                .submit(Request {
+                    model: fixture(target),
+                    prompt: Prompt::Ids(prompt.to_vec()),
+                    params: params(20, mode, Some(PARTIAL_BIAS.1)),
+                    ..Request::default()
+                })
+                .unwrap()
+                .wait()
+                .unwrap()
+        };
+        let answer_first = ask(&first, first_mode);
+        assert_same(&plain_first, &answer_first, "turn 1");
+        let answer_second = ask(&second, SpeculativeMode::Draft);
+        assert!(
+            answer_second.cached_tokens > first.len(),
+            "{first_mode:?}: {}",
+            answer_second.cached_tokens
+        );
+        assert_same(
+            &plain_second,
+            &answer_second,
+            &format!("turn 2 after {first_mode:?}"),
+        );
+        assert!(answer_second.timings.draft_tokens > 0);
+    }
 }
 
 /// Self-drafting in a batch of rows of different lengths (some drafting, one not, so the draft

@@ -95,8 +95,13 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
             );
         }
         if let Some(draft) = model.draft_model() {
-            if super::draft::lags(draft_caches, rows) {
-                // Likewise the draft model, a bounded piece at a time.
+            let drafting = rows.iter_mut().any(|row| {
+                let proposer = row.sequence().proposer.as_ref();
+                proposer.is_some_and(crate::speculative::Proposer::is_draft_model)
+            });
+            if drafting && super::draft::lags(draft_caches, rows) {
+                // Likewise the draft model, a bounded piece at a time, while some row drafts
+                // with it (the others catch up when one does, or when their caches are stored).
                 super::draft::catch_up(draft, draft_caches, rows, model.vocab_size())?;
                 queued.extend(draft_caches.iter().flat_map(|cache| cache.state()).cloned());
             }

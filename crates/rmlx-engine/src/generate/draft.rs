@@ -254,7 +254,12 @@ pub(super) fn settle(
     if end >= held || held > sequence.history.len() {
         return Ok(());
     }
-    let input = super::as_input(&sequence.history[end..held]);
-    draft.model.forward(&input, draft_caches, Logits::Last)?;
-    crate::runtime::eval(draft_caches.iter().flat_map(|cache| cache.state()))
+    // In prefill-sized pieces: a request that never drafted may lag by its whole answer.
+    for piece in sequence.history[end..held].chunks(super::DEFAULT_PREFILL_CHUNK) {
+        draft
+            .model
+            .forward(&super::as_input(piece), draft_caches, Logits::Last)?;
+        crate::runtime::eval(draft_caches.iter().flat_map(|cache| cache.state()))?;
+    }
+    Ok(())
 }

@@ -236,7 +236,17 @@ fn params(max_tokens: usize, mode: SpeculativeMode) -> GenerateParams {
 }
 
 fn run(loaded: &LoadedModel, dir: &str, prompt: &[u32], params: &GenerateParams) -> Completion {
-    let tokenizer = ChatTokenizer::from_dir(&fixture(dir)).unwrap();
+    run_in(loaded, &fixture(dir), prompt, params)
+}
+
+/// [`run`] for a model in any folder (its tokenizer read from there).
+fn run_in(
+    loaded: &LoadedModel,
+    folder: &std::path::Path,
+    prompt: &[u32],
+    params: &GenerateParams,
+) -> Completion {
+    let tokenizer = ChatTokenizer::from_dir(folder).unwrap();
     let cancel = std::sync::atomic::AtomicBool::new(false);
     generate(
         loaded.model.as_ref(),
@@ -541,18 +551,8 @@ fn four_bit_conversions_with_written_heads_are_exact() {
         Array::save_safetensors(&head, None, &release_head).unwrap();
         rmlx_engine::models::qwen3_5::mtp::write_split_drafter(dir.path(), &release_head).unwrap();
         std::fs::remove_file(&release_head).unwrap();
-        let tokenizer = ChatTokenizer::from_dir(dir.path()).unwrap();
         let run_at = |loaded: &LoadedModel, prompt: &[u32], params: &GenerateParams| {
-            let cancel = std::sync::atomic::AtomicBool::new(false);
-            generate(
-                loaded.model.as_ref(),
-                &tokenizer,
-                prompt,
-                params,
-                &cancel,
-                |_| {},
-            )
-            .unwrap()
+            run_in(loaded, dir.path(), prompt, params)
         };
         let plain_model = load_model(dir.path()).unwrap();
         let loaded = load_model_with(dir.path(), LoadOptions { draft_head: true }).unwrap();

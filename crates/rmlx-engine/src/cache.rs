@@ -171,14 +171,16 @@ pub struct RecurrentState {
 }
 
 /// What a linear-attention layer keeps of a speculative step of `T` tokens: its state before
-/// the step, the conv's input window `[B, kernel - 1 + T, C]`, and the recurrence's per-token
-/// inputs. Rewinding to `kept[b]` tokens replays only the recurrence (`replay`, given those
-/// inputs, the state before, how many steps some row keeps and, where rows differ, a mask of
-/// each row's), never the model.
+/// the step, the conv's input window `[B, kernel - 1 + T, C]`, and either the state after each
+/// token (`states`: rewinding to `kept[b]` tokens picks row b's) or, where the step's form gives
+/// only the last (a Mac's GPU kernel), the recurrence's per-token inputs: rewinding then replays
+/// only the recurrence (`replay`, given those inputs, the state before, how many steps some row
+/// keeps and, where rows differ, a mask of each row's), never the model.
 #[derive(Clone)]
 pub struct StepInputs {
     pub before: Array,
     pub conv_input: Array,
+    pub states: Option<Vec<Array>>,
     pub inputs: Vec<Array>,
     pub replay: fn(&[Array], &Array, i32, Option<&Array>) -> Result<Array>,
 }
@@ -730,20 +732,34 @@ impl KvCache {
         if let Some(steps) = stashed {
             let batch = rows as i32;
             let kept_rows = Array::from_slice(kept, &[batch, 1]);
-            // Only the steps some row keeps replay; a mask only where rows keep different counts.
             let deepest = kept.iter().copied().max().unwrap_or(0);
-            let apply = match kept.iter().all(|&k| k == deepest) {
-                true => None,
-                false => {
-                    let step_index =
-                        ops::arange::<_, i32>(0, deepest, None)?.reshape(&[1, deepest])?;
-                    Some(ops::lt(&step_index, &kept_rows)?)
-                }
-            };
-            let state = match deepest {
+            let uniform = kept.iter().all(|&k| k == deepest);
+            let state = match (&steps.states, deepest) {
                 // Every row keeps none (a draft model's catch-up of rows that lacked nothing).
-                0 => steps.before.clone(),
-                _ => (steps.replay)(&steps.inputs, &steps.before, deepest, apply.as_ref())?,
+                (_, 0) if uniform => steps.before.clone(),
+                (Some(states), _) if uniform => states[deepest as usize - 1].clone(),
+                (Some(states), _) => {
+                    // Row b's state after its kept[b] tokens (0: the state before the step).
+                    let all: Vec<&Array> = std::iter::once(&steps.before)
+                        .chain(&states[..deepest as usize])
+                        .collect();
+                    let all = ops::stack(&all, 1)?;
+                    let index = kept_rows.reshape(&[batch, 1, 1, 1, 1])?;
+                    all.take_along_axis(&index, 1)?.squeeze_axes(&[1])?
+                }
+                (None, _) => {
+                    // Only the steps some row keeps replay; a mask only where rows keep
+                    // different counts.
+                    let apply = match uniform {
+                        true => None,
+                        false => {
+                            let step_index =
+                                ops::arange::<_, i32>(0, deepest, None)?.reshape(&[1, deepest])?;
+                            Some(ops::lt(&step_index, &kept_rows)?)
+                        }
+                    };
+                    (steps.replay)(&steps.inputs, &steps.before, deepest, apply.as_ref())?
+                }
             };
             // The conv keeps the `kernel - 1` inputs ending at the last kept token.
             let window = steps.conv_input.shape()[1] - written;

@@ -167,6 +167,46 @@ pub fn sequential_ops(
     beta: &Array,
     state: &Array,
 ) -> Result<(Array, Array)> {
+    let (y, mut states) = sequential_states(q, k, v, g, beta, state)?;
+    let last = states.pop().unwrap_or_else(|| state.clone());
+    Ok((y, last))
+}
+
+/// A speculative step's recurrence: y and the state after each of its tokens (None on a Mac's
+/// GPU, whose kernel gives only the last: the cache then replays the kept steps). Keeping every
+/// token's state lets a rollback pick the kept one instead of running the steps again, which on
+/// a launch-bound GPU costs as many kernels as the tokens kept.
+pub fn speculative_ops(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: &Array,
+) -> Result<(Array, Array, Option<Vec<Array>>)> {
+    #[cfg(target_os = "macos")]
+    {
+        if on_gpu() {
+            if let Some(result) = super::metal::try_apply(q, k, v, g, beta, state) {
+                let (y, last) = result?;
+                return Ok((y, last, None));
+            }
+        }
+    }
+    let (y, states) = sequential_states(q, k, v, g, beta, state)?;
+    let last = states.last().cloned().unwrap_or_else(|| state.clone());
+    Ok((y, last, Some(states)))
+}
+
+/// [`sequential_ops`]' y and the state after every token.
+fn sequential_states(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: &Array,
+) -> Result<(Array, Vec<Array>)> {
     let (len, key_heads) = (q.shape()[1], q.shape()[2]);
     let value_heads = v.shape()[2];
     let repeat = value_heads / key_heads;
@@ -178,7 +218,7 @@ pub fn sequential_ops(
     } else {
         (q.clone(), k.clone())
     };
-    let mut state = state.clone();
+    let mut states: Vec<Array> = Vec::with_capacity(len as usize);
     let mut ys = Vec::with_capacity(len as usize);
     for t in 0..len {
         let (y, next) = step(
@@ -187,12 +227,12 @@ pub fn sequential_ops(
             &v.index((.., t)),
             &g.index((.., t)),
             &beta.index((.., t)),
-            &state,
+            states.last().unwrap_or(state),
         )?;
         ys.push(y);
-        state = next;
+        states.push(next);
     }
-    Ok((ops::stack(&ys, 1)?, state))
+    Ok((ops::stack(&ys, 1)?, states))
 }
 
 /// Tokens per block of the chunked form.
@@ -481,6 +521,47 @@ mod tests {
             let tolerance = if dtype == Dtype::Float32 { 1e-6 } else { 1e-2 };
             assert!(worst(&y, &plain_y) < tolerance, "{batch}x{heads} y");
         }
+    }
+
+    /// A rollback's two forms agree: replaying the kept steps (a Mac's GPU kernel keeps only
+    /// the last state) gives, bit for bit, the state the sequential form kept after that
+    /// token, for every count kept alike and for rows keeping different counts.
+    #[test]
+    fn replayed_steps_equal_the_kept_states() {
+        let len = 4;
+        let [q, k, v, g, beta, state] = inputs(len);
+        // A second row whose values and state differ.
+        let pair = |x: &Array, other: Array| ops::concatenate(&[x.clone(), other], 0).unwrap();
+        let v = pair(&v, ops::negative(&v).unwrap());
+        let state = pair(
+            &state,
+            ops::multiply(&state, Array::from_f32(-2.0)).unwrap(),
+        );
+        let (q, k, g, beta) = (
+            pair(&q, q.clone()),
+            pair(&k, k.clone()),
+            pair(&g, g.clone()),
+            pair(&beta, beta.clone()),
+        );
+        let (_, last, states) = speculative_ops(&q, &k, &v, &g, &beta, &state).unwrap();
+        let states = states.expect("the sequential form keeps every token's state");
+        assert_eq!(states.len(), len as usize);
+        assert_eq!(host(&last), host(&states[len as usize - 1]));
+        let inputs = [q, k, v, g, beta];
+        for kept in 1..=len {
+            let replayed = replay_kept(&inputs, &state, kept, None).unwrap();
+            assert_eq!(
+                host(&replayed),
+                host(&states[kept as usize - 1]),
+                "kept {kept}"
+            );
+        }
+        // Row 0 keeps 3, row 1 keeps 1: a mask over the 3 steps replayed.
+        let apply = Array::from_slice(&[true, true, true, true, false, false], &[2, 3]);
+        let replayed = replay_kept(&inputs, &state, 3, Some(&apply)).unwrap();
+        let row = |x: &Array, b: i32| host(&x.index(b..b + 1));
+        assert_eq!(row(&replayed, 0), row(&states[2], 0));
+        assert_eq!(row(&replayed, 1), row(&states[0], 1));
     }
 
     /// Splitting a prompt into chunks carries the state exactly: 1 / 3 / whole agree.

@@ -136,16 +136,26 @@ impl GatedDeltaNet {
         let k = ops::multiply(scalar(inv_scale, &k)?, fast::rms_norm(&k, None, 1e-6)?)?;
         let beta = ops::sigmoid(&b)?;
         let g = gated_delta::decay(&self.a_log, &a, &self.dt_bias)?;
-        if cache.is_speculating() {
-            // Kept so that a speculative step can be cut back to any prefix without a forward.
-            cache.stash_steps(StepInputs {
-                before: state.clone(),
-                conv_input: conv_input.clone(),
-                inputs: vec![q.clone(), k.clone(), v.clone(), g.clone(), beta.clone()],
-                replay: gated_delta::replay_kept,
-            });
-        }
-        let (y, state) = gated_delta::gated_delta_ops(&q, &k, &v, &g, &beta, &state)?;
+        let (y, state) = match cache.is_speculating() {
+            true => {
+                let (y, last, states) =
+                    gated_delta::speculative_ops(&q, &k, &v, &g, &beta, &state)?;
+                // Kept so that a speculative step can be cut back to any prefix without a
+                // forward: every token's state where the form gives them, else its inputs.
+                cache.stash_steps(StepInputs {
+                    before: state,
+                    conv_input: conv_input.clone(),
+                    inputs: match states {
+                        Some(_) => Vec::new(),
+                        None => vec![q, k, v, g, beta],
+                    },
+                    states,
+                    replay: gated_delta::replay_kept,
+                });
+                (y, last)
+            }
+            false => gated_delta::gated_delta_ops(&q, &k, &v, &g, &beta, &state)?,
+        };
         cache.set_recurrent(
             RecurrentState {
                 conv: next_conv,

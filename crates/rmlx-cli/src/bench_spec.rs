@@ -137,6 +137,7 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
         .flat_map(|&depth| args.draft_accuracy.iter().map(move |&p| (depth, p)));
     for (depth, p) in cells {
         let mut pairs = Vec::new();
+        let mut peaks = Vec::new();
         let mut profile = crate::bench::StepProfile::new();
         // Run 0 is the warm-up at the measured shape (both engines' kernels compiled).
         for run in 0..=args.runs.max(1) as u64 {
@@ -151,15 +152,30 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
             if profiled {
                 rmlx_engine::profile::enable();
             }
-            let plain = run_all(engine, &prompts, vec![plain_params(p); concurrency])?;
-            let params = plain
+            // Each arm's peak above what was held when it started (both engines' weights).
+            let arm_peak = |run: &dyn Fn() -> anyhow::Result<Vec<Completion>>| {
+                rmlx_engine::metrics::reset_mlx_peak();
+                let (resting, _, _) = rmlx_engine::metrics::mlx_memory();
+                let completions = run()?;
+                let (_, peak, _) = rmlx_engine::metrics::mlx_memory();
+                anyhow::Ok((completions, peak.saturating_sub(resting)))
+            };
+            let (plain, plain_peak) =
+                arm_peak(&|| run_all(engine, &prompts, vec![plain_params(p); concurrency]))?;
+            let params: Vec<GenerateParams> = plain
                 .iter()
                 .zip(&seeds)
                 .map(|(completion, &seed)| {
                     spec_params(depth, completion, args.prompt_tokens, p, seed)
                 })
                 .collect();
-            let speculative = run_all(head_engine.as_ref().unwrap_or(engine), &prompts, params)?;
+            let (speculative, spec_peak) = arm_peak(&|| {
+                run_all(
+                    head_engine.as_ref().unwrap_or(engine),
+                    &prompts,
+                    params.clone(),
+                )
+            })?;
             if profiled {
                 for (shape, phases) in rmlx_engine::profile::take() {
                     let total = profile.entry(shape).or_default();
@@ -178,6 +194,7 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
             }
             if run > 0 {
                 pairs.push((plain, speculative));
+                peaks.push((plain_peak, spec_peak));
             }
         }
         let tps = |completions: &Vec<Completion>| {
@@ -201,6 +218,12 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
             .map(|c| c.completion_tokens)
             .sum();
         let triple = |(median, min, max): (f64, f64, f64)| serde_json::json!([median, min, max]);
+        let ttft = |completions: &Vec<Completion>| {
+            completions.iter().map(|c| c.timings.ttft_ms).sum::<f64>() / completions.len() as f64
+        };
+        let plain_ttft = median_and_spread(pairs.iter().map(|(a, _)| ttft(a)).collect());
+        let spec_ttft = median_and_spread(pairs.iter().map(|(_, b)| ttft(b)).collect());
+        let most = |peaks: Vec<u64>| peaks.into_iter().max().unwrap_or(0);
         let row = serde_json::json!({
             "p": p,
             "depth": depth.map_or("auto".to_string(), |k| k.to_string()),
@@ -213,6 +236,10 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
             "drafted_per_token": drafted as f64 / generated.max(1) as f64,
             "acceptance": kept as f64 / drafted.max(1) as f64,
             "draft_head": args.draft_head,
+            "plain_ttft_ms": triple(plain_ttft),
+            "speculative_ttft_ms": triple(spec_ttft),
+            "plain_peak_over_rest_bytes": most(peaks.iter().map(|p| p.0).collect()),
+            "speculative_peak_over_rest_bytes": most(peaks.iter().map(|p| p.1).collect()),
             "step_profile": args.step_profile.then(|| crate::bench::step_rows(&profile)),
         });
         if args.json {
@@ -233,6 +260,13 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
                 ratio.2,
                 drafted as f64 / generated.max(1) as f64,
                 100.0 * kept as f64 / drafted.max(1) as f64
+            );
+            println!(
+                "  TTFT plain {:.1} ms, speculative {:.1} ms; peak over resting memory plain {:.1} MB, speculative {:.1} MB",
+                plain_ttft.0,
+                spec_ttft.0,
+                most(peaks.iter().map(|p| p.0).collect()) as f64 / 1e6,
+                most(peaks.iter().map(|p| p.1).collect()) as f64 / 1e6,
             );
         }
     }

@@ -436,3 +436,46 @@ fn a_draft_model_drafts_for_generate() {
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// `rmlx bench --draft-accuracy` with the draft head reports both arms: decode speeds and
+/// their ratio, the head's acceptance on forced answers (every draft right but one past the
+/// last token), and each arm's TTFT and peak memory (what priming the head costs a prompt).
+#[test]
+fn speculative_bench_reports_both_arms() {
+    let model = fixture("releases/qwen3.6-27b");
+    let report = generate_json(&[
+        "bench",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-tokens",
+        "96",
+        "--gen-tokens",
+        "9",
+        "--runs",
+        "1",
+        "--draft-head",
+        "--draft-accuracy",
+        "1",
+        "--draft-depth",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(report["draft_head"], true, "{report}");
+    assert_eq!(report["depth"], "2", "{report}");
+    for key in [
+        "plain_decode_tps",
+        "speculative_decode_tps",
+        "ratio",
+        "plain_ttft_ms",
+        "speculative_ttft_ms",
+    ] {
+        let [median, min, max] = [0, 1, 2].map(|i| report[key][i].as_f64().unwrap());
+        assert!(min > 0.0 && min <= median && median <= max, "{key}: {report}");
+    }
+    // Forced answers bias the head's drafts too: only drafts past the last token are lost
+    // (a random head's free drafts would all be wrong).
+    assert!(report["acceptance"].as_f64().unwrap() >= 0.6, "{report}");
+    for key in ["plain_peak_over_rest_bytes", "speculative_peak_over_rest_bytes"] {
+        assert!(report[key].as_u64().unwrap() > 0, "{key}: {report}");
+    }
+}

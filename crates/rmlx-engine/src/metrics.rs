@@ -598,8 +598,17 @@ fn escape_label(value: &str) -> String {
         .replace('\n', "\\n")
 }
 
+/// Starts MLX's peak-memory counter again from what is active now (for a benchmark that
+/// reports one arm's peak); shared by every engine in the process.
+pub fn reset_mlx_peak() {
+    if mlx_sys::load().is_ok() {
+        // SAFETY: MLX is loaded; the reset stores to the allocator's counter under its lock.
+        unsafe { mlx_sys::mlx_reset_peak_memory() };
+    }
+}
+
 /// MLX's allocator counters (active, peak, buffer cache); thread-safe reads in MLX.
-fn mlx_memory() -> (u64, u64, u64) {
+pub fn mlx_memory() -> (u64, u64, u64) {
     if mlx_sys::load().is_err() {
         return (0, 0, 0);
     }

@@ -31,7 +31,10 @@
 #   S_MODELS ("27 35": one call may hold only one; a later warm call keeps the made checkpoints),
 #   S_CELLS ("verify c1 c8 ragged").
 # MODE=spec_profile (step 2 instead; issues 30, 31): the same shapes with random `mtp.*` heads;
-#   `rmlx bench --step-profile` per cell of S_CELLS ("verify head auto"; also "c8"), S_RUNS (2).
+#   `rmlx bench --step-profile` per cell of S_CELLS ("verify head auto"; also "c8", and "prime":
+#   TTFT and peak memory over an S_PRIME_PROMPT (4096) token prompt with and without the head),
+#   S_RUNS (2). Verify and head at the same depths (1, 3): their step times' difference is the
+#   head's k draft steps.
 # MODE=concurrency (step 2 instead): random Qwen3-4B-shaped bf16 and 4-bit checkpoints with the
 #   real vocabulary (make_qwen3_bench_model.py, on the GPU); on each, single-stream decode and
 #   warm TTFT through `rmlx serve` interleaved with mlx-lm's generate_step (bench.py), then
@@ -173,15 +176,19 @@ if [[ $MODE == spec_profile ]]; then
     for cell in ${S_CELLS:-verify head auto}; do
       left=$(( LIMIT - SECONDS ))
       (( left > 30 )) || { echo "no time left for $name $cell"; rc=1; break 2; }
+      shape=(--prompt-tokens "${S_PROMPT:-512}" --gen-tokens "${S_GEN:-128}")
       case $cell in
-        verify) flags=(--draft-accuracy 0 --draft-depth 1,4) ;;
-        head) flags=(--draft-head --draft-accuracy 1,0 --draft-depth 3) ;;
+        verify) flags=(--draft-accuracy 0 --draft-depth 1,3) ;;
+        head) flags=(--draft-head --draft-accuracy 1,0 --draft-depth 1,3) ;;
         auto) flags=(--draft-head --draft-accuracy 1,0) ;;
         c8) flags=(--draft-accuracy 0.5 --concurrency "${S_STREAMS:-8}") ;;
+        # Priming the head over a long prompt: TTFT and each arm's peak, with and without it.
+        prime) flags=(--draft-head --draft-accuracy 1 --draft-depth 1)
+               shape=(--prompt-tokens "${S_PRIME_PROMPT:-4096}" --gen-tokens 16) ;;
       esac
       step "rmlx bench $name $cell"
       RUST_BACKTRACE=1 RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench --model "$model" \
-        --prompt-tokens "${S_PROMPT:-512}" --gen-tokens "${S_GEN:-128}" --runs "${S_RUNS:-2}" \
+        "${shape[@]}" --runs "${S_RUNS:-2}" \
         --step-profile "${flags[@]}" --json > "$OUT/profile-$name-$cell.json"
       status=$?
       echo "exit status $status"

@@ -470,12 +470,18 @@ fn speculative_bench_reports_both_arms() {
         "speculative_ttft_ms",
     ] {
         let [median, min, max] = [0, 1, 2].map(|i| report[key][i].as_f64().unwrap());
-        assert!(min > 0.0 && min <= median && median <= max, "{key}: {report}");
+        assert!(
+            min > 0.0 && min <= median && median <= max,
+            "{key}: {report}"
+        );
     }
     // Forced answers bias the head's drafts too: only drafts past the last token are lost
     // (a random head's free drafts would all be wrong).
     assert!(report["acceptance"].as_f64().unwrap() >= 0.6, "{report}");
-    for key in ["plain_peak_over_rest_bytes", "speculative_peak_over_rest_bytes"] {
+    for key in [
+        "plain_peak_over_rest_bytes",
+        "speculative_peak_over_rest_bytes",
+    ] {
         assert!(report[key].as_u64().unwrap() > 0, "{key}: {report}");
     }
 }

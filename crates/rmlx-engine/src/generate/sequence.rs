@@ -244,6 +244,19 @@ impl Sequence {
         depth.min(self.max_new - self.queued - 1)
     }
 
+    /// Drafts for a step another row widened while this one chose plain decode (see
+    /// [`crate::speculative::depth::DepthControl::join_widened`]); 0 without depth control.
+    pub(super) fn join_widened_step(&mut self) -> usize {
+        if !self.can_speculate() {
+            return 0;
+        }
+        let depth = self
+            .depth
+            .as_mut()
+            .map_or(0, |control| control.join_widened());
+        depth.min(self.max_new - self.queued - 1)
+    }
+
     /// At most `max` drafts for the next step, every unread token read first (the caller's
     /// job: the proposer continues the last one).
     pub(super) fn propose(&mut self, max: usize) -> Vec<u32> {

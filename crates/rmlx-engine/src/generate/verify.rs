@@ -63,8 +63,21 @@ pub(super) fn drafts<R: DecodeRow>(
     let mut head_depths = vec![0; count];
     let mut model_depths = vec![0; count];
     let mut any = false;
+    let mut depths: Vec<usize> = rows
+        .iter_mut()
+        .map(|row| row.sequence().draft_depth(count))
+        .collect();
+    // A step some row widens computes the extra columns for every row: the rows that chose
+    // plain decode draft in them too (a free probe), so a batch's probes come together.
+    if depths.iter().any(|&depth| depth > 0) {
+        for (row, depth) in rows.iter_mut().zip(&mut depths) {
+            if *depth == 0 {
+                *depth = row.sequence().join_widened_step();
+            }
+        }
+    }
     for (b, row) in rows.iter_mut().enumerate() {
-        let depth = row.sequence().draft_depth(count);
+        let depth = depths[b];
         if depth == 0 {
             continue;
         }

@@ -182,6 +182,18 @@ impl DepthControl {
         1
     }
 
+    /// Another row of the batch widened this step while this row's choice was plain decode:
+    /// the row drafts one token in columns the step computes anyway, a probe that costs
+    /// nothing, and its wait for a probe of its own starts again. In a batch the rows' probes
+    /// then come together, one widened step for all where each row's own would widen one each.
+    pub fn join_widened(&mut self) -> usize {
+        if self.max == 0 {
+            return 0;
+        }
+        self.idle = 0;
+        1
+    }
+
     /// A speculative step that drafted `drafted` tokens, kept `kept` of them, and took `ms`
     /// for `width` tokens per row.
     pub fn observe_step(&mut self, drafted: usize, kept: usize, width: usize, ms: f64) {
@@ -347,6 +359,45 @@ mod tests {
             }
         }
         assert!(on, "kept drafts never turned it on");
+    }
+
+    /// Eight rows whose drafts are always wrong, in one batch: rows that chose plain decode
+    /// join a step another row widens, so their probes come together and the batch widens
+    /// about as rarely as one row alone probes; each row probing on its own clock would widen
+    /// it several times as often.
+    #[test]
+    fn rows_of_a_batch_probe_together() {
+        let widened = |join: bool| {
+            let mut controls: Vec<DepthControl> = (0..8).map(|_| DepthControl::new(4)).collect();
+            // Rows arrive one step apart, so their clocks start apart.
+            let mut widened = 0;
+            for step in 0..4000 {
+                let live = (step + 1).min(8);
+                let mut depths: Vec<usize> = controls[..live]
+                    .iter_mut()
+                    .map(|control| control.next_depth(live))
+                    .collect();
+                if join && depths.iter().any(|&depth| depth > 0) {
+                    for (control, depth) in controls.iter_mut().zip(&mut depths) {
+                        if *depth == 0 {
+                            *depth = control.join_widened();
+                        }
+                    }
+                }
+                let width = 1 + depths.iter().copied().max().unwrap_or(0);
+                widened += usize::from(width > 1);
+                for (control, &depth) in controls.iter_mut().zip(&depths) {
+                    match depth {
+                        0 => control.observe_plain(10.0),
+                        _ => control.observe_step(depth, 0, width, 11.0),
+                    }
+                }
+            }
+            widened
+        };
+        let (together, apart) = (widened(true), widened(false));
+        assert!(together <= 20, "{together} widened steps");
+        assert!(apart >= 2 * together, "{apart} apart, {together} together");
     }
 
     /// A proposer that turns right again after a wrong spell is picked up by a probe.

@@ -503,6 +503,11 @@ impl MetricsSnapshot {
         );
         family("rmlx_mlx_active_bytes", "gauge", "MLX active memory.");
         family("rmlx_mlx_peak_bytes", "gauge", "MLX peak memory.");
+        family(
+            "rmlx_mlx_cache_bytes",
+            "gauge",
+            "Freed buffers MLX keeps for reuse (given back when the engine goes idle).",
+        );
         for model in &self.models {
             let label = format!("model=\"{}\"", escape_label(&model.model_id));
             for (name, value) in [
@@ -551,6 +556,7 @@ impl MetricsSnapshot {
             ("rmlx_prefix_cache_bytes", self.prefix_cache_bytes),
             ("rmlx_mlx_active_bytes", self.mlx_active_bytes),
             ("rmlx_mlx_peak_bytes", self.mlx_peak_bytes),
+            ("rmlx_mlx_cache_bytes", self.mlx_cache_bytes),
         ] {
             let _ = writeln!(out, "{name} {value}");
         }

@@ -166,6 +166,8 @@ impl Engine {
         // macOS: keep the weights wired up to Metal's recommended working set, as mlx-lm does.
         #[cfg(target_os = "macos")]
         crate::runtime::wire_memory();
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        crate::runtime::map_large_buffers();
         let kv_storage = match options.kv_bits {
             Some(bits) => KvStorage::quantized(bits)?,
             None => KvStorage::Dense,

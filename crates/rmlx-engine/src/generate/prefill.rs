@@ -20,6 +20,8 @@ use super::{
     GenerateParams, Sequence, Timings, DEFAULT_PREFILL_CHUNK, MAX_TOP_LOGPROBS,
 };
 
+/// Prefill pieces at least this long give MLX's buffer cache back after they run.
+const LONG_PIECE: usize = 256;
 /// A prompt's prefill, one bounded piece at a time: the engine runs a piece of a new request
 /// between decode steps of the running ones, so no stream waits longer than one piece.
 pub struct Prefill {
@@ -197,6 +199,11 @@ impl Prefill {
             draft.model.forward(&input, draft_caches, Logits::Last)?;
         }
         crate::runtime::eval(self.caches.iter().flat_map(|cache| cache.state()))?;
+        // A long piece's activations are not reused at their size (see trim_buffer_cache);
+        // a short turn's few buffers stay for the decode steps after it.
+        if piece.len() >= LONG_PIECE {
+            crate::runtime::trim_buffer_cache(0);
+        }
         if self.cuts.contains(&piece.end) {
             self.snapshots.push(CachedSequence {
                 tokens: self.prompt_ids[..piece.end].to_vec(),

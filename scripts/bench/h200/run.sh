@@ -35,6 +35,8 @@
 #   TTFT and peak memory over an S_PRIME_PROMPT (4096) token prompt with and without the head),
 #   S_RUNS (2). Verify and head at the same depths (1, 3): their step times' difference is the
 #   head's k draft steps.
+# MODE=memory (step 2 instead; issue 32 b): the bf16 Qwen3-4B shape below; `rmlx serve`'s device
+#   memory after one M_WORDS (5500, ~32k tokens) prompt against MLX's peak + the prefix cache.
 # MODE=concurrency (step 2 instead): random Qwen3-4B-shaped bf16 and 4-bit checkpoints with the
 #   real vocabulary (make_qwen3_bench_model.py, on the GPU); on each, single-stream decode and
 #   warm TTFT through `rmlx serve` interleaved with mlx-lm's generate_step (bench.py), then
@@ -196,6 +198,23 @@ if [[ $MODE == spec_profile ]]; then
       cat "$OUT/profile-$name-$cell.json"
     done
   done
+  step "done ($rc)"
+  exit $rc
+fi
+
+if [[ $MODE == memory ]]; then
+  # Issue 32 (b): what `rmlx serve` holds on the card after one ~32k-token prompt on the bf16
+  # Qwen3-4B shape, against MLX's peak plus the prefix cache (memory_after_prompt.py).
+  step "models qwen3 4b"
+  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$TIKTOKEN" \
+    > /tmp/q3-paths || exit 1
+  step "memory after a long prompt"
+  left=$(( LIMIT - SECONDS ))
+  RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/memory_after_prompt.py \
+    --rmlx /tmp/rmlx/rmlx --model "$BENCH/qwen3-4b-shape-bf16" --words "${M_WORDS:-5500}" \
+    --log "$OUT/memory-serve.log" | tee "$OUT/memory-after-prompt.json"
+  rc=$?
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
   step "done ($rc)"
   exit $rc
 fi

@@ -62,13 +62,30 @@ impl Drop for Server {
     }
 }
 
-fn virtual_size_kib(pid: u32) -> u64 {
+/// A `/proc/PID/status` line's KiB (`VmSize:`, `VmRSS:`).
+fn status_kib(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     status
         .lines()
-        .find_map(|line| line.strip_prefix("VmSize:"))
+        .find_map(|line| line.strip_prefix(field))
         .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
         .unwrap()
+}
+
+/// Starts `rmlx serve --port 0 ...`: the server (killed when dropped), its port and pid.
+fn start(command: &mut Command) -> (Server, u16, u32) {
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let port = common::listening_port(&mut child);
+    let pid = child.id();
+    (Server(child), port, pid)
+}
+
+fn virtual_size_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmSize:")
 }
 
 /// A server whose address space is capped (RLIMIT_AS, set on the running process once it is
@@ -84,19 +101,14 @@ fn virtual_size_kib(pid: u32) -> u64 {
 #[cfg(target_os = "linux")]
 #[test]
 fn memory_refused_fails_only_that_request() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_rmlx"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rmlx"));
+    command
         .args(["serve", "--port", "0", "--model"])
         .arg(fixture("qwen3-vl-tiny"))
         // One malloc arena: a new thread's 64 MB arena reservation would otherwise eat the
         // headroom unpredictably.
-        .env("MALLOC_ARENA_MAX", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let port = common::listening_port(&mut child);
-    let pid = child.id();
-    let mut server = Server(child);
+        .env("MALLOC_ARENA_MAX", "1");
+    let (mut server, port, pid) = start(&mut command);
 
     // Warm: the model loaded, the vision path and every thread it uses started.
     let small = image_chat(&noise_png(64));
@@ -323,12 +335,7 @@ fn a_restarted_server_answers_from_disk_and_a_full_disk_only_stops_writing() {
 }
 
 fn resident_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
-        .unwrap()
+    status_kib(pid, "VmRSS:")
 }
 
 /// MLX's own accounting of what it holds: live arrays (weights, KV, the prefix cache's entry)
@@ -348,7 +355,8 @@ fn mlx_held(port: u16) -> (u64, serde_json::Value) {
 #[cfg(target_os = "linux")]
 #[test]
 fn memory_is_given_back_after_a_long_prompt() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_rmlx"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rmlx"));
+    command
         // No disk cache: the long prompt must be prefilled, not read back.
         .args([
             "serve",
@@ -359,14 +367,8 @@ fn memory_is_given_back_after_a_long_prompt() {
             "0",
             "--model",
         ])
-        .arg(fixture("releases/qwen3-4b"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let port = common::listening_port(&mut child);
-    let pid = child.id();
-    let _server = Server(child);
+        .arg(fixture("releases/qwen3-4b"));
+    let (_server, port, pid) = start(&mut command);
     let ask = |words: usize| {
         let text: Vec<String> = (0..words).map(|i| format!("word{}", i % 997)).collect();
         let body = serde_json::json!({

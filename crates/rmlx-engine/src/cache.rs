@@ -888,6 +888,12 @@ impl KvCache {
         Ok(())
     }
 
+    /// Lets the cache grow to `len` positions where its bound was lower (a batch row's caches
+    /// come out of [`Self::row`] bounded by what they hold).
+    pub fn allow_up_to(&mut self, len: i32) {
+        self.max_ctx = self.max_ctx.max(len);
+    }
+
     /// Re-targets a reused cache to another request's context.
     pub fn set_max_ctx(&mut self, max_ctx: usize) {
         self.max_ctx = max_ctx.min(i32::MAX as usize) as i32;
@@ -1150,6 +1156,29 @@ mod tests {
 
     fn kv(len: i32, fill: f32) -> Array {
         ops::full::<f32>(&[1, 2, len, 4], Array::from_f32(fill)).unwrap()
+    }
+
+    /// A batch row's cache comes out bounded by what it holds; a lagging cache of the same
+    /// row (the draft head's) may be let grow to the trunk's length, and no further.
+    #[test]
+    fn a_row_taken_out_of_a_batch_grows_only_where_allowed() {
+        let mut lagging = KvCache::new(100);
+        lagging.update_and_fetch(&kv(5, 1.0), &kv(5, 1.0)).unwrap();
+        let mut batch = lagging.clone();
+        batch.join(&KvCache::new(100)).unwrap();
+        let mut row = batch.row(0).unwrap();
+        assert!(matches!(
+            row.update_and_fetch(&kv(2, 2.0), &kv(2, 2.0)),
+            Err(EngineError::ContextOverflow { .. })
+        ));
+        row.allow_up_to(7);
+        row.update_and_fetch(&kv(2, 2.0), &kv(2, 2.0)).unwrap();
+        assert_eq!(row.offset(), 7);
+        assert!(row.update_and_fetch(&kv(1, 3.0), &kv(1, 3.0)).is_err());
+        // A bound already higher stays.
+        let mut roomy = KvCache::new(100);
+        roomy.allow_up_to(7);
+        roomy.update_and_fetch(&kv(50, 1.0), &kv(50, 1.0)).unwrap();
     }
 
     /// A cut back restores the rotary delta of the position it keeps (set at each image

@@ -234,8 +234,13 @@ fn the_next_turn_reuses_the_draft_models_caches_exactly() {
     );
     drop(plain_model);
     // Turn 1 drafting, or not drafting at all (the draft model then lags by the whole answer
-    // and catches up before the entry is stored).
-    for first_mode in [SpeculativeMode::Draft, SpeculativeMode::Off] {
+    // and catches up before the entry is stored), alone or beside another request (its caches
+    // then come out of the batch bounded by what they hold, and must still catch up).
+    for (first_mode, beside) in [
+        (SpeculativeMode::Draft, false),
+        (SpeculativeMode::Off, false),
+        (SpeculativeMode::Off, true),
+    ] {
         let engine = engine(draft);
         let ask = |prompt: &[u32], mode| {
             engine
@@ -249,12 +254,25 @@ fn the_next_turn_reuses_the_draft_models_caches_exactly() {
                 .wait()
                 .unwrap()
         };
-        let answer_first = ask(&first, first_mode);
+        let answer_first = match beside {
+            false => ask(&first, first_mode),
+            true => {
+                // The other answers longer: turn 1's row leaves the batch while it runs.
+                let other = text_ids(30, 63, 10, 900);
+                let rows = vec![
+                    (first.clone(), params(20, first_mode, Some(PARTIAL_BIAS.1))),
+                    (other, params(40, first_mode, Some(PARTIAL_BIAS.1))),
+                ];
+                let mut answers = answer_all(&engine, &fixture(target), rows);
+                assert!(answers[0].batched_with > 1, "turn 1 ran alone");
+                answers.swap_remove(0)
+            }
+        };
         assert_same(&plain_first, &answer_first, "turn 1");
         let answer_second = ask(&second, SpeculativeMode::Draft);
         assert!(
             answer_second.cached_tokens > first.len(),
-            "{first_mode:?}: {}",
+            "{first_mode:?}, beside another: {beside}: {}",
             answer_second.cached_tokens
         );
         assert_same(

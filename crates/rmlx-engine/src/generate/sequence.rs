@@ -411,6 +411,11 @@ impl Sequence {
         emit: &mut dyn FnMut(Delta),
     ) -> (Completion, CachedSequence) {
         let _ = tokenizer;
+        // A batch row's caches come out bounded by what they hold (`KvCache::row`): the draft
+        // head's and the draft model's, which may lag, still take in up to the trunk's length.
+        if let Some(held) = caches.first().map(KvCache::offset) {
+            caches.iter_mut().for_each(|cache| cache.allow_up_to(held));
+        }
         let own = crate::models::draft_model::own_caches(model, caches.len());
         if let Err(error) = super::head::settle(model, &mut self, &mut caches[..own]) {
             // The head's caches then end early: a later turn's drafts see less, nothing else.

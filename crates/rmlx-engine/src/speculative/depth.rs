@@ -20,6 +20,8 @@ const MARGIN: f64 = 0.1;
 /// that still loses doubles the wait, up to [`MAX_PROBE_EVERY`].
 const FIRST_PROBE_EVERY: usize = 16;
 pub const MAX_PROBE_EVERY: usize = 256;
+/// The share of plain decode's time probes may take while drafting is off.
+const PROBE_BUDGET: f64 = 0.02;
 
 /// Step costs per batch size class and width (see [`DepthControl`]'s `costs`).
 type CostTable = [Vec<Option<f64>>; SIZE_CLASSES];
@@ -174,7 +176,7 @@ impl DepthControl {
         }
         self.idle += 1;
         // A probe widens the step of every row of the batch: among more rows, probe less often.
-        if self.idle < self.probe_every * rows.max(1) {
+        if self.idle < self.probe_wait(rows) * rows.max(1) {
             return 0;
         }
         self.idle = 0;
@@ -192,6 +194,14 @@ impl DepthControl {
         }
         self.idle = 0;
         1
+    }
+
+    /// Plain steps to wait before the next probe: the doubling interval, or longer where a
+    /// probe costs more than [`PROBE_BUDGET`] of the steps it waits (a draft head's probe first
+    /// takes in every pair since its last step: three plain steps on the H100).
+    fn probe_wait(&self, rows: usize) -> usize {
+        let extra = self.relative_cost(2, rows) - 1.0;
+        self.probe_every.max((extra / PROBE_BUDGET).ceil() as usize)
     }
 
     /// A speculative step that drafted `drafted` tokens, kept `kept` of them, and took `ms`
@@ -359,6 +369,42 @@ mod tests {
             }
         }
         assert!(on, "kept drafts never turned it on");
+    }
+
+    /// Requests of 128 tokens on a model whose drafts are never kept: where a probe costs
+    /// three plain steps, each request waits long enough before probing that probes take about
+    /// 2 % of the time (a cheap probe keeps the doubling schedule: three per request).
+    #[test]
+    fn costly_probes_wait_longer() {
+        let probes = |probe_ms: f64| {
+            let shared = SharedCosts::default();
+            let (mut probes, mut spent) = (0, 0.0);
+            for _ in 0..10 {
+                let mut control = DepthControl::sharing(4, Some(shared.clone()));
+                for _ in 0..128 {
+                    match control.next_depth(1) {
+                        0 => {
+                            control.observe_plain(10.0);
+                            spent += 10.0;
+                        }
+                        k => {
+                            probes += 1;
+                            control.observe_step(k, 0, k + 1, probe_ms);
+                            spent += probe_ms;
+                        }
+                    }
+                }
+            }
+            (probes, spent / (10.0 * 128.0 * 10.0) - 1.0)
+        };
+        let (cheap, _) = probes(11.0);
+        let (costly, overhead) = probes(30.0);
+        assert!(cheap >= 25, "{cheap} cheap probes");
+        assert!(
+            2 * costly <= cheap,
+            "{costly} costly probes, {cheap} cheap ones"
+        );
+        assert!(overhead < 0.04, "probing took {overhead:.3} more time");
     }
 
     /// Eight rows whose drafts are always wrong, in one batch: rows that chose plain decode

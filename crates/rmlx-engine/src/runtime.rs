@@ -188,22 +188,15 @@ pub fn map_large_buffers() {
     }
 }
 
-/// Empties MLX's buffer cache once it holds more than `keep` bytes. Between a long prompt's
-/// prefill pieces: they free activations of sizes decode never reuses, and the cache would
-/// keep them all (a buffer is reused only for a request of nearly its size, so each new shape
-/// allocates afresh while the old buffers stay cached; on CUDA it grows towards 95 % of the
-/// card). mlx-lm clears it after every prefill chunk likewise.
-pub fn trim_buffer_cache(keep: u64) {
-    if mlx_sys::load().is_err() {
-        return;
-    }
-    let mut cached = 0usize;
-    // SAFETY: MLX is loaded; the getter reads a counter and clearing is always allowed.
-    unsafe {
-        mlx_sys::mlx_get_cache_memory(&mut cached);
-        if cached as u64 > keep {
-            mlx_sys::mlx_clear_cache();
-        }
+/// Empties MLX's buffer cache (without the idle release's synchronisation and heap trim).
+/// Between a long prompt's prefill pieces: they free activations of sizes decode never reuses,
+/// and the cache would keep them all (a buffer is reused only for a request of nearly its size,
+/// so each new shape allocates afresh while the old buffers stay cached; on CUDA it grows
+/// towards 95 % of the card). mlx-lm clears it after every prefill chunk likewise.
+pub fn clear_buffer_cache() {
+    if mlx_sys::load().is_ok() {
+        // SAFETY: MLX is loaded; clearing the buffer cache is always allowed.
+        unsafe { mlx_sys::mlx_clear_cache() };
     }
 }
 

@@ -199,10 +199,10 @@ impl Prefill {
             draft.model.forward(&input, draft_caches, Logits::Last)?;
         }
         crate::runtime::eval(self.caches.iter().flat_map(|cache| cache.state()))?;
-        // A long piece's activations are not reused at their size (see trim_buffer_cache);
+        // A long piece's activations are not reused at their size (see clear_buffer_cache);
         // a short turn's few buffers stay for the decode steps after it.
         if piece.len() >= LONG_PIECE {
-            crate::runtime::trim_buffer_cache(0);
+            crate::runtime::clear_buffer_cache();
         }
         if self.cuts.contains(&piece.end) {
             self.snapshots.push(CachedSequence {

@@ -160,13 +160,10 @@ fn drain_after_failure(error: mlx_rs::error::Exception) -> crate::EngineError {
 /// one follows (else an idle server holds what a long prompt's prefill freed). On Linux the C
 /// allocator keeps freed heap pages too (the CPU backend's buffers): they are trimmed.
 pub fn release_cached_memory() {
+    clear_buffer_cache();
     if mlx_sys::load().is_ok() {
-        // SAFETY: MLX is loaded; clearing the buffer cache and waiting on this thread's default
-        // stream are always allowed.
-        unsafe {
-            mlx_sys::mlx_clear_cache();
-            mlx_sys::mlx_synchronize_default();
-        }
+        // SAFETY: MLX is loaded; waiting on this thread's default stream is always allowed.
+        unsafe { mlx_sys::mlx_synchronize_default() };
     }
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only returns free pages of glibc's heaps to the system.

@@ -90,14 +90,8 @@ pub fn gated_delta_ops(
     beta: &Array,
     state: &Array,
 ) -> Result<(Array, Array)> {
-    // On a Mac's GPU one Metal kernel runs the whole chunk (checked against this form first).
-    #[cfg(target_os = "macos")]
-    {
-        if on_gpu() {
-            if let Some(result) = super::metal::try_apply(q, k, v, g, beta, state) {
-                return result;
-            }
-        }
+    if let Some(result) = metal_kernel(q, k, v, g, beta, state) {
+        return result;
     }
     if q.shape()[1] >= CHUNKED_FROM {
         return chunked_ops(q, k, v, g, beta, state);
@@ -151,6 +145,24 @@ pub fn replay_kept(
 /// golden prompts) take the sequential steps, the form the references' goldens are made with.
 pub const CHUNKED_FROM: i32 = 4 * CHUNK;
 
+/// On a Mac's GPU one Metal kernel runs the whole chunk (checked against the ops form first);
+/// None elsewhere, or where the kernel does not take the shapes.
+#[allow(unused_variables)]
+fn metal_kernel(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: &Array,
+) -> Option<Result<(Array, Array)>> {
+    #[cfg(target_os = "macos")]
+    if on_gpu() {
+        return super::metal::try_apply(q, k, v, g, beta, state);
+    }
+    None
+}
+
 #[cfg(target_os = "macos")]
 fn on_gpu() -> bool {
     mlx_rs::Device::try_default()
@@ -184,14 +196,9 @@ pub fn speculative_ops(
     beta: &Array,
     state: &Array,
 ) -> Result<(Array, Array, Option<Vec<Array>>)> {
-    #[cfg(target_os = "macos")]
-    {
-        if on_gpu() {
-            if let Some(result) = super::metal::try_apply(q, k, v, g, beta, state) {
-                let (y, last) = result?;
-                return Ok((y, last, None));
-            }
-        }
+    if let Some(result) = metal_kernel(q, k, v, g, beta, state) {
+        let (y, last) = result?;
+        return Ok((y, last, None));
     }
     let (y, states) = sequential_states(q, k, v, g, beta, state)?;
     let last = states.last().cloned().unwrap_or_else(|| state.clone());

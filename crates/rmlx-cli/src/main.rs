@@ -154,6 +154,7 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
+    rmlx_engine::runtime::prepare_environment();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate(args),
@@ -413,12 +414,16 @@ fn doctor(json: bool) -> anyhow::Result<()> {
     mlx_rs::transforms::eval([&product, &softmax, &y])?;
     let product_values = product.as_slice::<f32>().to_vec();
     let row_sum = softmax.as_slice::<f32>()[0] + softmax.as_slice::<f32>()[1];
+    // What `main` set for MLX (see `prepare_environment`), as this process runs with it.
+    let check = rmlx_engine::runtime::CACHE_THRASHING_CHECK;
+    let thrashing = std::env::var(check).unwrap_or_default();
     if json {
         let value = serde_json::json!({
             "runtime": info,
             "matmul": product_values,
             "softmax_row_sums": [row_sum],
             "quantized_matmul_shape": y.shape(),
+            "mlx_settings": { check: thrashing },
         });
         println!("{value}");
     } else {
@@ -429,6 +434,7 @@ fn doctor(json: bool) -> anyhow::Result<()> {
             info.library.display()
         );
         println!("default device: {}", info.default_device);
+        println!("{check}={thrashing}");
         println!(
             "metal: {}  cuda: {}",
             info.metal_available, info.cuda_available

@@ -24,6 +24,27 @@ fn doctor_evaluates_real_mlx_operations() {
     assert!(library.ends_with("libmlxc.so") || library.ends_with("libmlxc.dylib"));
 }
 
+/// MLX CUDA's shape caches would throw after enough new shapes (a long-running server meets
+/// them): the process turns that check off, unless the user chose.
+#[test]
+fn mlx_cache_thrashing_check_is_off_unless_chosen() {
+    let setting = |env: Option<&str>| {
+        let mut command = rmlx();
+        command
+            .args(["doctor", "--json"])
+            .env_remove("MLX_ENABLE_CACHE_THRASHING_CHECK");
+        if let Some(value) = env {
+            command.env("MLX_ENABLE_CACHE_THRASHING_CHECK", value);
+        }
+        let output = command.output().unwrap();
+        assert!(output.status.success());
+        let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        report["mlx_settings"]["MLX_ENABLE_CACHE_THRASHING_CHECK"].clone()
+    };
+    assert_eq!(setting(None), "0");
+    assert_eq!(setting(Some("1")), "1");
+}
+
 #[test]
 fn missing_mlx_library_is_a_clear_message() {
     let empty = std::env::temp_dir().join(format!("rmlx-no-mlx-{}", std::process::id()));

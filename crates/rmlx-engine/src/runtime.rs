@@ -76,6 +76,20 @@ unsafe fn c_text(text: *const std::os::raw::c_char) -> String {
         .into_owned()
 }
 
+/// MLX settings read from the environment, made before any thread starts (`main`) unless the
+/// user set them. MLX CUDA's shape-keyed caches (CUDA graphs, cuDNN attention and conv plans)
+/// throw "cache thrashing" once a process has missed twice their capacity: a server meets that
+/// many shapes in a long session (each prompt length can be one), and the throw fails every
+/// later request. Past capacity the caches only evict, which is what a server wants.
+pub fn prepare_environment() {
+    if std::env::var_os(CACHE_THRASHING_CHECK).is_none() {
+        std::env::set_var(CACHE_THRASHING_CHECK, "0");
+    }
+}
+
+/// See `prepare_environment`.
+pub const CACHE_THRASHING_CHECK: &str = "MLX_ENABLE_CACHE_THRASHING_CHECK";
+
 /// Gives the calling thread its own default stream on the default device, once, before any
 /// evaluation. On Metal a thread without one fails with "There is no Stream(gpu, 0) in
 /// current thread" (rMLX issues 10, 104, 206); on the CPU backend this finds the one MLX made.

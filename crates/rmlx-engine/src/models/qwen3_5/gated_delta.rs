@@ -420,23 +420,54 @@ pub fn sample_inputs(len: i32, key_dim: i32, value_dim: i32) -> Result<[Array; 6
     ])
 }
 
-/// The depthwise causal conv over `input` `[B, K − 1 + T, C]` (the cached window, then the
-/// chunk) with `weight` `[C, K, 1]`: `out_t = Σ_j w[c, j] · input[t + j]` → `[B, T, C]`.
-/// A bf16/fp16 decode step sums in float32 as mlx-vlm's `_qwen3_5_decode_depthwise_conv` does;
-/// everything else is MLX's grouped conv1d.
-pub fn causal_conv(input: &Array, weight: &Array) -> Result<Array> {
-    let (window, channels) = (input.shape()[1], input.shape()[2]);
-    let kernel = weight.shape()[1];
-    let half = matches!(weight.dtype(), Dtype::Bfloat16 | Dtype::Float16);
-    if window == kernel && half {
-        let taps = weight
-            .index((.., .., 0))
-            .transpose()?
-            .as_dtype(Dtype::Float32)?;
-        let out = ops::multiply(input.as_dtype(Dtype::Float32)?, &taps)?.sum_axis(1, true)?;
-        return Ok(out.as_dtype(input.dtype())?);
+/// The depthwise conv's taps from mlx's conv1d weight `[C, K, 1]` (made once, at load): `K`
+/// float32 vectors `[C]`, tap `j` weighing position `t + j` of the window.
+pub fn conv_taps(weight: &Array) -> Result<Vec<Array>> {
+    (0..weight.shape()[1])
+        .map(|tap| Ok(weight.index((.., tap, 0)).as_dtype(Dtype::Float32)?))
+        .collect()
+}
+
+/// `silu` of the depthwise causal conv over `input` `[B, K − 1 + T, C]` (the cached window,
+/// then the chunk): `out_t = silu(Σ_j taps[j] · input[t + j])` → `[B, T, C]`. The sum runs in
+/// float32 and rounds to the input's dtype once, before the SiLU, as mlx's conv1d (float32
+/// accumulation) and then `nn.silu` do in the references (mlx-vlm's decode conv sums in float32
+/// too). One compiled elementwise kernel over K shifted views instead of MLX's conv1d: on CUDA
+/// that builds a cuDNN graph for every new input shape (each batch width, verify width and
+/// prefill length), slow on first use and held in a cache of 128 shapes.
+pub fn causal_conv_silu(input: &Array, taps: &[Array]) -> Result<Array> {
+    let len = input.shape()[1] - (taps.len() as i32 - 1);
+    let mut inputs: Vec<Array> = (0..taps.len() as i32)
+        .map(|tap| input.index((.., tap..tap + len, ..)))
+        .collect();
+    inputs.extend(taps.iter().cloned());
+    let mut outputs = CONV_SILU.with(|compiled| (compiled.borrow_mut())(&inputs))?;
+    Ok(outputs.remove(0))
+}
+
+thread_local! {
+    // Shapeless: every batch width, verify width and prefill length runs the same trace.
+    static CONV_SILU: std::cell::RefCell<CompiledStep> = std::cell::RefCell::new(Box::new(
+        mlx_rs::transforms::compile::compile(
+            |inputs: &[Array]| -> std::result::Result<Vec<Array>, mlx_rs::error::Exception> {
+                let (windows, taps) = inputs.split_at(inputs.len() / 2);
+                Ok(vec![plain_conv_silu(windows, taps)?])
+            },
+            true,
+        ),
+    ));
+}
+
+fn plain_conv_silu(
+    windows: &[Array],
+    taps: &[Array],
+) -> std::result::Result<Array, mlx_rs::error::Exception> {
+    let mut sum = ops::multiply(windows[0].as_dtype(Dtype::Float32)?, &taps[0])?;
+    for (window, tap) in windows.iter().zip(taps).skip(1) {
+        sum = ops::add(&sum, ops::multiply(window.as_dtype(Dtype::Float32)?, tap)?)?;
     }
-    Ok(ops::conv1d(input, weight, 1, 0, 1, channels)?)
+    let conv = sum.as_dtype(windows[0].dtype())?;
+    ops::multiply(&conv, ops::sigmoid(&conv)?)
 }
 
 #[cfg(test)]
@@ -630,23 +661,44 @@ mod tests {
         assert_eq!(y.dtype(), Dtype::Bfloat16);
     }
 
-    /// The float32 decode conv equals MLX's conv1d on the same window (fp32 weights).
+    /// The compiled conv + SiLU equals MLX's conv1d then SiLU (what mlx-lm and mlx-vlm run) at
+    /// a decode window, verify widths and a prefill piece, two rows: within float32 rounding in
+    /// float32, within one bf16 rounding in bf16.
     #[test]
-    fn decode_conv_equals_conv1d() {
-        let input = randn(&[1, 4, 6], 7);
-        let weight = randn(&[6, 4, 1], 8);
-        let reference = ops::conv1d(&input, &weight, 1, 0, 1, 6).unwrap();
-        let half = causal_conv(
-            &input.as_dtype(Dtype::Bfloat16).unwrap(),
-            &weight.as_dtype(Dtype::Bfloat16).unwrap(),
-        )
-        .unwrap();
-        assert_eq!(half.shape(), &[1, 1, 6]);
-        let diff = host(&reference)
-            .iter()
-            .zip(host(&half))
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(diff < 0.1, "bf16 decode conv off by {diff}");
+    fn conv_silu_equals_conv1d_then_silu() {
+        let channels = 6;
+        let weight = randn(&[channels, 4, 1], 8);
+        for (len, seed) in [(1, 1), (2, 2), (5, 3), (70, 4)] {
+            let input = randn(&[2, 3 + len, channels], 10 + seed);
+            for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+                let (input, weight) = (
+                    input.as_dtype(dtype).unwrap(),
+                    weight.as_dtype(dtype).unwrap(),
+                );
+                let conv = ops::conv1d(
+                    input.as_dtype(Dtype::Float32).unwrap(),
+                    weight.as_dtype(Dtype::Float32).unwrap(),
+                    1,
+                    0,
+                    1,
+                    channels,
+                )
+                .unwrap()
+                .as_dtype(dtype)
+                .unwrap();
+                let reference = ops::multiply(&conv, ops::sigmoid(&conv).unwrap()).unwrap();
+                let taps = conv_taps(&weight).unwrap();
+                let fused = causal_conv_silu(&input, &taps).unwrap();
+                assert_eq!(fused.shape(), &[2, len, channels]);
+                assert_eq!(fused.dtype(), dtype);
+                let tolerance = if dtype == Dtype::Float32 { 1e-5 } else { 2e-2 };
+                let diff = host(&reference)
+                    .iter()
+                    .zip(host(&fused))
+                    .map(|(a, b)| (a - b).abs() / a.abs().max(1.0))
+                    .fold(0f32, f32::max);
+                assert!(diff < tolerance, "{dtype:?}, {len} tokens: off by {diff}");
+            }
+        }
     }
 }

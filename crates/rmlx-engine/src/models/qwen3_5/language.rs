@@ -33,8 +33,8 @@ struct GatedDeltaNet {
     in_proj_z: Linear,
     in_proj_b: Linear,
     in_proj_a: Linear,
-    /// `[conv_dim, K, 1]`, mlx's conv1d layout.
-    conv1d: Array,
+    /// The depthwise conv's K taps, each `[conv_dim]` in float32 (see `gated_delta::conv_taps`).
+    conv_taps: Vec<Array>,
     dt_bias: Array,
     /// Kept in float32 by the converters.
     a_log: Array,
@@ -70,17 +70,22 @@ impl GatedDeltaNet {
                 DtypeKind::Float,
             )
         };
+        let conv1d = store.take(
+            &format!("{prefix}.conv1d.weight"),
+            &[shape.conv_dim(), shape.kernel, 1],
+            DtypeKind::Float,
+        )?;
+        let conv_taps = gated_delta::conv_taps(&conv1d)?
+            .into_iter()
+            .map(|tap| store.derived(tap))
+            .collect::<Result<_>>()?;
         Ok(Self {
             shape,
+            conv_taps,
             in_proj_qkv: linear(store, "in_proj_qkv", hidden, 2 * key_total + value_total)?,
             in_proj_z: linear(store, "in_proj_z", hidden, value_total)?,
             in_proj_b: linear(store, "in_proj_b", hidden, shape.value_heads)?,
             in_proj_a: linear(store, "in_proj_a", hidden, shape.value_heads)?,
-            conv1d: store.take(
-                &format!("{prefix}.conv1d.weight"),
-                &[shape.conv_dim(), shape.kernel, 1],
-                DtypeKind::Float,
-            )?,
             dt_bias: vector(store, "dt_bias")?,
             a_log: vector(store, "A_log")?,
             norm: RmsNorm::load(store, &format!("{prefix}.norm"), shape.value_dim, eps)?,
@@ -118,8 +123,7 @@ impl GatedDeltaNet {
         let next_conv = conv_input
             .index((.., (window - (kernel - 1))..))
             .contiguous()?;
-        let conv_out = gated_delta::causal_conv(&conv_input, &self.conv1d)?;
-        let conv_out = ops::multiply(&conv_out, ops::sigmoid(&conv_out)?)?;
+        let conv_out = gated_delta::causal_conv_silu(&conv_input, &self.conv_taps)?;
 
         let key_total = key_heads * key_dim;
         let parts = conv_out.split_at_indices(&[key_total, 2 * key_total], -1)?;

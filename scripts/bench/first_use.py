@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""First use of a freshly started `rmlx serve` (issue 32 a): how long a user waits after loading.
+
+Each run starts a new server process with an empty MLX kernel cache (MLX keeps the kernels it
+compiles at run time under $TMPDIR/mlx, so every run gets its own fresh TMPDIR unless
+--keep-kernels), then, one after another:
+  1. the first request (1 stream): load start -> its first token, and the load alone (/health);
+  2. a second single request (the one-stream aggregate, warm at width 1);
+  3. the first burst of N concurrent requests after load;
+  4. a second burst of N (fresh prompts): the warm burst.
+Every request is greedy streaming `/v1/completions`, `max_tokens` tokens, EOS kept out, fresh
+prompts (no prompt cache can serve them; the disk cache is off). Medians over runs, min-max.
+
+Usage: first_use.py --model DIR --rmlx BIN [--streams 8] [--runs 3] [--max-tokens 128]
+                    [--prompt-words 200] [--rmlx-args "..."] [--keep-kernels] [--json-out PATH]
+"""
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench import eos_ids  # noqa: E402
+from concurrency import Server, burst, free_port, prompts_for  # noqa: E402
+
+
+def one_run(args, run, bias):
+    env_tmp = None if args.keep_kernels else tempfile.mkdtemp(prefix="rmlx-first-use-")
+    port = free_port()
+    command = [args.rmlx, "serve", "--model", args.model, "--port", str(port), "--prefix-disk-gb", "0",
+               *shlex.split(args.rmlx_args)]
+    saved = os.environ.get("TMPDIR")
+    if env_tmp:
+        os.environ["TMPDIR"] = env_tmp  # the server inherits it: MLX's kernel cache starts empty
+    start = time.perf_counter()
+    try:
+        server = Server("rmlx", command, port, f"/tmp/bench-first-use-rmlx-{run}.log")
+    finally:
+        if env_tmp:
+            if saved is None:
+                os.environ.pop("TMPDIR")
+            else:
+                os.environ["TMPDIR"] = saved
+    loaded = time.perf_counter()
+    model = Path(args.model).name
+    seed = 20_000 + run * 1000
+    try:
+        first = burst(server, model, prompts_for(seed, 1, args.prompt_words), args.max_tokens, bias)
+        first_token_s = loaded - start + first["ttft_ms"][0] / 1000
+        one = burst(server, model, prompts_for(seed + 1, 1, args.prompt_words), args.max_tokens, bias)
+        cold = burst(server, model, prompts_for(seed + 2, args.streams, args.prompt_words), args.max_tokens, bias)
+        warm = burst(server, model, prompts_for(seed + 3, args.streams, args.prompt_words), args.max_tokens, bias)
+    finally:
+        server.close()
+    kernels = None
+    if env_tmp:
+        kernels = sum(len(files) for _, _, files in os.walk(Path(env_tmp) / "mlx"))
+    result = {"load_s": loaded - start, "first_token_s": first_token_s,
+              "first_request_tps": first["aggregate_tps"], "one_stream_tps": one["aggregate_tps"],
+              "first_burst_tps": cold["aggregate_tps"], "warm_burst_tps": warm["aggregate_tps"],
+              "first_burst_ttft_p50_ms": statistics.median(cold["ttft_ms"]),
+              "warm_burst_ttft_p50_ms": statistics.median(warm["ttft_ms"]), "kernel_cache_files": kernels}
+    print(f"run {run + 1}: load {result['load_s']:.2f} s, first token {first_token_s:.2f} s, one stream "
+          f"{one['aggregate_tps']:.0f} tok/s, first burst x{args.streams} {cold['aggregate_tps']:.0f}, warm "
+          f"{warm['aggregate_tps']:.0f}, kernel cache files {kernels}", file=sys.stderr)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--rmlx", required=True)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompt-words", type=int, default=200)
+    parser.add_argument("--rmlx-args", default="", help="extra `rmlx serve` arguments")
+    parser.add_argument("--keep-kernels", action="store_true",
+                        help="share this process's TMPDIR (MLX's kernel cache may already be warm)")
+    parser.add_argument("--json-out")
+    args = parser.parse_args()
+    bias = {i: -1e9 for i in eos_ids(args.model)}
+    runs = [one_run(args, r, bias) for r in range(args.runs)]
+
+    def cell(key, fmt="{:.2f}"):
+        values = [r[key] for r in runs]
+        return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+    ratios = {"first_burst_vs_one": [r["first_burst_tps"] / r["one_stream_tps"] for r in runs],
+              "warm_burst_vs_one": [r["warm_burst_tps"] / r["one_stream_tps"] for r in runs]}
+    for r, fb, wb in zip(runs, ratios["first_burst_vs_one"], ratios["warm_burst_vs_one"]):
+        r["first_burst_vs_one"], r["warm_burst_vs_one"] = fb, wb
+    print(f"model {args.model}  max_tokens {args.max_tokens}  prompt ~{args.prompt_words} words  "
+          f"{args.streams} streams  runs {args.runs} (medians; min-max)")
+    print(f"  load (start -> /health)         {cell('load_s')} s")
+    print(f"  load start -> first token       {cell('first_token_s')} s")
+    print(f"  one stream                      {cell('one_stream_tps', '{:.0f}')} tok/s")
+    print(f"  first burst x{args.streams:<3d}               {cell('first_burst_tps', '{:.0f}')} tok/s, "
+          f"{cell('first_burst_vs_one')}x one stream, TTFT p50 {cell('first_burst_ttft_p50_ms', '{:.0f}')} ms")
+    print(f"  warm burst x{args.streams:<3d}                {cell('warm_burst_tps', '{:.0f}')} tok/s, "
+          f"{cell('warm_burst_vs_one')}x one stream, TTFT p50 {cell('warm_burst_ttft_p50_ms', '{:.0f}')} ms")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"model": args.model, "streams": args.streams,
+                                                   "max_tokens": args.max_tokens, "runs": runs}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

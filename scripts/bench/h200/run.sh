@@ -35,6 +35,11 @@
 #   TTFT and peak memory over an S_PRIME_PROMPT (4096) token prompt with and without the head),
 #   S_RUNS (2). Verify and head at the same depths (1, 3): their step times' difference is the
 #   head's k draft steps.
+# MODE=first_use (step 2 instead; issue 32 a): the MODE=qwen3_5 checkpoint; first_use_probe.py
+#   (what a new shape costs MLX CUDA per op), then scripts/bench/first_use.py (load start -> first
+#   token, first burst of 8 against a warm one) per binary of F_BINS ("before after": rmlx-before,
+#   packed from RMLX_BEFORE, and rmlx), F_RUNS (1) runs each with an empty kernel cache; F_WARM (1)
+#   more runs each sharing one kernel cache warmed by the first (a later process on the machine).
 # MODE=memory (step 2 instead; issue 32 b): the bf16 Qwen3-4B shape below; `rmlx serve`'s device
 #   memory after one M_WORDS (5500, ~32k tokens) prompt against MLX's peak + the prefix cache.
 # MODE=concurrency (step 2 instead): random Qwen3-4B-shaped bf16 and 4-bit checkpoints with the
@@ -196,6 +201,38 @@ if [[ $MODE == spec_profile ]]; then
       echo "exit status $status"
       (( status == 0 )) || rc=1
       cat "$OUT/profile-$name-$cell.json"
+    done
+  done
+  step "done ($rc)"
+  exit $rc
+fi
+
+if [[ $MODE == first_use ]]; then
+  [[ -f $B/rmlx-before.xz && ! -x /tmp/rmlx/rmlx-before ]] && xz -dc "$B/rmlx-before.xz" > /tmp/rmlx/rmlx-before \
+    && chmod +x /tmp/rmlx/rmlx-before
+  step "model qwen3_5"
+  python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" > /tmp/q35-path || exit 1
+  Q35=$(tail -1 /tmp/q35-path)
+  if [[ ! -f $OUT/first-use-probe.json && ${F_PROBE:-1} == 1 ]]; then
+    step "probe: new shapes per op"
+    timeout $(( LIMIT - SECONDS )) python3 scripts/bench/h200/first_use_probe.py --json-out "$OUT/first-use-probe.json"
+  fi
+  rc=0
+  for pass in fresh warm; do
+    # The warm pass shares every kernel the fresh runs compiled (MLX keeps them under $TMPDIR/mlx).
+    [[ $pass == warm ]] && for d in /tmp/fu-warm/rmlx-first-use-*/mlx; do [[ -d $d ]] && cp -rn "$d" /tmp/fu-warm/; done
+    for bin in ${F_BINS:-before after}; do
+      exe=/tmp/rmlx/rmlx; [[ $bin == before ]] && exe=/tmp/rmlx/rmlx-before
+      [[ -x $exe ]] || { echo "no $exe"; rc=1; continue; }
+      left=$(( LIMIT - SECONDS ))
+      (( left > 60 )) || { echo "no time left for $bin $pass"; rc=1; break 2; }
+      if [[ $pass == fresh ]]; then runs=${F_RUNS:-1}; keep=(); else runs=${F_WARM:-1}; keep=(--keep-kernels); fi
+      (( runs > 0 )) || continue
+      step "first use: $bin, $pass kernel cache, $runs run(s)"
+      mkdir -p /tmp/fu-warm
+      TMPDIR=/tmp/fu-warm RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/first_use.py \
+        --model "$Q35" --rmlx "$exe" --runs "$runs" "${keep[@]}" --json-out "$OUT/first-use-$bin-$pass.json" || rc=1
+      cp /tmp/bench-first-use-rmlx-*.log "$OUT/" 2>/dev/null
     done
   done
   step "done ($rc)"

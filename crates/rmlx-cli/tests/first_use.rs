@@ -1,0 +1,148 @@
+//! First use after loading (issue 32 a): MLX compiles fused kernels at run time (the CPU and
+//! CUDA backends from C++/CUDA source, Metal from its shaders), named by the fused graph and its
+//! inputs' layout, not their sizes. A model whose kernels were keyed by shape would compile again
+//! for every new batch width and prompt length: minutes on a GPU for a user's first requests.
+//! Here, per cache family, a server with an empty kernel cache ($TMPDIR/mlx) serves a first
+//! request, then bursts of new batch widths and new prompt lengths, and the kernels it compiled
+//! are counted after each: a new width may add at most one (a strided layout of a fused step),
+//! a new prompt length none.
+
+mod common;
+
+use std::{
+    collections::BTreeSet,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+};
+
+use common::http;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The compiled kernels (shared libraries on the CPU backend) under `dir`.
+fn kernels(dir: &Path) -> BTreeSet<String> {
+    let mut found = BTreeSet::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(at) = stack.pop() {
+        for entry in std::fs::read_dir(&at).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path
+                .extension()
+                .is_some_and(|ext| ext == "so" || ext == "dylib")
+            {
+                found.insert(path.file_name().unwrap().to_string_lossy().into_owned());
+            }
+        }
+    }
+    found
+}
+
+fn kernels_compiled_per_new_shape(release: &str) {
+    let temp =
+        std::env::temp_dir().join(format!("rmlx-first-use-{release}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&temp);
+    std::fs::create_dir_all(&temp).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_rmlx"))
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--no-ui",
+            "--prefix-disk-gb",
+            "0",
+            "--model",
+        ])
+        .arg(fixture(&format!("releases/{release}")))
+        // MLX keeps its compiled kernels under the temporary folder: this one starts empty.
+        .env("TMPDIR", &temp)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut server = Server(child);
+    let port = common::listening_port(&mut server.0);
+    // Prompts of `words` distinct-ish words (fresh ids each: no prefix reuse), 6 tokens each.
+    let ask = move |words: usize, seed: usize| {
+        let text: Vec<String> = (0..words)
+            .map(|i| format!("w{}", (i * 7 + seed) % 301))
+            .collect();
+        let body = serde_json::json!({
+            "model": release,
+            "max_tokens": 6,
+            "messages": [{"role": "user", "content": text.join(" ")}],
+        });
+        let (status, reply) = http(
+            port,
+            "POST",
+            "/v1/chat/completions",
+            Some(&body.to_string()),
+        );
+        assert_eq!(status, 200, "{reply}");
+        reply["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let burst = |count: usize, words: usize, seed: usize| {
+        std::thread::scope(|scope| {
+            for i in 0..count {
+                scope.spawn(move || ask(words + i, seed + i));
+            }
+        });
+    };
+    ask(20, 1);
+    let first = kernels(&temp);
+    // Proves the count looks where MLX writes (every family fuses at least its activation).
+    assert!(
+        !first.is_empty(),
+        "{release}: no kernel found under {temp:?}"
+    );
+    burst(3, 20, 10);
+    let widths = kernels(&temp);
+    let added: Vec<_> = widths.difference(&first).collect();
+    assert!(
+        added.len() <= 1,
+        "{release}: batch widths 2-3 compiled {} kernels: {added:?}",
+        added.len()
+    );
+    ask(37, 50);
+    burst(5, 60, 100);
+    let lengths = kernels(&temp);
+    let added: Vec<_> = lengths.difference(&widths).collect();
+    assert!(
+        added.is_empty(),
+        "{release}: new prompt lengths and widths 4-5 compiled {added:?}"
+    );
+    drop(server);
+    let _ = std::fs::remove_dir_all(&temp);
+}
+
+/// Full attention (KV cache): Qwen3-4B.
+#[test]
+fn kv_model_compiles_little_per_new_shape() {
+    kernels_compiled_per_new_shape("qwen3-4b");
+}
+
+/// Gated DeltaNet + full attention + the MTP draft head: Qwen3.6-27B.
+#[test]
+fn recurrent_model_compiles_little_per_new_shape() {
+    kernels_compiled_per_new_shape("qwen3.6-27b");
+}
+
+/// Sliding windows and shared KV: Gemma 4 E2B.
+#[test]
+fn sliding_window_model_compiles_little_per_new_shape() {
+    kernels_compiled_per_new_shape("gemma-4-e2b-it");
+}

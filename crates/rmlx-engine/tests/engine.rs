@@ -455,8 +455,9 @@ fn assert_same_answer(what: &str, solo: &Completion, batched: &Completion, toler
 
 /// Continuous batching in every family: four requests of different prompt lengths and token
 /// budgets (so rows join mid-decode, padded, and leave while others go on; with an image
-/// where the family sees) each equal their solo runs, and the same batch again is served from
-/// the prefix cache (pictures too) with the same answers.
+/// where the family sees) each equal their solo runs, the text prompts having prefilled
+/// together, and the same batch again is served from the prefix cache (pictures too) with the
+/// same answers.
 #[test]
 fn batched_requests_equal_their_solo_runs_in_every_family() {
     // (fixture, sees images, log-prob tolerance): 1e-4 in fp32; the 4-bit checkpoint computes
@@ -521,6 +522,16 @@ fn batched_requests_equal_their_solo_runs_in_every_family() {
                 .collect();
             let widest = batched.iter().map(|c| c.batched_with).max().unwrap();
             assert!(widest >= 3, "{dir}: at most {widest} rows decoded together");
+            // The text prompts, sent at once, prefilled as rows of one forward (`group.rs`);
+            // the picture's prompt prefills alone.
+            let together = batched
+                .iter()
+                .map(|c| c.timings.prefilled_with)
+                .max()
+                .unwrap();
+            if round == "first" {
+                assert!(together >= 2, "{dir}: every prompt prefilled alone");
+            }
             for (index, (solo, batched)) in solo.iter().zip(&batched).enumerate() {
                 let what = format!("{dir} {round} #{index}");
                 assert_same_answer(&what, solo, batched, tolerance);
@@ -611,6 +622,87 @@ fn windowed_rows_join_and_leave_as_their_solo_runs() {
     assert!(widest >= 3, "at most {widest} rows decoded together");
     for (index, (solo, batched)) in solo.iter().zip(&batched).enumerate() {
         assert_same_answer(&format!("{dir} #{index}"), solo, batched, 1e-4);
+    }
+}
+
+/// Prompts that arrive together prefill together (`group.rs`): in pieces of a few tokens, so
+/// members take several steps, leave at different times and (Gated DeltaNet) snapshot their
+/// state at message boundaries as rows of the group; with the draft head primed row by row
+/// (Qwen3.6). Every answer equals its solo run, and so does turn 2 of every conversation, sent
+/// together again, which reuses those snapshots and prefixes from the prefix cache.
+#[test]
+fn prompts_prefilled_together_equal_their_solo_runs() {
+    let words = [
+        "river", "stone", "maple", "quiet", "lantern", "harbor", "copper",
+    ];
+    let text = |count: usize, shift: usize| {
+        (0..count)
+            .map(|i| words[(i * 5 + shift) % words.len()])
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let chat = |dir: &str, messages: Vec<serde_json::Value>, id: String| {
+        let mut request = batch_request(dir, "", None, 6);
+        request.prompt = Prompt::Chat {
+            messages,
+            options: rmlx_engine::chat::TemplateOptions {
+                add_generation_prompt: true,
+                ..Default::default()
+            },
+        };
+        request.params.prefill_chunk = Some(16);
+        request.request_id = Some(id);
+        request
+    };
+    let first_turns = |index: usize| {
+        vec![
+            serde_json::json!({"role": "system", "content": text(5 + index, index)}),
+            // The first prompt is the longest: the others finish (and snapshot) as later rows
+            // while it is still row 0.
+            serde_json::json!({"role": "user", "content": text(30 - 9 * index, index + 1)}),
+        ]
+    };
+    for dir in ["qwen3-tiny", "gemma4-tiny", "releases/qwen3.6-35b-a3b"] {
+        let alone = without_prefix_cache(1);
+        let engine = Engine::start(16).unwrap();
+        let mut conversations: Vec<Vec<serde_json::Value>> = (0..3).map(first_turns).collect();
+        for round in ["turn 1", "turn 2"] {
+            let solo: Vec<Completion> = conversations
+                .iter()
+                .enumerate()
+                .map(|(i, messages)| {
+                    let request = chat(dir, messages.clone(), format!("solo {round} {i}"));
+                    alone.submit(request).unwrap().wait().unwrap()
+                })
+                .collect();
+            let handles: Vec<_> = conversations
+                .iter()
+                .enumerate()
+                .map(|(i, messages)| {
+                    let request = chat(dir, messages.clone(), format!("{round} {i}"));
+                    engine.submit(request).unwrap()
+                })
+                .collect();
+            let together: Vec<Completion> =
+                handles.into_iter().map(|h| h.wait().unwrap()).collect();
+            for (index, (solo, together)) in solo.iter().zip(&together).enumerate() {
+                let what = format!("{dir} {round} #{index}");
+                assert_same_answer(&what, solo, together, 1e-4);
+                assert!(
+                    together.timings.prefilled_with >= 2,
+                    "{what}: prefilled alone ({} prompt tokens, {} cached)",
+                    together.prompt_tokens,
+                    together.cached_tokens
+                );
+                if round == "turn 2" {
+                    assert!(together.cached_tokens > 0, "{what}: nothing cached");
+                }
+            }
+            for (messages, answer) in conversations.iter_mut().zip(&together) {
+                messages.push(serde_json::json!({"role": "assistant", "content": answer.text}));
+                messages.push(serde_json::json!({"role": "user", "content": text(10, 3)}));
+            }
+        }
     }
 }
 

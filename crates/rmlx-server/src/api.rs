@@ -48,6 +48,9 @@ pub struct Timings {
     pub total_ms: f64,
     /// The most requests that decoded together with this one in one batch (1: alone).
     pub batched_with: usize,
+    /// The most prompts prefilled in one forward with this one (1: alone; 0: its whole
+    /// prompt came from the prefix cache).
+    pub prefilled_with: usize,
     /// Tokens speculative decoding drafted for this answer (`rmlx serve --speculative`).
     pub draft_tokens: usize,
     /// Drafted tokens the model agreed with: each saved a decode step.
@@ -77,6 +80,7 @@ impl Timings {
             decode_tps: finite(t.decode_tps),
             total_ms: finite(t.total_ms),
             batched_with: completion.batched_with,
+            prefilled_with: t.prefilled_with,
             draft_tokens: t.draft_tokens,
             accepted_tokens: t.accepted_tokens,
             drafted_at: t.drafted_at.clone(),

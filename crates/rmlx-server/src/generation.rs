@@ -25,6 +25,8 @@ use crate::{
 /// events, so a disconnect during a long prompt is noticed at this pace).
 const DISCONNECT_POLL: Duration = Duration::from_millis(50);
 
+// As the engine's `Event`: the completion comes once per request.
+#[allow(clippy::large_enum_variant)]
 pub enum Step {
     /// Nothing yet after the stream's heartbeat interval (the prompt is still queued or
     /// prefilling): streams send their format's keep-alive event, so clients with idle timeouts

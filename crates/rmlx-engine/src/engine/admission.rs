@@ -63,7 +63,7 @@ impl EngineThread {
         // Requests whose prefix came off the disk go first (they arrived before anything
         // pending); one that cannot go yet holds the queue, as a pending job would.
         while let Some((loading, _)) = self.ready.front() {
-            if self.admitting.is_some() || !self.batch_takes(&loading.request.model) {
+            if !self.batch_takes(&loading.request.model) {
                 return;
             }
             let (loading, loaded) = self.ready.pop_front().expect("looked at above");
@@ -85,16 +85,13 @@ impl EngineThread {
             }
         }
         while let Some(job) = self.pending.front() {
-            let busy = self.batch.is_some() || self.admitting.is_some();
-            let running = self
-                .batch
-                .as_ref()
-                .map(|batch| &batch.key)
-                .or(self.admitting.as_ref().map(|admission| &admission.key));
+            let busy = self.batch.is_some() || self.prefilling() > 0;
+            let running = self.running_key().cloned();
+            let running = running.as_ref();
             match job {
                 Job::Generate { cancel, .. } if cancel.load(Ordering::Relaxed) => {}
                 Job::Generate { request, .. } => {
-                    if self.admitting.is_some() || !self.batch_takes(&request.model) {
+                    if !self.batch_takes(&request.model) {
                         return;
                     }
                 }
@@ -166,13 +163,30 @@ impl EngineThread {
         }
     }
 
-    /// Whether a request for `model` may start now as far as the batch goes: none runs, or it
-    /// runs that model with room to spare.
+    /// Whether a request for `model` may start now: nothing runs, or the batch and the prompts
+    /// prefilling run that model and, with them, it fits the batch's rows. Prompts then prefill
+    /// side by side (together where they can, see `group.rs`).
     fn batch_takes(&self, model: &Path) -> bool {
-        self.batch.as_ref().is_none_or(|batch| {
-            model.canonicalize().ok().as_ref() == Some(&batch.key)
-                && batch.rows.len() < self.max_batch
-        })
+        let Some(running) = self.running_key() else {
+            return true;
+        };
+        let rows = self.batch.as_ref().map_or(0, |batch| batch.rows.len());
+        model.canonicalize().ok().as_ref() == Some(running)
+            && rows + self.prefilling() < self.max_batch
+    }
+
+    /// The model the batch or the prompts prefilling run.
+    pub(super) fn running_key(&self) -> Option<&PathBuf> {
+        self.batch
+            .as_ref()
+            .map(|batch| &batch.key)
+            .or(self.admitting.first().map(|admission| &admission.key))
+            .or(self.group.as_ref().map(|group| &group.key))
+    }
+
+    /// Requests prefilling or prefilled and waiting to join the batch.
+    pub(super) fn prefilling(&self) -> usize {
+        self.admitting.len() + self.group.as_ref().map_or(0, |group| group.members.len())
     }
 
     /// A request's prefill begins: the client learns its prompt's size.
@@ -181,7 +195,7 @@ impl EngineThread {
             prompt_tokens: prefill.prompt_tokens(),
             max_ctx: prefill.max_ctx(),
         });
-        self.admitting = Some(Admission {
+        self.admitting.push(Admission {
             key,
             ticket,
             prefill,

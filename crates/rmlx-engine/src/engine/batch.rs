@@ -61,43 +61,82 @@ fn send_delta(events: &mpsc::Sender<Event>, delta: generate::Delta) {
 }
 
 impl EngineThread {
-    /// One prefill chunk of the admitted request; a finished prompt joins the batch.
+    /// One prefill step: cancelled prompts end, then the prompts that can prefill together
+    /// take one piece each in one forward (`group.rs`), or else the first prompt takes one
+    /// piece alone; prefilled prompts join the batch.
     pub(super) fn prefill_step(&mut self) {
-        let Some(mut admission) = self.admitting.take() else {
-            return;
-        };
-        injected_panic(admission.ticket.panic_at, Step::Prefill);
-        if admission.ticket.cancel.load(Ordering::Relaxed) {
+        self.end_cancelled_prefills();
+        if !self.group_step() {
+            self.solo_prefill_step();
+        }
+        self.join_prefilled();
+    }
+
+    /// Prompts cancelled while prefilling (or waiting, prefilled) end; what they had goes back.
+    fn end_cancelled_prefills(&mut self) {
+        let mut index = 0;
+        while index < self.admitting.len() {
+            if !self.admitting[index].ticket.cancel.load(Ordering::Relaxed) {
+                index += 1;
+                continue;
+            }
+            let admission = self.admitting.remove(index);
             let (completion, _) = admission.prefill.cancelled();
             self.finish_request(&admission.key, admission.ticket, completion, None);
+        }
+    }
+
+    /// One piece of the first prompt still prefilling, alone.
+    fn solo_prefill_step(&mut self) {
+        let Some(at) = self
+            .admitting
+            .iter()
+            .position(|admission| !admission.prefill.is_done())
+        else {
+            return;
+        };
+        let mut admission = self.admitting.remove(at);
+        injected_panic(admission.ticket.panic_at, Step::Prefill);
+        let Some(resident) = self.models.get(&admission.key) else {
+            self.fail(admission.ticket, EngineError::EngineStopped);
+            return;
+        };
+        if let Err(error) = admission.prefill.step(resident.loaded.model.as_ref()) {
+            self.fail(admission.ticket, error);
             return;
         }
+        self.admitting.insert(at, admission);
+    }
+
+    /// Prefilled prompts join the batch in arrival order; one whose padded rows would take the
+    /// batch past its context waits (and the later ones with it) until rows leave.
+    fn join_prefilled(&mut self) {
+        while let Some(at) = self
+            .admitting
+            .iter()
+            .position(|admission| admission.prefill.is_done())
+        {
+            // The rows of a batch share one context's worth of KV (what `fits` reserves).
+            if let Some(batch) = &self.batch {
+                let columns = batch
+                    .columns()
+                    .max(self.admitting[at].prefill.caches()[0].offset() as usize);
+                if (batch.rows.len() + 1) * columns > batch.context {
+                    return;
+                }
+            }
+            let admission = self.admitting.remove(at);
+            self.join_batch(admission);
+        }
+    }
+
+    /// A prefilled prompt's decode state and caches join the batch (or start it).
+    fn join_batch(&mut self, admission: Admission) {
         let Some(resident) = self.models.get(&admission.key) else {
             self.fail(admission.ticket, EngineError::EngineStopped);
             return;
         };
         let model = resident.loaded.model.as_ref();
-        if !admission.prefill.is_done() {
-            if let Err(error) = admission.prefill.step(model) {
-                self.fail(admission.ticket, error);
-                return;
-            }
-        }
-        if !admission.prefill.is_done() {
-            self.admitting = Some(admission);
-            return;
-        }
-        // The rows of a batch share one context's worth of KV (what `fits` reserves); a prompt
-        // that would take the padded batch past it waits, prefilled, until rows leave.
-        if let Some(batch) = &self.batch {
-            let columns = batch
-                .columns()
-                .max(admission.prefill.caches()[0].offset() as usize);
-            if (batch.rows.len() + 1) * columns > batch.context {
-                self.admitting = Some(admission);
-                return;
-            }
-        }
         let Admission {
             key,
             ticket,
@@ -233,7 +272,7 @@ impl EngineThread {
 
     /// Records a finished request, offers its KV (and snapshots) to the prefix cache, and
     /// tells the client.
-    fn finish_request(
+    pub(super) fn finish_request(
         &mut self,
         key: &Path,
         mut ticket: Ticket,

@@ -15,6 +15,7 @@
 mod admission;
 mod batch;
 mod disk;
+mod group;
 mod images;
 mod request;
 mod thread_loop;
@@ -233,9 +234,11 @@ impl Engine {
                     pending: VecDeque::new(),
                     loading: Vec::new(),
                     ready: VecDeque::new(),
-                    admitting: None,
+                    admitting: Vec::new(),
+                    group: None,
                     batch: None,
                     joining: false,
+                    grouping: false,
                 }
                 .run(inbox)
             })

@@ -99,6 +99,9 @@ fn folder_name(path: &Path) -> String {
         .unwrap_or_else(|| path.display().to_string())
 }
 
+// `Done` carries the whole completion once per request; the deltas are small and many, but a
+// box would only move the completion's bytes elsewhere for the one event that has them.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Event {
     /// The prompt was tokenized and fits: generation is starting.

@@ -113,13 +113,18 @@ pub(super) struct EngineThread {
     pub(super) loading: Vec<Loading>,
     /// Requests whose prefix has been read, to start before any pending job.
     pub(super) ready: VecDeque<(Loading, crate::disk_cache::store::Loaded)>,
-    /// The request whose prompt is being prefilled, a chunk per turn of the loop.
-    pub(super) admitting: Option<Admission>,
+    /// Requests whose prompts are being prefilled (a piece per turn of the loop) or wait,
+    /// prefilled, for room in the batch; in arrival order.
+    pub(super) admitting: Vec<Admission>,
+    /// Prompts prefilling together, their caches joined (see `group.rs`).
+    pub(super) group: Option<super::group::Group>,
     /// The requests decoding together.
     pub(super) batch: Option<Batch>,
     /// Set while a prefilled request's caches join the batch's: a panic then leaves the batch
     /// half joined (see `guarded`).
     pub(super) joining: bool,
+    /// Set while the group's caches are joined or stepped, likewise.
+    pub(super) grouping: bool,
 }
 
 impl EngineThread {
@@ -137,7 +142,8 @@ impl EngineThread {
         loop {
             // Block only with nothing to do; otherwise take what has arrived and go on.
             let idle = self.batch.is_none()
-                && self.admitting.is_none()
+                && self.admitting.is_empty()
+                && self.group.is_none()
                 && self.pending.is_empty()
                 && self.ready.is_empty();
             if idle && !self.loading.is_empty() {
@@ -184,9 +190,13 @@ impl EngineThread {
     fn guarded(&mut self, step: fn(&mut Self)) {
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(self)));
         if outcome.is_err() {
-            // A batch left half joined is in no known state: its requests fail too.
+            // A batch left half joined is in no known state: its requests fail too; so do
+            // the members of a group whose step or join broke off.
             if std::mem::take(&mut self.joining) {
                 drop(self.batch.take());
+            }
+            if std::mem::take(&mut self.grouping) {
+                drop(self.group.take());
             }
             self.publish_in_flight();
         }
@@ -199,10 +209,11 @@ impl EngineThread {
             .iter()
             .flat_map(|batch| &batch.caches)
             .chain(self.admitting.iter().flat_map(|a| a.prefill.caches()))
+            .chain(self.group.iter().flat_map(|group| &group.caches))
             .map(|cache| cache.nbytes() as u64)
             .sum();
-        self.metrics
-            .set_in_flight(rows + self.admitting.is_some() as usize, kv);
+        let prefilling = self.admitting.len() + self.group.as_ref().map_or(0, |g| g.members.len());
+        self.metrics.set_in_flight(rows + prefilling, kv);
     }
 
     pub(super) fn unload(&mut self, dir: &Path) -> bool {
@@ -219,7 +230,7 @@ impl EngineThread {
         self.publish_resident();
         // The weights' buffers go back to the system, not to MLX's buffer cache, unless a
         // running batch may reuse them (unloading another model while one decodes).
-        if removed && self.batch.is_none() && self.admitting.is_none() {
+        if removed && self.batch.is_none() && self.admitting.is_empty() && self.group.is_none() {
             crate::runtime::release_cached_memory();
         }
         removed

@@ -107,6 +107,10 @@ pub struct Timings {
     pub drafted_at: Vec<usize>,
     #[serde(default)]
     pub accepted_at: Vec<usize>,
+    /// The most prompts prefilled in one forward with this one, itself included (1: alone; 0:
+    /// the prefix cache held the whole prompt).
+    #[serde(default)]
+    pub prefilled_with: usize,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]

@@ -39,6 +39,8 @@ pub struct Prefill {
     /// Whether the next piece's first token is paired with a zero hidden state in the draft
     /// head, whose caches then hold one position fewer than the trunk's (see `align_head`).
     head_carry: bool,
+    /// The most prompts prefilled in one forward with this one (see [`step_together`]).
+    prefilled_with: usize,
 }
 
 impl Prefill {
@@ -133,6 +135,7 @@ impl Prefill {
             images,
             started,
             head_carry,
+            prefilled_with: 0,
         })
     }
 
@@ -146,6 +149,11 @@ impl Prefill {
         self.started = self.started.min(earlier);
     }
 
+    /// When the request started (its place in the queue).
+    pub fn started_at(&self) -> Instant {
+        self.started
+    }
+
     pub fn prompt_tokens(&self) -> usize {
         self.prompt_ids.len()
     }
@@ -156,6 +164,46 @@ impl Prefill {
 
     pub fn caches(&self) -> &[KvCache] {
         &self.caches
+    }
+
+    /// Whether its next piece may run as a row of a group's forward ([`step_together`]): text
+    /// only (image pieces place features row by row), and not a reused prefix's first piece
+    /// with a draft head (that piece pairs its first token with a zero hidden state).
+    pub fn groups(&self) -> bool {
+        self.images.is_none() && !self.head_carry && !self.pieces.is_empty()
+    }
+
+    /// Its caches, taken out while they are a row of a group's (see [`step_together`]).
+    pub fn take_caches(&mut self) -> Vec<KvCache> {
+        std::mem::take(&mut self.caches)
+    }
+
+    /// Puts back its caches (its own row of a group's, copied out: bounded by what they hold,
+    /// so they get the request's context back).
+    pub fn put_caches(&mut self, mut caches: Vec<KvCache>) {
+        caches
+            .iter_mut()
+            .for_each(|cache| cache.set_max_ctx(self.max_ctx));
+        self.caches = caches;
+    }
+
+    fn chunk(&self) -> usize {
+        self.params
+            .prefill_chunk
+            .unwrap_or(DEFAULT_PREFILL_CHUNK)
+            .max(1)
+    }
+
+    /// The next `len` positions of its front piece (the rest of that piece stays in front).
+    fn take_front(&mut self, len: usize) -> std::ops::Range<usize> {
+        let front = self.pieces.front_mut().expect("checked: a piece is left");
+        let taken = front.start..front.start + len.min(front.len());
+        if taken.end == front.end {
+            self.pieces.pop_front();
+        } else {
+            front.start = taken.end;
+        }
+        taken
     }
 
     /// Prefills the next piece and evaluates the caches.
@@ -199,6 +247,7 @@ impl Prefill {
             draft.model.forward(&input, draft_caches, Logits::Last)?;
         }
         crate::runtime::eval(self.caches.iter().flat_map(|cache| cache.state()))?;
+        self.prefilled_with = self.prefilled_with.max(1);
         // A long piece's activations are not reused at their size (see clear_buffer_cache);
         // a short turn's few buffers stay for the decode steps after it.
         if piece.len() >= LONG_PIECE {
@@ -278,7 +327,10 @@ impl Prefill {
             text: String::new(),
             token_ids: Vec::new(),
             logprobs: params.logprobs.map(|_| Vec::new()),
-            timings: Timings::default(),
+            timings: Timings {
+                prefilled_with: self.prefilled_with,
+                ..Timings::default()
+            },
             started: self.started,
             last_token_at: self.started,
             max_new,
@@ -305,6 +357,81 @@ impl Prefill {
         };
         Ok((sequence, self.caches))
     }
+}
+
+/// Prompts prefilled together: the next piece of every member as one row of a single forward
+/// over `caches`, their caches joined (row `b` is `members[b]`'s; see [`Prefill::groups`]).
+/// Every row takes the same number of tokens, so no row is padded: the shortest next piece
+/// among the members, and at most a chunk in all (a running stream waits no longer than for
+/// one member's piece alone). A member whose piece ends at one of its snapshot points gets its
+/// row copied out as the snapshot. Waiting prompts that each prefilled alone would cost a
+/// forward each, with a decode step of the running rows between them.
+pub fn step_together(
+    model: &dyn LanguageModel,
+    members: &mut [&mut Prefill],
+    caches: &mut [KvCache],
+) -> Result<()> {
+    let rows = members.len();
+    let budget = members
+        .iter()
+        .map(|member| member.chunk())
+        .min()
+        .unwrap_or(1)
+        / rows;
+    let len = members
+        .iter()
+        .filter_map(|member| member.pieces.front().map(|piece| piece.len()))
+        .min()
+        .ok_or_else(|| EngineError::InvalidRequest("a group member has nothing to prefill".into()))?
+        .min(budget.max(1));
+    let ranges: Vec<std::ops::Range<usize>> = members
+        .iter_mut()
+        .map(|member| member.take_front(len))
+        .collect();
+    let ids = |shift: usize| -> Array {
+        let ids: Vec<i32> = members
+            .iter()
+            .zip(&ranges)
+            .flat_map(|(member, range)| {
+                member.prompt_ids[range.start + shift..range.end + shift]
+                    .iter()
+                    .map(|&id| id as i32)
+            })
+            .collect();
+        Array::from_slice(&ids, &[rows as i32, len as i32])
+    };
+    let input = ids(0);
+    let own = crate::models::draft_model::own_caches(model, caches.len());
+    let (trunk, draft_caches) = caches.split_at_mut(own);
+    match model.draft_head() {
+        // Each position paired with the token after it (a piece never ends at the last prompt
+        // token, so it is the prompt's).
+        Some(head) => head.prime(&input, None, &ids(1), false, trunk)?,
+        None => {
+            model.forward(&input, trunk, Logits::Last)?;
+        }
+    }
+    if let Some(draft) = model.draft_model() {
+        draft.model.forward(&input, draft_caches, Logits::Last)?;
+    }
+    crate::runtime::eval(caches.iter().flat_map(|cache| cache.state()))?;
+    if len * rows >= LONG_PIECE {
+        crate::runtime::clear_buffer_cache();
+    }
+    for (row, (member, range)) in members.iter_mut().zip(&ranges).enumerate() {
+        member.prefilled_with = member.prefilled_with.max(rows);
+        if member.cuts.contains(&range.end) {
+            member.snapshots.push(CachedSequence {
+                tokens: member.prompt_ids[..range.end].to_vec(),
+                caches: caches
+                    .iter()
+                    .map(|cache| cache.row(row))
+                    .collect::<Result<_>>()?,
+                snapshots: Vec::new(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Whether a reused prefix's caches suit this model: a separate draft model's caches must be

@@ -1,0 +1,209 @@
+//! Prompts prefilled together: requests that arrive while others prefill (an agent fanning out,
+//! a burst of users) take their pieces as rows of one forward instead of one forward each with
+//! a decode step of the running rows between them. Their caches are joined once, when they
+//! enter the group (left-padded as a batch's rows), and a row is copied out when its prompt is
+//! done. Reference: mlx-lm's `BatchGenerator` prefills waiting prompts as one padded batch
+//! (`--prompt-concurrency`); here rows take equal pieces, so none is padded on the right.
+
+use std::{path::PathBuf, sync::atomic::Ordering};
+
+use crate::{
+    cache::KvCache,
+    error::{EngineError, Result},
+    generate::{self, Prefill},
+};
+
+use super::{admission::Admission, request::injected_panic, thread_loop::EngineThread, Step};
+
+/// Prompts prefilling together: `caches` holds row `b` of every layer for `members[b]`, whose
+/// own prefill holds no caches meanwhile.
+pub(super) struct Group {
+    pub(super) key: PathBuf,
+    pub(super) caches: Vec<KvCache>,
+    pub(super) members: Vec<Admission>,
+}
+
+impl EngineThread {
+    /// One piece of every member of the group, after the prompts that can have joined it; false
+    /// when fewer than two prompts can prefill together (the solo step runs instead).
+    pub(super) fn group_step(&mut self) -> bool {
+        self.leave_group_cancelled();
+        let joinable = |admission: &Admission| admission.prefill.groups();
+        let waiting = self.admitting.iter().filter(|a| joinable(a)).count();
+        let members = self.group.as_ref().map_or(0, |group| group.members.len());
+        if members + waiting < 2 {
+            return false;
+        }
+        if waiting > 0 && !self.enter_group() {
+            return true;
+        }
+        let Some(key) = self.group.as_ref().map(|group| group.key.clone()) else {
+            return false;
+        };
+        if !self.models.contains_key(&key) {
+            let group = self.group.take().expect("looked at above");
+            for member in group.members {
+                self.fail(member.ticket, EngineError::EngineStopped);
+            }
+            return true;
+        }
+        // A panic in the step leaves the joined caches in no known state: the members fail.
+        self.grouping = true;
+        let stepped = {
+            let group = self.group.as_mut().expect("looked at above");
+            let model = self.models[&key].loaded.model.as_ref();
+            let mut prefills: Vec<&mut Prefill> = group
+                .members
+                .iter_mut()
+                .map(|member| &mut member.prefill)
+                .collect();
+            generate::step_together(model, &mut prefills, &mut group.caches)
+        };
+        self.grouping = false;
+        let group = self.group.take().expect("looked at above");
+        if let Err(error) = stepped {
+            for member in group.members {
+                self.fail(member.ticket, error.for_each_request());
+            }
+            return true;
+        }
+        self.leave_group(group, |member| member.prefill.is_done());
+        true
+    }
+
+    /// Waiting prompts that can prefill together enter the group (made now if there is none),
+    /// their caches joined to its rows. False when joining failed (the group's members and the
+    /// entrant fail: the caches may be half joined).
+    fn enter_group(&mut self) -> bool {
+        let mut at = 0;
+        while at < self.admitting.len() {
+            if !self.admitting[at].prefill.groups() {
+                at += 1;
+                continue;
+            }
+            // Out of the queue first: an injected panic then costs only this request.
+            let mut entrant = self.admitting.remove(at);
+            injected_panic(entrant.ticket.panic_at, Step::Prefill);
+            let caches = entrant.prefill.take_caches();
+            let group = self.group.get_or_insert_with(|| Group {
+                key: entrant.key.clone(),
+                caches: Vec::new(),
+                members: Vec::new(),
+            });
+            if group.members.is_empty() {
+                group.caches = caches;
+                group.members.push(entrant);
+                continue;
+            }
+            self.grouping = true;
+            let joined: Result<()> = group
+                .caches
+                .iter_mut()
+                .zip(&caches)
+                .try_for_each(|(rows, row)| rows.join(row));
+            self.grouping = false;
+            match joined {
+                Ok(()) => group.members.push(entrant),
+                Err(error) => {
+                    let group = self.group.take().expect("joined above");
+                    for member in group.members {
+                        self.fail(member.ticket, error.for_each_request());
+                    }
+                    self.fail(entrant.ticket, error);
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Members cancelled meanwhile leave the group and end.
+    fn leave_group_cancelled(&mut self) {
+        let Some(group) = self.group.take() else {
+            return;
+        };
+        let cancelled = |member: &Admission| member.ticket.cancel.load(Ordering::Relaxed);
+        if !group.members.iter().any(cancelled) {
+            self.group = Some(group);
+            return;
+        }
+        let key = group.key.clone();
+        let ended = self.leave_group(group, cancelled);
+        for member in ended {
+            let (completion, _) = member.prefill.cancelled();
+            self.finish_request(&key, member.ticket, completion, None);
+        }
+    }
+
+    /// Members for which `leaves` holds get their rows back as caches of their own; the rest
+    /// stay (a group of one dissolves: its prompt goes on alone). Leavers that were not
+    /// cancelled go back to the prefilling queue (where the prefilled ones join the batch);
+    /// cancelled ones are returned.
+    fn leave_group(
+        &mut self,
+        mut group: Group,
+        leaves: impl Fn(&Admission) -> bool,
+    ) -> Vec<Admission> {
+        let mut leaving: Vec<usize> = (0..group.members.len())
+            .filter(|&b| leaves(&group.members[b]))
+            .collect();
+        if group.members.len() - leaving.len() < 2 {
+            leaving = (0..group.members.len()).collect();
+        }
+        if leaving.is_empty() {
+            self.group = Some(group);
+            return Vec::new();
+        }
+        // Each leaver's own rows, copied out before the others are kept.
+        let rows: Vec<Result<Vec<KvCache>>> = leaving
+            .iter()
+            .map(|&b| group.caches.iter().map(|cache| cache.row(b)).collect())
+            .collect();
+        let keep: Vec<usize> = (0..group.members.len())
+            .filter(|b| !leaving.contains(b))
+            .collect();
+        let kept = match keep.is_empty() {
+            true => Ok(()),
+            false => group
+                .caches
+                .iter_mut()
+                .try_for_each(|cache| cache.retain_rows(&keep)),
+        };
+        let mut members: Vec<Option<Admission>> = group.members.into_iter().map(Some).collect();
+        let mut cancelled = Vec::new();
+        for (&b, own) in leaving.iter().zip(rows) {
+            let mut member = members[b].take().expect("each leaves once");
+            match own {
+                Ok(caches) => {
+                    member.prefill.put_caches(caches);
+                    if member.ticket.cancel.load(Ordering::Relaxed) {
+                        cancelled.push(member);
+                    } else {
+                        self.admitting.push(member);
+                    }
+                }
+                Err(error) => self.fail(member.ticket, error),
+            }
+        }
+        let staying: Vec<Admission> = members.into_iter().flatten().collect();
+        match kept {
+            Ok(()) if !staying.is_empty() => {
+                self.group = Some(Group {
+                    key: group.key,
+                    caches: group.caches,
+                    members: staying,
+                })
+            }
+            Ok(()) => {}
+            Err(error) => {
+                for member in staying {
+                    self.fail(member.ticket, error.for_each_request());
+                }
+            }
+        }
+        // Arrival order in the queue: the prefilled join the batch first come, first served.
+        self.admitting
+            .sort_by_key(|admission| admission.prefill.started_at());
+        cancelled
+    }
+}

@@ -57,7 +57,14 @@ impl EngineThread {
                 .iter_mut()
                 .map(|member| &mut member.prefill)
                 .collect();
-            generate::step_together(model, &mut prefills, &mut group.caches)
+            // Streams decoding wait for this step: at most one chunk in all, as a prompt
+            // prefilling alone would take. With none, each member takes up to its chunk.
+            let chunk = prefills.iter().map(|p| p.chunk()).min().unwrap_or(1);
+            let tokens = match self.batch.is_some() {
+                true => chunk,
+                false => (chunk * prefills.len()).min(generate::GROUP_TOKENS.max(chunk)),
+            };
+            generate::step_together(model, &mut prefills, &mut group.caches, tokens)
         };
         self.grouping = false;
         let group = self.group.take().expect("looked at above");

@@ -22,6 +22,10 @@ use super::{
 
 /// Prefill pieces at least this long give MLX's buffer cache back after they run.
 const LONG_PIECE: usize = 256;
+/// The most tokens one step of prompts prefilling together takes when no stream is decoding
+/// (nothing waits on it then): each member's chunk, up to this in all, which bounds the step's
+/// activations (8 default chunks).
+pub const GROUP_TOKENS: usize = 4096;
 /// A prompt's prefill, one bounded piece at a time: the engine runs a piece of a new request
 /// between decode steps of the running ones, so no stream waits longer than one piece.
 pub struct Prefill {
@@ -187,7 +191,8 @@ impl Prefill {
         self.caches = caches;
     }
 
-    fn chunk(&self) -> usize {
+    /// Its prefill chunk: the most tokens a piece of it takes.
+    pub fn chunk(&self) -> usize {
         self.params
             .prefill_chunk
             .unwrap_or(DEFAULT_PREFILL_CHUNK)
@@ -362,28 +367,23 @@ impl Prefill {
 /// Prompts prefilled together: the next piece of every member as one row of a single forward
 /// over `caches`, their caches joined (row `b` is `members[b]`'s; see [`Prefill::groups`]).
 /// Every row takes the same number of tokens, so no row is padded: the shortest next piece
-/// among the members, and at most a chunk in all (a running stream waits no longer than for
-/// one member's piece alone). A member whose piece ends at one of its snapshot points gets its
-/// row copied out as the snapshot. Waiting prompts that each prefilled alone would cost a
-/// forward each, with a decode step of the running rows between them.
+/// among the members, within `tokens` for the whole step (the caller bounds a step by what a
+/// running stream may wait). A member whose piece ends at one of its snapshot points gets its
+/// row copied out as the snapshot. Prompts that each prefilled alone would cost a forward
+/// each (weights read again, kernels launched again), with a decode step between them.
 pub fn step_together(
     model: &dyn LanguageModel,
     members: &mut [&mut Prefill],
     caches: &mut [KvCache],
+    tokens: usize,
 ) -> Result<()> {
     let rows = members.len();
-    let budget = members
-        .iter()
-        .map(|member| member.chunk())
-        .min()
-        .unwrap_or(1)
-        / rows;
     let len = members
         .iter()
         .filter_map(|member| member.pieces.front().map(|piece| piece.len()))
         .min()
         .ok_or_else(|| EngineError::InvalidRequest("a group member has nothing to prefill".into()))?
-        .min(budget.max(1));
+        .min((tokens / rows).max(1));
     let ranges: Vec<std::ops::Range<usize>> = members
         .iter_mut()
         .map(|member| member.take_front(len))

@@ -628,8 +628,9 @@ fn windowed_rows_join_and_leave_as_their_solo_runs() {
 /// Prompts that arrive together prefill together (`group.rs`): in pieces of a few tokens, so
 /// members take several steps, leave at different times and (Gated DeltaNet) snapshot their
 /// state at message boundaries as rows of the group; with the draft head primed row by row
-/// (Qwen3.6). Every answer equals its solo run, and so does turn 2 of every conversation, sent
-/// together again, which reuses those snapshots and prefixes from the prefix cache.
+/// (Qwen3.6); one more member is cancelled mid-way. Every other answer equals its solo run, and
+/// so does turn 2 of every conversation, sent together again, which reuses those snapshots and
+/// prefixes from the prefix cache.
 #[test]
 fn prompts_prefilled_together_equal_their_solo_runs() {
     let words = [
@@ -683,6 +684,24 @@ fn prompts_prefilled_together_equal_their_solo_runs() {
                     engine.submit(request).unwrap()
                 })
                 .collect();
+            // One more prompt, the longest, cancelled while it prefills with the others: it
+            // ends as cancelled and the rows it shared go on.
+            let mut quitter = conversations[0].clone();
+            quitter.push(serde_json::json!({"role": "assistant", "content": text(40, 2)}));
+            quitter.push(serde_json::json!({"role": "user", "content": text(40, 4)}));
+            let quitter = engine
+                .submit(chat(dir, quitter, format!("{round} cancelled")))
+                .unwrap();
+            loop {
+                match quitter.events.recv().unwrap() {
+                    Event::Started { .. } => break,
+                    Event::Error(error) => panic!("{error}"),
+                    _ => {}
+                }
+            }
+            quitter.cancel();
+            let cancelled = quitter.wait().unwrap();
+            assert_eq!(cancelled.finish_reason, FinishReason::Cancelled, "{dir}");
             let together: Vec<Completion> =
                 handles.into_iter().map(|h| h.wait().unwrap()).collect();
             for (index, (solo, together)) in solo.iter().zip(&together).enumerate() {
@@ -698,6 +717,8 @@ fn prompts_prefilled_together_equal_their_solo_runs() {
                     assert!(together.cached_tokens > 0, "{what}: nothing cached");
                 }
             }
+            let errors = engine.metrics().error_counts;
+            assert!(errors.is_empty(), "{dir} {round}: {errors:?}");
             for (messages, answer) in conversations.iter_mut().zip(&together) {
                 messages.push(serde_json::json!({"role": "assistant", "content": answer.text}));
                 messages.push(serde_json::json!({"role": "user", "content": text(10, 3)}));

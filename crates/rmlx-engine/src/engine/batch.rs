@@ -65,6 +65,7 @@ impl EngineThread {
     /// take one piece each in one forward (`group.rs`), or else the first prompt takes one
     /// piece alone; prefilled prompts join the batch.
     pub(super) fn prefill_step(&mut self) {
+        self.leave_group_cancelled();
         self.end_cancelled_prefills();
         if !self.group_step() {
             self.solo_prefill_step();

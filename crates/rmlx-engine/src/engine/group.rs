@@ -27,7 +27,6 @@ impl EngineThread {
     /// One piece of every member of the group, after the prompts that can have joined it; false
     /// when fewer than two prompts can prefill together (the solo step runs instead).
     pub(super) fn group_step(&mut self) -> bool {
-        self.leave_group_cancelled();
         let joinable = |admission: &Admission| admission.prefill.groups();
         let waiting = self.admitting.iter().filter(|a| joinable(a)).count();
         let members = self.group.as_ref().map_or(0, |group| group.members.len());
@@ -124,33 +123,17 @@ impl EngineThread {
         true
     }
 
-    /// Members cancelled meanwhile leave the group and end.
-    fn leave_group_cancelled(&mut self) {
-        let Some(group) = self.group.take() else {
-            return;
-        };
-        let cancelled = |member: &Admission| member.ticket.cancel.load(Ordering::Relaxed);
-        if !group.members.iter().any(cancelled) {
-            self.group = Some(group);
-            return;
-        }
-        let key = group.key.clone();
-        let ended = self.leave_group(group, cancelled);
-        for member in ended {
-            let (completion, _) = member.prefill.cancelled();
-            self.finish_request(&key, member.ticket, completion, None);
+    /// Members cancelled meanwhile leave the group for the prefilling queue, where they end.
+    pub(super) fn leave_group_cancelled(&mut self) {
+        if let Some(group) = self.group.take() {
+            self.leave_group(group, |member| member.ticket.cancel.load(Ordering::Relaxed));
         }
     }
 
-    /// Members for which `leaves` holds get their rows back as caches of their own; the rest
-    /// stay (a group of one dissolves: its prompt goes on alone). Leavers that were not
-    /// cancelled go back to the prefilling queue (where the prefilled ones join the batch);
-    /// cancelled ones are returned.
-    fn leave_group(
-        &mut self,
-        mut group: Group,
-        leaves: impl Fn(&Admission) -> bool,
-    ) -> Vec<Admission> {
+    /// Members for which `leaves` holds get their rows back as caches of their own and go back
+    /// to the prefilling queue (the prefilled then join the batch, the cancelled end); the rest
+    /// stay (a group of one dissolves: its prompt goes on alone).
+    fn leave_group(&mut self, mut group: Group, leaves: impl Fn(&Admission) -> bool) {
         let mut leaving: Vec<usize> = (0..group.members.len())
             .filter(|&b| leaves(&group.members[b]))
             .collect();
@@ -159,7 +142,7 @@ impl EngineThread {
         }
         if leaving.is_empty() {
             self.group = Some(group);
-            return Vec::new();
+            return;
         }
         // Each leaver's own rows, copied out before the others are kept.
         let rows: Vec<Result<Vec<KvCache>>> = leaving
@@ -177,17 +160,12 @@ impl EngineThread {
                 .try_for_each(|cache| cache.retain_rows(&keep)),
         };
         let mut members: Vec<Option<Admission>> = group.members.into_iter().map(Some).collect();
-        let mut cancelled = Vec::new();
         for (&b, own) in leaving.iter().zip(rows) {
             let mut member = members[b].take().expect("each leaves once");
             match own {
                 Ok(caches) => {
                     member.prefill.put_caches(caches);
-                    if member.ticket.cancel.load(Ordering::Relaxed) {
-                        cancelled.push(member);
-                    } else {
-                        self.admitting.push(member);
-                    }
+                    self.admitting.push(member);
                 }
                 Err(error) => self.fail(member.ticket, error),
             }
@@ -211,6 +189,5 @@ impl EngineThread {
         // Arrival order in the queue: the prefilled join the batch first come, first served.
         self.admitting
             .sort_by_key(|admission| admission.prefill.started_at());
-        cancelled
     }
 }

@@ -56,13 +56,11 @@ impl EngineThread {
                 .iter_mut()
                 .map(|member| &mut member.prefill)
                 .collect();
-            // Streams decoding wait for this step: at most one chunk in all, as a prompt
-            // prefilling alone would take. With none, each member takes up to its chunk.
+            // One forward over a chunk of every member (up to GROUP_TOKENS in all), then a
+            // decode step of the running streams: they wait for one piece of each prompt,
+            // never for whole prompts.
             let chunk = prefills.iter().map(|p| p.chunk()).min().unwrap_or(1);
-            let tokens = match self.batch.is_some() {
-                true => chunk,
-                false => (chunk * prefills.len()).min(generate::GROUP_TOKENS.max(chunk)),
-            };
+            let tokens = (chunk * prefills.len()).min(generate::GROUP_TOKENS.max(chunk));
             generate::step_together(model, &mut prefills, &mut group.caches, tokens)
         };
         self.grouping = false;

@@ -22,9 +22,9 @@ use super::{
 
 /// Prefill pieces at least this long give MLX's buffer cache back after they run.
 const LONG_PIECE: usize = 256;
-/// The most tokens one step of prompts prefilling together takes when no stream is decoding
-/// (nothing waits on it then): each member's chunk, up to this in all, which bounds the step's
-/// activations (8 default chunks).
+/// The most tokens one step of prompts prefilling together takes (each member's chunk, up to
+/// this in all): it bounds the step's activations and a running stream's wait (8 default
+/// chunks).
 pub const GROUP_TOKENS: usize = 4096;
 /// A prompt's prefill, one bounded piece at a time: the engine runs a piece of a new request
 /// between decode steps of the running ones, so no stream waits longer than one piece.
@@ -367,8 +367,7 @@ impl Prefill {
 /// Prompts prefilled together: the next piece of every member as one row of a single forward
 /// over `caches`, their caches joined (row `b` is `members[b]`'s; see [`Prefill::groups`]).
 /// Every row takes the same number of tokens, so no row is padded: the shortest next piece
-/// among the members, within `tokens` for the whole step (the caller bounds a step by what a
-/// running stream may wait). A member whose piece ends at one of its snapshot points gets its
+/// among the members, within `tokens` for the whole step. A member whose piece ends at one of its snapshot points gets its
 /// row copied out as the snapshot. Prompts that each prefilled alone would cost a forward
 /// each (weights read again, kernels launched again), with a decode step between them.
 pub fn step_together(

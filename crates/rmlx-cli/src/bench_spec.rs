@@ -186,10 +186,27 @@ pub fn bench_speculative(args: &BenchArgs, engine: &Engine, vocab: usize) -> any
                     total.between += phases.between;
                 }
             }
-            for (a, b) in plain.iter().zip(&speculative) {
+            for (row, (a, b)) in plain.iter().zip(&speculative).enumerate() {
+                let first = a
+                    .token_ids
+                    .iter()
+                    .zip(&b.token_ids)
+                    .position(|(x, y)| x != y);
                 anyhow::ensure!(
                     a.token_ids == b.token_ids || !forced(p),
-                    "speculative output differs from plain (p {p}, run {run})"
+                    "speculative output differs from plain (p {p}, run {run}, stream {row}): \
+                     {} / {} tokens, first difference at {first:?} ({:?} / {:?}); {} drafted, \
+                     {} kept; prefilled with {} / {}, batched with {} / {}",
+                    a.token_ids.len(),
+                    b.token_ids.len(),
+                    first.map(|at| a.token_ids[at]),
+                    first.map(|at| b.token_ids[at]),
+                    b.timings.draft_tokens,
+                    b.timings.accepted_tokens,
+                    a.timings.prefilled_with,
+                    b.timings.prefilled_with,
+                    a.batched_with,
+                    b.batched_with,
                 );
             }
             if run > 0 {

@@ -727,6 +727,72 @@ fn prompts_prefilled_together_equal_their_solo_runs() {
     }
 }
 
+/// Prompts that arrive while a group prefills enter it mid-way: their rows are left-padded to
+/// the group's columns and take the same pieces from then on; every answer equals its solo run.
+#[test]
+fn prompts_entering_a_group_mid_way_equal_their_solo_runs() {
+    let words = [
+        "river", "stone", "maple", "quiet", "lantern", "harbor", "copper",
+    ];
+    let text = |count: usize, shift: usize| {
+        (0..count)
+            .map(|i| words[(i * 3 + shift) % words.len()])
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    for dir in ["qwen3-tiny", "releases/qwen3.6-35b-a3b"] {
+        let request = |index: usize, words: usize| {
+            let mut request = batch_request(dir, &text(words, index), None, 6);
+            request.params.prefill_chunk = Some(8);
+            request.request_id = Some(format!("mid-way {index}"));
+            request
+        };
+        let sizes = [90, 70, 30, 50];
+        let alone = without_prefix_cache(1);
+        let solo: Vec<Completion> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| alone.submit(request(i, n)).unwrap().wait().unwrap())
+            .collect();
+        drop(alone);
+        let engine = without_prefix_cache(8);
+        let mut handles: Vec<_> = sizes[..2]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| engine.submit(request(i, n)).unwrap())
+            .collect();
+        // The first two are prefilling (together) before the others are sent.
+        for handle in &handles {
+            loop {
+                match handle.events.recv().unwrap() {
+                    Event::Started { .. } => break,
+                    Event::Error(error) => panic!("{error}"),
+                    _ => {}
+                }
+            }
+        }
+        handles.extend(
+            sizes[2..]
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| engine.submit(request(i + 2, n)).unwrap()),
+        );
+        let together: Vec<Completion> = handles.into_iter().map(|h| h.wait().unwrap()).collect();
+        for (index, (solo, together)) in solo.iter().zip(&together).enumerate() {
+            let what = format!("{dir} #{index}");
+            assert_same_answer(&what, solo, together, 1e-4);
+        }
+        let grouped = together
+            .iter()
+            .filter(|c| c.timings.prefilled_with >= 3)
+            .count();
+        assert!(
+            grouped >= 3,
+            "{dir}: {grouped} prompts prefilled in a group of 3+"
+        );
+    }
+}
+
 /// What each request of a batch keeps to itself: a seeded sampler, penalties with a logit
 /// bias, a stop string, a JSON constraint (which turns pipelining off for the whole batch) and
 /// a cancel flag. Run together, each gives what it gives alone; the cancelled one ends

@@ -22,13 +22,51 @@ import shlex
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench import eos_ids  # noqa: E402
-from concurrency import Server, burst, free_port, prompts_for  # noqa: E402
+from concurrency import Server, free_port, prompts_for  # noqa: E402
+
+
+def stream_one(server, model, prompt, max_tokens, bias, out):
+    """One streaming request; the server's own `timings` (TTFT) from its last chunk, so a model
+    whose tokens decode to no text (the bench checkpoints' tiny vocabularies) is timed too."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "logit_bias": {str(k): v for k, v in bias.items()}}
+    req = urllib.request.Request(server.base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    finish, timings = None, None
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            timings = chunk.get("timings") or timings
+            for choice in chunk.get("choices", []):
+                finish = choice.get("finish_reason") or finish
+    out.append({"finish": finish, "timings": timings})
+
+
+def burst(server, model, prompts, max_tokens, bias):
+    results = []
+    threads = [threading.Thread(target=stream_one, args=(server, model, p, max_tokens, bias, results))
+               for p in prompts]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    if len(results) != len(prompts) or any(r["finish"] != "length" or not r["timings"] for r in results):
+        raise SystemExit(f"rmlx: a stream failed or ended early: {results}")
+    return {"aggregate_tps": max_tokens * len(prompts) / wall, "wall_s": wall,
+            "ttft_ms": [r["timings"]["ttft_ms"] for r in results]}
 
 
 def one_run(args, run, bias):

@@ -162,6 +162,131 @@ impl Linear {
     }
 }
 
+/// Projections of one input run as one matmul (issue 32 d): their weights concatenated along
+/// the outputs at load, the product split back into views (no copy; the consumers read them as
+/// they are). A decode step on a GPU is bound by kernel launches, and each matmul also reads the
+/// input again. Parts stay apart where the checkpoint stores them differently (a mixed-bit
+/// recipe, other dtypes, biases) or `RMLX_FUSE_PROJECTIONS=0` (benchmarks).
+pub enum Projections {
+    Fused { linear: Linear, splits: Vec<i32> },
+    Apart(Vec<Linear>),
+}
+
+impl Projections {
+    /// `{prefix}.weight` (and its quantized triple) of each of `prefixes`, `[out, in_dim]`.
+    pub fn load(
+        store: &mut WeightStore,
+        quantization: Option<&QuantizationConfig>,
+        prefixes: &[String],
+        in_dim: i32,
+        out_dims: &[i32],
+    ) -> Result<Self> {
+        let specs = prefixes
+            .iter()
+            .map(|prefix| quant_spec(store, quantization, prefix))
+            .collect::<Result<Vec<_>>>()?;
+        let dtypes: Vec<_> = prefixes
+            .iter()
+            .map(|prefix| store.dtype(&format!("{prefix}.weight")))
+            .collect();
+        let alike = specs.windows(2).all(|pair| pair[0] == pair[1])
+            && dtypes.windows(2).all(|pair| pair[0] == pair[1]);
+        let biased = prefixes
+            .iter()
+            .any(|prefix| store.contains(&format!("{prefix}.bias")));
+        if !alike || biased || prefixes.len() < 2 || !fuse_projections() {
+            return Ok(Self::Apart(
+                prefixes
+                    .iter()
+                    .zip(out_dims)
+                    .map(|(prefix, &out)| {
+                        Linear::load(store, quantization, prefix, in_dim, out, false)
+                    })
+                    .collect::<Result<_>>()?,
+            ));
+        }
+        let linear = match specs[0] {
+            None => {
+                let parts = store.fusing(|store| {
+                    prefixes
+                        .iter()
+                        .zip(out_dims)
+                        .map(|(prefix, &out)| {
+                            store.take(
+                                &format!("{prefix}.weight"),
+                                &[out, in_dim],
+                                DtypeKind::Float,
+                            )
+                        })
+                        .collect::<Result<Vec<_>>>()
+                })?;
+                let whole = store.derived(ops::concatenate(&parts, 0)?)?;
+                Linear::Dense {
+                    weight_t: store.view(ops::transpose(&whole)?),
+                    bias: None,
+                }
+            }
+            Some(spec) => {
+                let parts = store.fusing(|store| {
+                    prefixes
+                        .iter()
+                        .zip(out_dims)
+                        .map(|(prefix, &out)| QuantWeights::load(store, prefix, out, in_dim, spec))
+                        .collect::<Result<Vec<_>>>()
+                })?;
+                let mut joined =
+                    |pick: fn(&QuantWeights) -> Option<&Array>| -> Result<Option<Array>> {
+                        let arrays: Option<Vec<&Array>> = parts.iter().map(pick).collect();
+                        arrays
+                            .map(|arrays| store.derived(ops::concatenate(&arrays, 0)?))
+                            .transpose()
+                    };
+                let weight = joined(|part| Some(&part.weight))?.expect("every part has weights");
+                let scales = joined(|part| Some(&part.scales))?.expect("every part has scales");
+                let biases = joined(|part| part.biases.as_ref())?;
+                Linear::Quantized {
+                    packed: QuantWeights {
+                        weight,
+                        scales,
+                        biases,
+                        spec,
+                    },
+                    bias: None,
+                }
+            }
+        };
+        let splits = out_dims[..out_dims.len() - 1]
+            .iter()
+            .scan(0, |end, &out| {
+                *end += out;
+                Some(*end)
+            })
+            .collect();
+        Ok(Self::Fused { linear, splits })
+    }
+
+    /// Each of the `N` projections of `x`, in the order loaded.
+    pub fn forward<const N: usize>(&self, x: &Array) -> Result<[Array; N]> {
+        let outputs = match self {
+            Self::Fused { linear, splits } => linear.forward(x)?.split_at_indices(splits, -1)?,
+            Self::Apart(parts) => parts
+                .iter()
+                .map(|linear| linear.forward(x))
+                .collect::<Result<_>>()?,
+        };
+        let count = outputs.len();
+        outputs.try_into().map_err(|_| {
+            crate::EngineError::Internal(format!("{count} projections loaded, {N} asked for"))
+        })
+    }
+}
+
+/// Whether projections of one input load as one matmul (`RMLX_FUSE_PROJECTIONS=0`: apart).
+fn fuse_projections() -> bool {
+    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ANSWER.get_or_init(|| std::env::var("RMLX_FUSE_PROJECTIONS").as_deref() != Ok("0"))
+}
+
 pub enum Embedding {
     /// The table and its evaluated transposed view (the tied output projection's).
     Dense {
@@ -391,6 +516,76 @@ mod tests {
             .max(None)
             .unwrap()
             .item_exact::<f32>()
+    }
+
+    /// Projections loaded as one matmul give what they give apart (dense fp32, and 4-bit when
+    /// both parts share the recipe); parts quantized differently stay apart.
+    #[test]
+    fn fused_projections_equal_the_projections_apart() {
+        let dir = std::env::temp_dir().join(format!("rmlx-projections-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = random::key(11).unwrap();
+        let keys = random::split(&key, 3).unwrap();
+        let (in_dim, outs) = (64, [48, 80]);
+        let weights = [
+            random::normal::<f32>(&[outs[0], in_dim], None, None, &keys.0).unwrap(),
+            random::normal::<f32>(&[outs[1], in_dim], None, None, &keys.1).unwrap(),
+        ];
+        let x = random::normal::<f32>(&[2, 3, in_dim], None, None, None).unwrap();
+        let spec = QuantSpec::defaults(quant::QuantMode::Affine);
+        let config: QuantizationConfig =
+            serde_json::from_value(serde_json::json!({"group_size": 64, "bits": 4})).unwrap();
+        // (which parts are quantized, fused expected)
+        for (quantized, fused) in [
+            ([false, false], true),
+            ([true, true], true),
+            ([true, false], false),
+        ] {
+            let mut tensors = std::collections::HashMap::new();
+            for (index, weight) in weights.iter().enumerate() {
+                let name = ["a", "b"][index];
+                if quantized[index] {
+                    let packed = quant::quantize(weight, spec).unwrap();
+                    tensors.insert(format!("{name}.weight"), packed.weight);
+                    tensors.insert(format!("{name}.scales"), packed.scales);
+                    tensors.insert(format!("{name}.biases"), packed.biases.unwrap());
+                } else {
+                    tensors.insert(format!("{name}.weight"), weight.clone());
+                }
+            }
+            Array::save_safetensors(&tensors, None, dir.join("model.safetensors")).unwrap();
+            let quantization = quantized.iter().any(|&q| q).then_some(&config);
+            let prefixes = ["a".to_string(), "b".to_string()];
+            let mut store = WeightStore::open(&dir).unwrap();
+            let together =
+                Projections::load(&mut store, quantization, &prefixes, in_dim, &outs).unwrap();
+            let summary = store.finish().unwrap();
+            crate::runtime::eval(summary.arrays.iter()).unwrap();
+            assert_eq!(
+                matches!(together, Projections::Fused { .. }),
+                fused,
+                "{quantized:?}"
+            );
+            let mut store = WeightStore::open(&dir).unwrap();
+            let apart: Vec<Linear> = prefixes
+                .iter()
+                .zip(outs)
+                .map(|(prefix, out)| {
+                    Linear::load(&mut store, quantization, prefix, in_dim, out, false).unwrap()
+                })
+                .collect();
+            let [a, b] = together.forward(&x).unwrap();
+            assert_eq!((a.shape(), b.shape()), (&[2, 3, 48][..], &[2, 3, 80][..]));
+            assert!(
+                max_diff(&a, &apart[0].forward(&x).unwrap()) < 1e-5,
+                "{quantized:?}"
+            );
+            assert!(
+                max_diff(&b, &apart[1].forward(&x).unwrap()) < 1e-5,
+                "{quantized:?}"
+            );
+        }
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     /// The compiled activations equal the plain ops they fuse, in fp32 and bf16, at every

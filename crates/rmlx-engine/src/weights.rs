@@ -144,6 +144,10 @@ pub struct WeightStore {
     /// Weights computed at load from taken tensors (stacked or re-laid-out experts).
     derived: Vec<Array>,
     parameters: u64,
+    /// While set, taken tensors are parts of a fused weight (see [`Self::fusing`]): not
+    /// evaluated on their own, only counted.
+    fusing: bool,
+    fused_bytes: u64,
 }
 
 /// What a finished load used: the arrays (to evaluate once) and their totals.
@@ -250,6 +254,8 @@ impl WeightStore {
             tensors,
             files,
             taken: Vec::new(),
+            fusing: false,
+            fused_bytes: 0,
             derived: Vec::new(),
             parameters: 0,
         })
@@ -346,6 +352,11 @@ impl WeightStore {
         Ok(())
     }
 
+    /// A tensor's element type, before it is taken.
+    pub fn dtype(&self, name: &str) -> Option<mlx_rs::Dtype> {
+        self.tensors.get(name).map(|(array, _)| array.dtype())
+    }
+
     /// Drops a tensor the model does not use by design (e.g. `lm_head` of a tied model).
     pub fn discard(&mut self, name: &str) {
         self.tensors.remove(name);
@@ -386,8 +397,22 @@ impl WeightStore {
         } else {
             array
         };
-        self.taken.push(array.clone());
+        match self.fusing {
+            true => self.fused_bytes += array.nbytes() as u64,
+            false => self.taken.push(array.clone()),
+        }
         Ok(array)
+    }
+
+    /// Runs `load` with every tensor it takes counted but not evaluated on its own: `load`
+    /// builds one weight from them (projections concatenated), which it registers with
+    /// [`Self::derived`]. The load then reads each part straight into that weight, and never
+    /// holds a part and the whole at once (the peak grows by at most one layer's weight).
+    pub fn fusing<T>(&mut self, load: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        self.fusing = true;
+        let loaded = load(self);
+        self.fusing = false;
+        loaded
     }
 
     /// Registers a view of taken weights (a transposed weight for `x @ w.T`) for the load to
@@ -415,7 +440,12 @@ impl WeightStore {
     /// Succeeds only when every tensor was used.
     pub fn finish(self) -> Result<LoadSummary> {
         if self.tensors.is_empty() {
-            let bytes = self.taken.iter().map(|array| array.nbytes() as u64).sum();
+            let bytes = self.fused_bytes
+                + self
+                    .taken
+                    .iter()
+                    .map(|array| array.nbytes() as u64)
+                    .sum::<u64>();
             let mut arrays = self.taken;
             arrays.extend(self.derived);
             return Ok(LoadSummary {

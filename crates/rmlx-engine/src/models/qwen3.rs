@@ -12,7 +12,7 @@ use crate::{
     cache::{KvCache, RopeOffset},
     config::{ConfigFile, QuantizationConfig},
     error::{EngineError, Result},
-    nn::{rope, swiglu, Embedding, Linear, RmsNorm},
+    nn::{rope, swiglu, Embedding, Linear, Projections, RmsNorm},
     weights::WeightStore,
 };
 
@@ -209,11 +209,11 @@ impl Attention {
     }
 }
 
-/// SwiGLU MLP, shared with the Qwen3-VL text decoder.
+/// SwiGLU MLP, shared with the Qwen3-VL text decoder (and Qwen3.5's dense layers and shared
+/// experts); gate and up run as one matmul ([`Projections`]).
 pub(crate) struct Mlp {
-    gate_proj: Linear,
+    gate_up: Projections,
     down_proj: Linear,
-    up_proj: Linear,
 }
 
 impl Mlp {
@@ -225,13 +225,12 @@ impl Mlp {
         hidden: i32,
     ) -> Result<Self> {
         Ok(Self {
-            gate_proj: Linear::load(
+            gate_up: Projections::load(
                 store,
                 quant,
-                &format!("{prefix}.gate_proj"),
+                &[format!("{prefix}.gate_proj"), format!("{prefix}.up_proj")],
                 dim,
-                hidden,
-                false,
+                &[hidden, hidden],
             )?,
             down_proj: Linear::load(
                 store,
@@ -241,22 +240,12 @@ impl Mlp {
                 dim,
                 false,
             )?,
-            up_proj: Linear::load(
-                store,
-                quant,
-                &format!("{prefix}.up_proj"),
-                dim,
-                hidden,
-                false,
-            )?,
         })
     }
 
     pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
-        self.down_proj.forward(&swiglu(
-            &self.gate_proj.forward(x)?,
-            &self.up_proj.forward(x)?,
-        )?)
+        let [gate, up] = self.gate_up.forward(x)?;
+        self.down_proj.forward(&swiglu(&gate, &up)?)
     }
 }
 

@@ -19,14 +19,14 @@ use crate::{
         switch::{combine, GluActivation, SwitchGlu, SwitchLinear},
         Logits,
     },
-    nn::{geglu, rope, scalar, Embedding, Linear, RmsNorm},
+    nn::{geglu, rope, scalar, Embedding, Linear, Projections, RmsNorm},
     weights::{DtypeKind, WeightStore},
 };
 
-/// GeGLU MLP; KV-shared layers are twice as wide when `use_double_wide_mlp` is set.
+/// GeGLU MLP; KV-shared layers are twice as wide when `use_double_wide_mlp` is set. Gate and
+/// up run as one matmul ([`Projections`]).
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    gate_up: Projections,
     down_proj: Linear,
 }
 
@@ -38,19 +38,28 @@ impl Mlp {
         dim: i32,
         hidden: i32,
     ) -> Result<Self> {
-        let linear = |store: &mut WeightStore, name: &str, i: i32, o: i32| {
-            Linear::load(store, quant, &format!("{prefix}.{name}"), i, o, false)
-        };
         Ok(Self {
-            gate_proj: linear(store, "gate_proj", dim, hidden)?,
-            up_proj: linear(store, "up_proj", dim, hidden)?,
-            down_proj: linear(store, "down_proj", hidden, dim)?,
+            gate_up: Projections::load(
+                store,
+                quant,
+                &[format!("{prefix}.gate_proj"), format!("{prefix}.up_proj")],
+                dim,
+                &[hidden, hidden],
+            )?,
+            down_proj: Linear::load(
+                store,
+                quant,
+                &format!("{prefix}.down_proj"),
+                hidden,
+                dim,
+                false,
+            )?,
         })
     }
 
     fn forward(&self, x: &Array) -> Result<Array> {
-        let gated = geglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?;
-        self.down_proj.forward(&gated)
+        let [gate, up] = self.gate_up.forward(x)?;
+        self.down_proj.forward(&geglu(&gate, &up)?)
     }
 }
 

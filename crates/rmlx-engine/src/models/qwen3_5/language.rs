@@ -21,7 +21,7 @@ use crate::{
         switch::{combine, GluActivation, SoftmaxTopK, SwitchGlu, SwitchLinear},
         Logits,
     },
-    nn::{scalar, Embedding, Linear, RmsNorm},
+    nn::{scalar, Embedding, Linear, Projections, RmsNorm},
     weights::{DtypeKind, WeightStore},
 };
 
@@ -29,10 +29,8 @@ use crate::{
 /// the gated delta rule, then an RMS norm gated by `silu(z)` (in float32).
 struct GatedDeltaNet {
     shape: LinearShape,
-    in_proj_qkv: Linear,
-    in_proj_z: Linear,
-    in_proj_b: Linear,
-    in_proj_a: Linear,
+    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` as one matmul where they can be.
+    in_proj: Projections,
     /// The depthwise conv's K taps, each `[conv_dim]` in float32 (see `gated_delta::conv_taps`).
     conv_taps: Vec<Array>,
     dt_bias: Array,
@@ -82,10 +80,19 @@ impl GatedDeltaNet {
         Ok(Self {
             shape,
             conv_taps,
-            in_proj_qkv: linear(store, "in_proj_qkv", hidden, 2 * key_total + value_total)?,
-            in_proj_z: linear(store, "in_proj_z", hidden, value_total)?,
-            in_proj_b: linear(store, "in_proj_b", hidden, shape.value_heads)?,
-            in_proj_a: linear(store, "in_proj_a", hidden, shape.value_heads)?,
+            in_proj: Projections::load(
+                store,
+                quant,
+                &["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
+                    .map(|name| format!("{prefix}.{name}")),
+                hidden,
+                &[
+                    2 * key_total + value_total,
+                    value_total,
+                    shape.value_heads,
+                    shape.value_heads,
+                ],
+            )?,
             dt_bias: vector(store, "dt_bias")?,
             a_log: vector(store, "A_log")?,
             norm: RmsNorm::load(store, &format!("{prefix}.norm"), shape.value_dim, eps)?,
@@ -103,13 +110,8 @@ impl GatedDeltaNet {
             kernel,
         } = self.shape;
         let conv_dim = self.shape.conv_dim();
-        let qkv = self.in_proj_qkv.forward(x)?;
-        let z = self
-            .in_proj_z
-            .forward(x)?
-            .reshape(&[batch, len, value_heads, value_dim])?;
-        let b = self.in_proj_b.forward(x)?;
-        let a = self.in_proj_a.forward(x)?;
+        let [qkv, z, b, a] = self.in_proj.forward(x)?;
+        let z = z.reshape(&[batch, len, value_heads, value_dim])?;
 
         let (conv_state, state) = match cache.recurrent() {
             Some(held) => (held.conv.clone(), held.state.clone()),

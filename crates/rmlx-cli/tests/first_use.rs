@@ -4,8 +4,9 @@
 //! for every new batch width and prompt length: minutes on a GPU for a user's first requests.
 //! Here, per cache family, a server with an empty kernel cache ($TMPDIR/mlx) serves a first
 //! request, then bursts of new batch widths and new prompt lengths, and the kernels it compiled
-//! are counted after each: a new width may add at most one (a strided layout of a fused step),
-//! a new prompt length none.
+//! are counted after each. The first burst (widths 2-3, the first prompts prefilled together)
+//! may add a few: strided layouts of the fused steps, one each (the Gated DeltaNet's conv and
+//! delta rule: 4). After that, new prompt lengths and widths add none.
 
 mod common;
 
@@ -113,7 +114,7 @@ fn kernels_compiled_per_new_shape(release: &str) {
     let widths = kernels(&temp);
     let added: Vec<_> = widths.difference(&first).collect();
     assert!(
-        added.len() <= 1,
+        added.len() <= 4,
         "{release}: batch widths 2-3 compiled {} kernels: {added:?}",
         added.len()
     );

@@ -281,6 +281,51 @@ impl Projections {
     }
 }
 
+/// A gated MLP, `down(activation(gate(x), up(x)))`, gate and up as one matmul (SwiGLU in the
+/// Qwen families, GeGLU in Gemma 4).
+pub struct GatedMlp {
+    gate_up: Projections,
+    down_proj: Linear,
+}
+
+impl GatedMlp {
+    pub fn load(
+        store: &mut WeightStore,
+        quantization: Option<&QuantizationConfig>,
+        prefix: &str,
+        dim: i32,
+        hidden: i32,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate_up: Projections::load(
+                store,
+                quantization,
+                &[format!("{prefix}.gate_proj"), format!("{prefix}.up_proj")],
+                dim,
+                &[hidden, hidden],
+            )?,
+            down_proj: Linear::load(
+                store,
+                quantization,
+                &format!("{prefix}.down_proj"),
+                hidden,
+                dim,
+                false,
+            )?,
+        })
+    }
+
+    /// `activation(gate, up)` is the fused gate (`swiglu`, `geglu`).
+    pub fn forward(
+        &self,
+        x: &Array,
+        activation: fn(&Array, &Array) -> Result<Array>,
+    ) -> Result<Array> {
+        let [gate, up] = self.gate_up.forward(x)?;
+        self.down_proj.forward(&activation(&gate, &up)?)
+    }
+}
+
 /// Whether projections of one input load as one matmul (`RMLX_FUSE_PROJECTIONS=0`: apart).
 fn fuse_projections() -> bool {
     static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

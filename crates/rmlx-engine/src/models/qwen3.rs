@@ -12,7 +12,7 @@ use crate::{
     cache::{KvCache, RopeOffset},
     config::{ConfigFile, QuantizationConfig},
     error::{EngineError, Result},
-    nn::{rope, swiglu, Embedding, Linear, Projections, RmsNorm},
+    nn::{rope, swiglu, Embedding, GatedMlp, Linear, RmsNorm},
     weights::WeightStore,
 };
 
@@ -210,11 +210,8 @@ impl Attention {
 }
 
 /// SwiGLU MLP, shared with the Qwen3-VL text decoder (and Qwen3.5's dense layers and shared
-/// experts); gate and up run as one matmul ([`Projections`]).
-pub(crate) struct Mlp {
-    gate_up: Projections,
-    down_proj: Linear,
-}
+/// experts).
+pub(crate) struct Mlp(GatedMlp);
 
 impl Mlp {
     pub(crate) fn load(
@@ -224,28 +221,11 @@ impl Mlp {
         dim: i32,
         hidden: i32,
     ) -> Result<Self> {
-        Ok(Self {
-            gate_up: Projections::load(
-                store,
-                quant,
-                &[format!("{prefix}.gate_proj"), format!("{prefix}.up_proj")],
-                dim,
-                &[hidden, hidden],
-            )?,
-            down_proj: Linear::load(
-                store,
-                quant,
-                &format!("{prefix}.down_proj"),
-                hidden,
-                dim,
-                false,
-            )?,
-        })
+        Ok(Self(GatedMlp::load(store, quant, prefix, dim, hidden)?))
     }
 
     pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
-        let [gate, up] = self.gate_up.forward(x)?;
-        self.down_proj.forward(&swiglu(&gate, &up)?)
+        self.0.forward(x, swiglu)
     }
 }
 

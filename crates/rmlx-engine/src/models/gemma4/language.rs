@@ -19,16 +19,12 @@ use crate::{
         switch::{combine, GluActivation, SwitchGlu, SwitchLinear},
         Logits,
     },
-    nn::{geglu, rope, scalar, Embedding, Linear, Projections, RmsNorm},
+    nn::{geglu, rope, scalar, Embedding, GatedMlp, Linear, RmsNorm},
     weights::{DtypeKind, WeightStore},
 };
 
-/// GeGLU MLP; KV-shared layers are twice as wide when `use_double_wide_mlp` is set. Gate and
-/// up run as one matmul ([`Projections`]).
-struct Mlp {
-    gate_up: Projections,
-    down_proj: Linear,
-}
+/// GeGLU MLP; KV-shared layers are twice as wide when `use_double_wide_mlp` is set.
+struct Mlp(GatedMlp);
 
 impl Mlp {
     fn load(
@@ -38,28 +34,11 @@ impl Mlp {
         dim: i32,
         hidden: i32,
     ) -> Result<Self> {
-        Ok(Self {
-            gate_up: Projections::load(
-                store,
-                quant,
-                &[format!("{prefix}.gate_proj"), format!("{prefix}.up_proj")],
-                dim,
-                &[hidden, hidden],
-            )?,
-            down_proj: Linear::load(
-                store,
-                quant,
-                &format!("{prefix}.down_proj"),
-                hidden,
-                dim,
-                false,
-            )?,
-        })
+        Ok(Self(GatedMlp::load(store, quant, prefix, dim, hidden)?))
     }
 
     fn forward(&self, x: &Array) -> Result<Array> {
-        let [gate, up] = self.gate_up.forward(x)?;
-        self.down_proj.forward(&geglu(&gate, &up)?)
+        self.0.forward(x, geglu)
     }
 }
 

@@ -75,7 +75,8 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
     }
     let count = rows.len();
     let mut fresh = vec![false; count];
-    if rows.iter_mut().any(|row| row.sequence().wants_step()) {
+    let stepped = rows.iter_mut().any(|row| row.sequence().wants_step());
+    if stepped {
         let mut queued = Vec::new();
         let head = model.draft_head();
         let own = crate::models::draft_model::own_caches(model, caches.len());
@@ -173,7 +174,8 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
     for (row, fresh) in rows.iter_mut().zip(fresh) {
         read_all(row, tokenizer, bytes, fresh as usize)?;
     }
-    if let Some(clock) = clock {
+    // A turn that only reads the tokens of steps queued before (every row done) is no step.
+    if let Some(clock) = clock.filter(|_| stepped) {
         clock.finish(count, 1);
     }
     Ok(())

@@ -793,6 +793,46 @@ fn prompts_entering_a_group_mid_way_equal_their_solo_runs() {
     }
 }
 
+/// Prompts prefill together only while their rows, padded to the longest, fit one context's
+/// worth of KV (as a batch's rows must): two prompts of more than half the context prefill one
+/// after the other, two of less than half together; all four equal their solo runs.
+#[test]
+fn prompts_prefill_together_only_within_one_context() {
+    let text = |count: usize, shift: usize| {
+        (0..count)
+            .map(|i| ["river", "stone", "maple", "quiet"][(i + shift) % 4])
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let request = |words: usize, shift: usize| {
+        let mut request = batch_request("qwen3-tiny", &text(words, shift), None, 4);
+        request.params.max_ctx = Some(160);
+        request
+    };
+    for (words, together) in [(35, false), (15, true)] {
+        let alone = without_prefix_cache(1);
+        let solo: Vec<Completion> = (0..2)
+            .map(|i| alone.submit(request(words, i)).unwrap().wait().unwrap())
+            .collect();
+        drop(alone);
+        let engine = without_prefix_cache(4);
+        let handles: Vec<_> = (0..2)
+            .map(|i| engine.submit(request(words, i)).unwrap())
+            .collect();
+        let answers: Vec<Completion> = handles.into_iter().map(|h| h.wait().unwrap()).collect();
+        let prompt = answers[0].prompt_tokens;
+        for (index, (solo, answer)) in solo.iter().zip(&answers).enumerate() {
+            assert_same_answer(&format!("{words} words #{index}"), solo, answer, 1e-4);
+            assert_eq!(
+                answer.timings.prefilled_with >= 2,
+                together,
+                "{prompt}-token prompts, context 160"
+            );
+        }
+        assert_eq!(2 * prompt > 160, !together, "{prompt}-token prompts");
+    }
+}
+
 /// What each request of a batch keeps to itself: a seeded sampler, penalties with a logit
 /// bias, a stop string, a JSON constraint (which turns pipelining off for the whole batch) and
 /// a cancel flag. Run together, each gives what it gives alone; the cancelled one ends

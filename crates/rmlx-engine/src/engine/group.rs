@@ -81,7 +81,7 @@ impl EngineThread {
     fn enter_group(&mut self) -> bool {
         let mut at = 0;
         while at < self.admitting.len() {
-            if !self.admitting[at].prefill.groups() {
+            if !self.admitting[at].prefill.groups() || !self.group_fits(&self.admitting[at]) {
                 at += 1;
                 continue;
             }
@@ -119,6 +119,26 @@ impl EngineThread {
             }
         }
         true
+    }
+
+    /// Whether `entrant` may join the group: its rows, padded to the longest prompt, stay within
+    /// one context's worth of KV (as a batch's rows do, see `join_prefilled`). Prompts that
+    /// prefilled one at a time never held more than one prompt's KV besides the batch; a group
+    /// of long prompts would hold all of theirs at once.
+    fn group_fits(&self, entrant: &Admission) -> bool {
+        let Some(group) = &self.group else {
+            return true;
+        };
+        let members = group.members.iter().chain(std::iter::once(entrant));
+        let (rows, columns, context) =
+            members.fold((0, 0, usize::MAX), |(rows, columns, context), m| {
+                (
+                    rows + 1,
+                    columns.max(m.prefill.prompt_tokens()),
+                    context.min(m.prefill.max_ctx()),
+                )
+            });
+        rows * columns <= context
     }
 
     /// Members cancelled meanwhile leave the group for the prefilling queue, where they end.

@@ -27,14 +27,35 @@ impl EngineThread {
     /// One piece of every member of the group, after the prompts that can have joined it; false
     /// when fewer than two prompts can prefill together (the solo step runs instead).
     pub(super) fn group_step(&mut self) -> bool {
-        let joinable = |admission: &Admission| admission.prefill.groups();
-        let waiting = self.admitting.iter().filter(|a| joinable(a)).count();
+        let waiting = self
+            .admitting
+            .iter()
+            .filter(|admission| admission.prefill.groups())
+            .count();
         let members = self.group.as_ref().map_or(0, |group| group.members.len());
         if members + waiting < 2 {
             return false;
         }
         if waiting > 0 && !self.enter_group() {
             return true;
+        }
+        // The others did not fit beside the first (long prompts): it goes on alone, its caches
+        // its own still (a group of one never joined any), rather than copied out every step.
+        if self
+            .group
+            .as_ref()
+            .is_some_and(|group| group.members.len() < 2)
+        {
+            let Group {
+                caches, members, ..
+            } = self.group.take().expect("looked at above");
+            for mut member in members {
+                member.prefill.put_caches(caches.clone());
+                self.admitting.push(member);
+            }
+            self.admitting
+                .sort_by_key(|admission| admission.prefill.started_at());
+            return false;
         }
         let Some(key) = self.group.as_ref().map(|group| group.key.clone()) else {
             return false;

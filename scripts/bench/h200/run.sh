@@ -40,6 +40,9 @@
 #   token, first burst of 8 against a warm one) per binary of F_BINS ("before after": rmlx-before,
 #   packed from RMLX_BEFORE, and rmlx), F_RUNS (1) runs each with an empty kernel cache; F_WARM (1)
 #   more runs each sharing one kernel cache warmed by the first (a later process on the machine).
+# MODE=fuse (step 2 instead; issue 32 d): projections fused at load against apart
+#   (RMLX_FUSE_PROJECTIONS=1 / 0), `rmlx bench` single stream per model of S_MODELS ("27 35"),
+#   U_ROUNDS (2) rounds alternating the two, U_RUNS (3) timed runs each.
 # MODE=memory (step 2 instead; issue 32 b): the bf16 Qwen3-4B shape below; `rmlx serve`'s device
 #   memory after one M_WORDS (5500, ~32k tokens) prompt against MLX's peak + the prefix cache.
 # MODE=concurrency (step 2 instead): random Qwen3-4B-shaped bf16 and 4-bit checkpoints with the
@@ -233,6 +236,34 @@ if [[ $MODE == first_use ]]; then
       TMPDIR=/tmp/fu-warm RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/first_use.py \
         --model "$Q35" --rmlx "$exe" --runs "$runs" "${keep[@]}" --json-out "$OUT/first-use-$bin-$pass.json" || rc=1
       cp /tmp/bench-first-use-rmlx-*.log "$OUT/" 2>/dev/null
+    done
+  done
+  step "done ($rc)"
+  exit $rc
+fi
+
+if [[ $MODE == fuse ]]; then
+  rc=0
+  for which in ${S_MODELS:-27 35}; do
+    step "model $which"
+    case $which in
+      27) python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" \
+            --release Qwen__Qwen3.6-27B --bits 16 --layers "${S_LAYERS:-8}" > /tmp/q$which-path || exit 1 ;;
+      35) python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" \
+            > /tmp/q$which-path || exit 1 ;;
+    esac
+    model=$(tail -1 /tmp/q$which-path)
+    name=$(basename "$model")
+    for round in $(seq "${U_ROUNDS:-2}"); do
+      for fuse in 1 0; do
+        left=$(( LIMIT - SECONDS ))
+        (( left > 30 )) || { echo "no time left for $name fuse=$fuse"; rc=1; break 3; }
+        step "rmlx bench $name fuse=$fuse round $round"
+        RMLX_FUSE_PROJECTIONS=$fuse RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench \
+          --model "$model" --prompt-tokens 512 --gen-tokens 128 --runs "${U_RUNS:-3}" --json \
+          > "$OUT/fuse-$name-$fuse-$round.json" || rc=1
+        cat "$OUT/fuse-$name-$fuse-$round.json"
+      done
     done
   done
   step "done ($rc)"

@@ -4,7 +4,9 @@
 Each run starts a new server process with an empty MLX kernel cache (MLX keeps the kernels it
 compiles at run time under $TMPDIR/mlx, so every run gets its own fresh TMPDIR unless
 --keep-kernels), then, one after another:
-  1. the first request (1 stream): load start -> its first token, and the load alone (/health);
+  1. the first request (1 stream, one token, timed by the client): load start -> its first
+     token, which includes the server's warm-up (`--warm-up on`, the default; reported apart),
+     and the load alone (/health);
   2. a second single request (the one-stream aggregate, warm at width 1);
   3. the first burst of N concurrent requests after load;
   4. a second burst of N (fresh prompts): the warm burst.
@@ -90,22 +92,30 @@ def one_run(args, run, bias):
     model = Path(args.model).name
     seed = 20_000 + run * 1000
     try:
-        first = burst(server, model, prompts_for(seed, 1, args.prompt_words), args.max_tokens, bias)
-        first_token_s = loaded - start + first["ttft_ms"][0] / 1000
+        # One token, timed by the client: its wait behind the warm-up (the server's TTFT
+        # starts at admission) counts.
+        asked = time.perf_counter()
+        first = burst(server, model, prompts_for(seed, 1, args.prompt_words), 1, bias)
+        first_token_s = asked - start + first["wall_s"]
         one = burst(server, model, prompts_for(seed + 1, 1, args.prompt_words), args.max_tokens, bias)
         cold = burst(server, model, prompts_for(seed + 2, args.streams, args.prompt_words), args.max_tokens, bias)
         warm = burst(server, model, prompts_for(seed + 3, args.streams, args.prompt_words), args.max_tokens, bias)
+        # The server's warm-up after loading (`--warm-up on`, the default): the first request
+        # waited for it; null with --warm-up off.
+        listed = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60).read())
+        warm_up_s = next((m.get("warm_up_seconds") for m in listed["data"] if m["id"] == model), None)
     finally:
         server.close()
     kernels = None
     if env_tmp:
         kernels = sum(len(files) for _, _, files in os.walk(Path(env_tmp) / "mlx"))
-    result = {"load_s": loaded - start, "first_token_s": first_token_s,
-              "first_request_tps": first["aggregate_tps"], "one_stream_tps": one["aggregate_tps"],
+    result = {"load_s": loaded - start, "first_token_s": first_token_s, "warm_up_s": warm_up_s,
+              "first_request_ttft_ms": first["ttft_ms"][0], "one_stream_ttft_ms": one["ttft_ms"][0],
+              "one_stream_tps": one["aggregate_tps"],
               "first_burst_tps": cold["aggregate_tps"], "warm_burst_tps": warm["aggregate_tps"],
               "first_burst_ttft_p50_ms": statistics.median(cold["ttft_ms"]),
               "warm_burst_ttft_p50_ms": statistics.median(warm["ttft_ms"]), "kernel_cache_files": kernels}
-    print(f"run {run + 1}: load {result['load_s']:.2f} s, first token {first_token_s:.2f} s, one stream "
+    print(f"run {run + 1}: load {result['load_s']:.2f} s, first token {first_token_s:.2f} s (warm-up {warm_up_s} s), one stream "
           f"{one['aggregate_tps']:.0f} tok/s, first burst x{args.streams} {cold['aggregate_tps']:.0f}, warm "
           f"{warm['aggregate_tps']:.0f}, kernel cache files {kernels}", file=sys.stderr)
     return result
@@ -139,6 +149,9 @@ def main():
           f"{args.streams} streams  runs {args.runs} (medians; min-max)")
     print(f"  load (start -> /health)         {cell('load_s')} s")
     print(f"  load start -> first token       {cell('first_token_s')} s")
+    if all(r["warm_up_s"] is not None for r in runs):
+        print(f"  of which the warm-up            {cell('warm_up_s')} s")
+    print(f"  a warm request's TTFT           {cell('one_stream_ttft_ms', '{:.0f}')} ms")
     print(f"  one stream                      {cell('one_stream_tps', '{:.0f}')} tok/s")
     print(f"  first burst x{args.streams:<3d}               {cell('first_burst_tps', '{:.0f}')} tok/s, "
           f"{cell('first_burst_vs_one')}x one stream, TTFT p50 {cell('first_burst_ttft_p50_ms', '{:.0f}')} ms")

@@ -76,6 +76,12 @@ def main():
         else:
             sys.exit("the server did not start")
         model_id = models["data"][0]["id"]
+        # The server warms the model up after loading it (`--warm-up on`): measure after that.
+        for _ in range(1200):
+            if models["data"][0].get("warm_up_seconds") is not None:
+                break
+            time.sleep(0.5)
+            models = http_json(f"{base}/v1/models")
 
         def ask(words):
             text = " ".join(f"word{i % 997} line" for i in range(words))

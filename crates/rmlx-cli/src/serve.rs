@@ -96,6 +96,12 @@ pub struct ServeArgs {
     /// Serve no web UI at `/` (the API only).
     #[arg(long, conflicts_with = "ui_dir")]
     no_ui: bool,
+    /// Load the first --model at start and warm it up (and each model loaded through
+    /// `/v1/models/{id}/load`): the kernels a first burst of requests would otherwise build one
+    /// by one (minutes on a GPU the first time) are built before anyone waits. `off`: load on
+    /// the first request, build kernels as they come.
+    #[arg(long, value_name = "on|off", default_value = "on", value_parser = ["on", "off"])]
+    warm_up: String,
 }
 
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -136,6 +142,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         draft_model: args.draft_model,
         ui_dir: args.ui_dir,
         embedded_ui: !args.no_ui,
+        warm_up: args.warm_up == "on",
     };
     // RMLX_STEP_PROFILE=1: where the decode steps' time went, printed when the server stops
     // (what `rmlx bench --step-profile` shows, for the requests a client sent).

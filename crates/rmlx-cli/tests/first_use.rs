@@ -7,6 +7,9 @@
 //! are counted after each. The first burst (widths 2-3, the first prompts prefilled together)
 //! may add a few: strided layouts of the fused steps, one each (the Gated DeltaNet's conv and
 //! delta rule: 4). After that, new prompt lengths and widths add none.
+//! With the warm-up (`rmlx serve --warm-up on`, the default) the server builds them after
+//! loading, before any request: then no request adds a kernel, and the warm-up's own requests
+//! leave no trace in the metrics or the prefix cache.
 
 mod common;
 
@@ -53,9 +56,11 @@ fn kernels(dir: &Path) -> BTreeSet<String> {
     found
 }
 
-fn kernels_compiled_per_new_shape(release: &str) {
-    let temp =
-        std::env::temp_dir().join(format!("rmlx-first-use-{release}-{}", std::process::id()));
+fn kernels_compiled_per_new_shape(release: &str, warm_up: bool, extra: &[&str]) {
+    let temp = std::env::temp_dir().join(format!(
+        "rmlx-first-use-{release}-{warm_up}-{}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&temp);
     std::fs::create_dir_all(&temp).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_rmlx"))
@@ -66,8 +71,11 @@ fn kernels_compiled_per_new_shape(release: &str) {
             "--no-ui",
             "--prefix-disk-gb",
             "0",
-            "--model",
+            "--warm-up",
+            if warm_up { "on" } else { "off" },
         ])
+        .args(extra)
+        .arg("--model")
         .arg(fixture(&format!("releases/{release}")))
         // MLX keeps its compiled kernels under the temporary folder: this one starts empty.
         .env("TMPDIR", &temp)
@@ -103,6 +111,31 @@ fn kernels_compiled_per_new_shape(release: &str) {
             }
         });
     };
+    if warm_up {
+        let warmed = warmed_up(port, release);
+        let warm = kernels(&temp);
+        assert!(
+            !warm.is_empty(),
+            "{release}: no kernel found under {temp:?}"
+        );
+        // The warm-up's requests are the engine's own.
+        let (status, metrics) = http(port, "GET", "/metrics/cache", None);
+        assert_eq!(status, 200, "{metrics}");
+        assert_eq!(metrics["tokens_in"], 0, "{release}: {metrics}");
+        assert_eq!(metrics["prefix_cache_bytes"], 0, "{release}: {metrics}");
+        ask(20, 1);
+        burst(3, 20, 10);
+        ask(37, 50);
+        burst(5, 60, 100);
+        let after: Vec<_> = kernels(&temp).difference(&warm).cloned().collect();
+        assert!(
+            after.is_empty(),
+            "{release}: requests after a {warmed:.2} s warm-up compiled {after:?}"
+        );
+        drop(server);
+        let _ = std::fs::remove_dir_all(&temp);
+        return;
+    }
     ask(20, 1);
     let first = kernels(&temp);
     // Proves the count looks where MLX writes (every family fuses at least its activation).
@@ -130,20 +163,60 @@ fn kernels_compiled_per_new_shape(release: &str) {
     let _ = std::fs::remove_dir_all(&temp);
 }
 
+/// Polls `/v1/models` until the model's warm-up has run; its seconds.
+fn warmed_up(port: u16, id: &str) -> f64 {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+    loop {
+        let (status, list) = http(port, "GET", "/v1/models", None);
+        assert_eq!(status, 200, "{list}");
+        let entry = list["data"]
+            .as_array()
+            .and_then(|data| data.iter().find(|model| model["id"] == id))
+            .cloned()
+            .unwrap_or_else(|| panic!("{id} not listed: {list}"));
+        if let Some(seconds) = entry["warm_up_seconds"].as_f64() {
+            assert_eq!(entry["loaded"], true, "{entry}");
+            return seconds;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{id}: no warm-up after 300 s: {entry}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// Full attention (KV cache): Qwen3-4B.
 #[test]
 fn kv_model_compiles_little_per_new_shape() {
-    kernels_compiled_per_new_shape("qwen3-4b");
+    kernels_compiled_per_new_shape("qwen3-4b", false, &[]);
 }
 
 /// Gated DeltaNet + full attention + the MTP draft head: Qwen3.6-27B.
 #[test]
 fn recurrent_model_compiles_little_per_new_shape() {
-    kernels_compiled_per_new_shape("qwen3.6-27b");
+    kernels_compiled_per_new_shape("qwen3.6-27b", false, &[]);
 }
 
 /// Sliding windows and shared KV: Gemma 4 E2B.
 #[test]
 fn sliding_window_model_compiles_little_per_new_shape() {
-    kernels_compiled_per_new_shape("gemma-4-e2b-it");
+    kernels_compiled_per_new_shape("gemma-4-e2b-it", false, &[]);
+}
+
+#[test]
+fn kv_model_warmed_up_compiles_nothing_for_requests() {
+    kernels_compiled_per_new_shape("qwen3-4b", true, &[]);
+}
+
+/// Drafting with its head at full depth. On this CPU a verify step builds what a prefill piece
+/// does; on CUDA its rows pick their own matmul tiles, which the warm-up's speculative step builds.
+#[test]
+fn recurrent_model_warmed_up_compiles_nothing_for_requests() {
+    kernels_compiled_per_new_shape("qwen3.6-27b", true, &["--speculative", "mtp"]);
+}
+
+#[test]
+fn sliding_window_model_warmed_up_compiles_nothing_for_requests() {
+    kernels_compiled_per_new_shape("gemma-4-e2b-it", true, &[]);
 }

@@ -187,6 +187,65 @@ fn full_queue_is_refused_and_accepted_requests_finish_in_order() {
     assert_eq!(engine.queue_depth(), 0);
 }
 
+/// The warm-up leaves nothing in the metrics or the prefix cache; a request sent during one
+/// waits for it (its requests go first), then runs alone and answers as without one.
+#[test]
+fn a_request_sent_during_the_warm_up_waits_for_it_and_is_unchanged() {
+    use rmlx_engine::speculative::SpeculativeMode;
+    let model = fixture("qwen3-tiny");
+    let plain = Engine::start(16).unwrap();
+    let expected = plain
+        .submit(request("Count to five", 12))
+        .unwrap()
+        .wait()
+        .unwrap();
+    drop(plain);
+    let engine = Engine::start(16).unwrap();
+    let first = engine.warm_up(&model, SpeculativeMode::Auto).unwrap();
+    assert!(first.requests >= 3 + 8 && first.speculative, "{first:?}");
+    let metrics = engine.metrics();
+    assert_eq!(
+        (
+            metrics.tokens_in,
+            metrics.recent.len(),
+            metrics.prefix_cache_bytes
+        ),
+        (0, 0, 0),
+        "{metrics:?}"
+    );
+    let warming = {
+        let (engine, model) = (engine.clone(), model.clone());
+        std::thread::spawn(move || engine.warm_up(&model, SpeculativeMode::Off))
+    };
+    // The second warm-up's first request is queued or running.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while engine.queue_depth() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no warm-up request seen"
+        );
+        std::thread::yield_now();
+    }
+    let completion = engine
+        .submit(request("Count to five", 12))
+        .unwrap()
+        .wait()
+        .unwrap();
+    let second = engine.warmed_up(&model).expect("a warm-up ran");
+    assert!(
+        !second.speculative,
+        "the request ended before the second warm-up: {second:?}"
+    );
+    assert_eq!(completion.token_ids, expected.token_ids);
+    assert_eq!(completion.batched_with, 1, "it ran alone: {completion:?}");
+    assert_eq!(warming.join().unwrap().unwrap().seconds, second.seconds);
+    let metrics = engine.metrics();
+    assert_eq!(
+        metrics.tokens_in, completion.prompt_tokens as u64,
+        "{metrics:?}"
+    );
+}
+
 #[test]
 fn unknown_model_folder_is_an_error_event() {
     let engine = Engine::start(1).unwrap();

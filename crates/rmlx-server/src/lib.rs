@@ -98,6 +98,9 @@ pub struct ServerConfig {
     /// Without `ui_dir`: serve the UI built into the binary at `/` (`rmlx serve` does unless
     /// `--no-ui`; the app shows it in its own window instead).
     pub embedded_ui: bool,
+    /// Warm a model up after loading it (`Engine::warm_up`): `serve` loads and warms the first
+    /// `--model` at start, `POST /v1/models/{id}/load` the model it loads.
+    pub warm_up: bool,
 }
 
 impl Default for ServerConfig {
@@ -126,6 +129,7 @@ impl Default for ServerConfig {
             draft_model: None,
             ui_dir: None,
             embedded_ui: false,
+            warm_up: true,
             // A 2560x2560 RGBA PNG is at most ~26 MB, ~35 MB as base64 in a data URI.
             max_body_mb: 64,
         }
@@ -346,6 +350,30 @@ pub async fn serve(config: ServerConfig) -> anyhow::Result<()> {
     }
     use std::io::Write;
     std::io::stdout().flush()?;
+    if let (true, Some(first)) = (state.config.warm_up, state.config.models.first()) {
+        let (engine, model, speculative) = (
+            state.engine.clone(),
+            first.clone(),
+            state.config.speculative,
+        );
+        // Beside the listener: /health answers meanwhile, requests queue behind it.
+        tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
+            match engine.warm_up(&model, speculative) {
+                Ok(done) => eprintln!(
+                    "rmlx serve: {} loaded and warmed up in {:.1} s (warm-up {:.1} s: {} requests, \
+                     batches up to {} rows{})",
+                    model.display(),
+                    started.elapsed().as_secs_f64(),
+                    done.seconds,
+                    done.requests,
+                    done.max_batch,
+                    if done.speculative { ", a speculative step" } else { "" }
+                ),
+                Err(error) => eprintln!("rmlx serve: {} not warmed up: {error}", model.display()),
+            }
+        });
+    }
     serve_on(listener, state, shutdown_signal()).await?;
     eprintln!("rmlx serve: stopped");
     Ok(())

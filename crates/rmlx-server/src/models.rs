@@ -87,6 +87,10 @@ fn model_object(
             .ok()
             .map(|fits| fits.unwrap_or(0))
         }),
+        warm_up_seconds: state
+            .engine
+            .warmed_up(&entry.path)
+            .map(|warm_up| warm_up.seconds),
     }
 }
 
@@ -290,7 +294,8 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for ModelPath {
 }
 
 /// Loads now what the first request would otherwise load (the engine may evict its least
-/// recently used model to make room).
+/// recently used model to make room), then warms it up (unless the server runs with
+/// `--warm-up off`): the kernels its first requests need are built before they come.
 #[utoipa::path(post, path = "/v1/models/{id}/load", tag = "models",
     params(ModelId), responses((status = 200, description = "The model, loaded", body = ModelObject)))]
 pub async fn load(
@@ -299,7 +304,15 @@ pub async fn load(
 ) -> Result<Json<ModelObject>, ApiError> {
     let entry = state.registry.resolve(&id)?;
     let path = entry.path.clone();
-    let info = on_engine(&state, move |engine| engine.model_info(&path)).await?;
+    let (warm_up, speculative) = (state.config.warm_up, state.config.speculative);
+    let info = on_engine(&state, move |engine| {
+        let info = engine.model_info(&path)?;
+        if warm_up {
+            engine.warm_up(&path, speculative)?;
+        }
+        Ok(info)
+    })
+    .await?;
     state.registry.remember(&info);
     let resident = resident(&state).await?;
     let available = rmlx_engine::runtime::available_memory();

@@ -90,6 +90,7 @@ impl EngineThread {
             let running = running.as_ref();
             match job {
                 Job::Generate { cancel, .. } if cancel.load(Ordering::Relaxed) => {}
+                Job::Generate { .. } if self.held() => return,
                 Job::Generate { request, .. } => {
                     if !self.batch_takes(&request.model) {
                         return;
@@ -109,6 +110,7 @@ impl EngineThread {
                         return;
                     }
                 }
+                Job::Wake => {}
             }
             let job = self.pending.pop_front().expect("looked at above");
             match job {
@@ -133,6 +135,7 @@ impl EngineThread {
                         metrics: self.metrics.clone(),
                         closed: false,
                         panic_at: request.panic_at,
+                        warm_up: request.warm_up,
                     };
                     injected_panic(ticket.panic_at, Step::Admit);
                     match self.start(&request, None) {
@@ -159,6 +162,7 @@ impl EngineThread {
                 Job::Unload { model, reply } => {
                     let _ = reply.send(self.unload(&model));
                 }
+                Job::Wake => {}
             }
         }
     }
@@ -324,10 +328,12 @@ impl EngineThread {
         let blocks = images
             .as_ref()
             .map_or(&[][..], |pending| &pending.blocks[..]);
-        let mut reuse = self
-            .prefix
-            .lookup(&key, lookup_key)
-            .and_then(|reuse| outside_blocks(reuse, blocks));
+        // The warm-up computes every prompt in full: a reused prefix would skip its shapes.
+        let mut reuse = match request.warm_up {
+            true => None,
+            false => self.prefix.lookup(&key, lookup_key),
+        }
+        .and_then(|reuse| outside_blocks(reuse, blocks));
         let in_ram = reuse.as_ref().map_or(0, |reuse| reuse.cached_tokens);
         let mut source = match reuse {
             Some(_) => PrefixSource::Ram,
@@ -352,7 +358,7 @@ impl EngineThread {
                     Err(error) => eprintln!("rmlx: a disk-cache prefix was not used: {error}"),
                 }
             }
-            (None, Some(disk), Some(fingerprint)) => {
+            (None, Some(disk), Some(fingerprint)) if !request.warm_up => {
                 let needs_tip = !model.rewindable() || model.windowed();
                 if let Some(plan) = disk.plan(fingerprint, lookup_key, needs_tip) {
                     if plan.tokens > in_ram {
@@ -363,7 +369,9 @@ impl EngineThread {
             }
             _ => {}
         }
-        self.metrics.record_prefix_lookup(&model_id, source);
+        if !request.warm_up {
+            self.metrics.record_prefix_lookup(&model_id, source);
+        }
         // Images wholly inside the reused prefix need no vision tower.
         let cached = reuse.as_ref().map_or(0, |reuse| reuse.cached_tokens);
         let images = match images {

@@ -280,9 +280,18 @@ impl EngineThread {
         completion: Completion,
         cached: Option<generate::CachedSequence>,
     ) {
-        self.metrics
-            .record_completion(&ticket.model_id, ticket.request_id.as_deref(), &completion);
-        let reusable = completion.finish_reason != FinishReason::Cancelled && ticket.keep_kv;
+        if !ticket.warm_up {
+            self.metrics.record_completion(
+                &ticket.model_id,
+                ticket.request_id.as_deref(),
+                &completion,
+            );
+        }
+        // A warm-up row still comes out of the batch as a kept one would (its copy is a shape
+        // to build too), and is then dropped.
+        let reusable = completion.finish_reason != FinishReason::Cancelled
+            && ticket.keep_kv
+            && !ticket.warm_up;
         // For the disk, after the client has its answer (clones share the arrays).
         let mut for_disk = None;
         if let (true, Some(sequence)) = (reusable, cached) {

@@ -10,7 +10,8 @@
 //!
 //! Files: `request.rs` (what a client sends and gets back), `ticket.rs` (a request on the
 //! thread), `thread_loop.rs` (the loop, the resident models), `admission.rs`, `batch.rs` (prefill
-//! and decode steps), `disk.rs` (the disk prefix cache), `images.rs`.
+//! and decode steps), `disk.rs` (the disk prefix cache), `images.rs`, `warm_up.rs` (kernels
+//! built before the first request).
 
 mod admission;
 mod batch;
@@ -20,6 +21,7 @@ mod images;
 mod request;
 mod thread_loop;
 mod ticket;
+mod warm_up;
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -42,6 +44,7 @@ use crate::{
 
 pub use request::{Event, Prompt, Request, RequestHandle, Step};
 use thread_loop::EngineThread;
+pub use warm_up::WarmUp;
 
 enum Job {
     Generate {
@@ -57,6 +60,15 @@ enum Job {
         model: PathBuf,
         reply: mpsc::Sender<bool>,
     },
+    /// Nothing to do but look again: a warm-up ended, so requests it held may start.
+    Wake,
+}
+
+impl Job {
+    /// A request of the engine's own warm-up (`warm_up.rs`).
+    fn is_warm_up(&self) -> bool {
+        matches!(self, Job::Generate { request, .. } if request.warm_up)
+    }
 }
 
 /// Requests decoding together by default. On this CPU a batch of 8 tiny-Qwen3 streams gives
@@ -137,6 +149,12 @@ struct Inner {
     metrics: Arc<Metrics>,
     resident: Arc<std::sync::Mutex<Vec<ModelInfo>>>,
     max_queue: usize,
+    /// Requests decoding together at most (the warm-up fills a batch this wide).
+    max_batch: usize,
+    /// Each model's last warm-up (its folder, canonical).
+    warm_ups: std::sync::Mutex<HashMap<PathBuf, WarmUp>>,
+    /// Warm-ups running: while any does, other requests wait (see `EngineThread::warming`).
+    warming: Arc<AtomicUsize>,
     disk_stats: Option<crate::disk_cache::StatsReader>,
 }
 
@@ -198,6 +216,8 @@ impl Engine {
         let (worker_metrics, worker_queued) = (metrics.clone(), queued.clone());
         let resident = Arc::new(std::sync::Mutex::new(Vec::new()));
         let worker_resident = resident.clone();
+        let warming = Arc::new(AtomicUsize::new(0));
+        let worker_warming = warming.clone();
         // Models are not Send: the thread builds its state itself and never hands it out.
         let thread = thread::Builder::new()
             .name("rmlx-engine".into())
@@ -239,6 +259,7 @@ impl Engine {
                     batch: None,
                     joining: false,
                     grouping: false,
+                    warming: worker_warming,
                 }
                 .run(inbox)
             })
@@ -254,6 +275,9 @@ impl Engine {
                 metrics,
                 resident,
                 max_queue,
+                max_batch: options.max_batch.max(1),
+                warm_ups: Default::default(),
+                warming,
                 disk_stats,
             }),
         })

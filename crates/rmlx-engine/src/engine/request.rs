@@ -51,6 +51,9 @@ pub struct Request {
     /// Fault injection for tests: this request's work panics at that step, as a bug would.
     #[doc(hidden)]
     pub panic_at: Option<Step>,
+    /// The engine's own warm-up request (`Engine::warm_up`): no metrics, no prefix cache.
+    #[doc(hidden)]
+    pub warm_up: bool,
 }
 
 /// A step of the engine loop (see [`Request::panic_at`]).
@@ -81,6 +84,7 @@ impl Default for Request {
             image_soft_tokens: None,
             params: GenerateParams::default(),
             panic_at: None,
+            warm_up: false,
         }
     }
 }

@@ -125,6 +125,10 @@ pub(super) struct EngineThread {
     pub(super) joining: bool,
     /// Set while the group's caches are joined or stepped, likewise.
     pub(super) grouping: bool,
+    /// Warm-ups running (`warm_up.rs`): their requests go ahead of others, which wait until
+    /// every warm-up has ended, so a first request meets a model whose kernels are built and
+    /// a batch it has to itself.
+    pub(super) warming: Arc<AtomicUsize>,
 }
 
 impl EngineThread {
@@ -144,7 +148,7 @@ impl EngineThread {
             let idle = self.batch.is_none()
                 && self.admitting.is_empty()
                 && self.group.is_none()
-                && self.pending.is_empty()
+                && (self.pending.is_empty() || self.held())
                 && self.ready.is_empty();
             if idle && !self.loading.is_empty() {
                 // Only disk reads to wait for: look for them and for new jobs in turn.
@@ -163,13 +167,13 @@ impl EngineThread {
                 // Time spent idle is not time between decode steps.
                 crate::profile::idle();
                 match inbox.recv() {
-                    Ok(job) => self.pending.push_back(job),
+                    Ok(job) => self.queue(job),
                     Err(_) => break,
                 }
             }
             loop {
                 match inbox.try_recv() {
-                    Ok(job) => self.pending.push_back(job),
+                    Ok(job) => self.queue(job),
                     Err(mpsc::TryRecvError::Empty) => break,
                     Err(mpsc::TryRecvError::Disconnected) => {
                         open = false;
@@ -182,6 +186,31 @@ impl EngineThread {
             self.guarded(Self::decode_step);
             self.publish_in_flight();
         }
+    }
+
+    /// A job joins the queue: a warm-up's request ahead of every job not the warm-up's.
+    fn queue(&mut self, job: Job) {
+        match job {
+            Job::Wake => {}
+            job if job.is_warm_up() => {
+                let at = self
+                    .pending
+                    .iter()
+                    .position(|queued| !queued.is_warm_up())
+                    .unwrap_or(self.pending.len());
+                self.pending.insert(at, job);
+            }
+            job => self.pending.push_back(job),
+        }
+    }
+
+    /// Whether the queue's first job waits for a warm-up to end.
+    pub(super) fn held(&self) -> bool {
+        self.warming.load(std::sync::atomic::Ordering::SeqCst) > 0
+            && self
+                .pending
+                .front()
+                .is_some_and(|job| matches!(job, Job::Generate { .. }) && !job.is_warm_up())
     }
 
     /// Runs one step of the loop; a panic in it (a bug) costs only the requests that step held:

@@ -26,6 +26,8 @@ pub(super) struct Ticket {
     /// Set by [`Ticket::settle`]; a ticket dropped open was lost to a panic (see `Drop`).
     pub(super) closed: bool,
     pub(super) panic_at: Option<Step>,
+    /// The engine's own warm-up (`warm_up.rs`): kept out of metrics and the prefix cache.
+    pub(super) warm_up: bool,
 }
 
 impl Ticket {

@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 
-import { structureDetails } from './format';
+import { formatSeconds, structureDetails } from './format';
 
 describe('structureDetails', () => {
   it('drops the model type the server puts first', () => {
@@ -16,5 +16,19 @@ describe('structureDetails', () => {
 
   it('keeps a structure that does not start with the type', () => {
     expect(structureDetails('vision tower', undefined)).toBe('vision tower');
+  });
+});
+
+describe('formatSeconds', () => {
+  it('gives tenths under 10 s, whole seconds under a minute, then minutes', () => {
+    expect(formatSeconds(0.634)).toBe('0.6 s');
+    expect(formatSeconds(12.3)).toBe('12 s');
+    expect(formatSeconds(135)).toBe('2 min 15 s');
+  });
+
+  it('says unknown for what is not a duration', () => {
+    expect(formatSeconds(null)).toBe('—');
+    expect(formatSeconds(undefined)).toBe('—');
+    expect(formatSeconds(Number.NaN)).toBe('—');
   });
 });

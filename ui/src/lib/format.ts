@@ -27,6 +27,15 @@ export function formatTokens(count: number | null | undefined): string {
   return String(count);
 }
 
+/** 0.634 -> "0.6 s", 12.3 -> "12 s", 135 -> "2 min 15 s" (a warm-up's or a load's time). */
+export function formatSeconds(seconds: number | null | undefined): string {
+  if (seconds === null || seconds === undefined || !Number.isFinite(seconds) || seconds < 0) return '—';
+  if (seconds < 10) return `${seconds.toFixed(1)} s`;
+  if (seconds < 60) return `${Math.round(seconds)} s`;
+  const whole = Math.round(seconds);
+  return `${Math.floor(whole / 60)} min ${whole % 60} s`;
+}
+
 /**
  * The release structure the server recognised, without the model type it starts with:
  * ("gemma4, MoE 128 experts top-8, k_eq_v", "gemma4") -> "MoE 128 experts top-8, k_eq_v".

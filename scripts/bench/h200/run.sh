@@ -74,6 +74,17 @@ MODE=${MODE:-both}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 step() { echo "== $(date +%T) +${SECONDS}s $*"; }
+# The checkpoints of the speculative and fused-projection benches, made on the GPU once per
+# machine: 27 (Qwen3.6-27B's layer shapes, S_LAYERS layers, bf16) or 35 (Qwen3.6-35B-A3B's,
+# 8 layers, 4-bit); extra arguments (--mtp: a random draft head) go to the maker. Prints its path.
+spec_model() {
+  local which=$1; shift
+  local shape=()
+  [[ $which == 27 ]] && shape=(--release Qwen__Qwen3.6-27B --bits 16 --layers "${S_LAYERS:-8}")
+  python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" "${shape[@]}" "$@" \
+    > "/tmp/q$which-path" || return 1
+  tail -1 "/tmp/q$which-path"
+}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 # Stage a: copy the first carry folder out of the tree and unpack it.
@@ -175,13 +186,7 @@ if [[ $MODE == spec_profile ]]; then
   rc=0
   for which in ${S_MODELS:-27 35}; do
     step "model $which"
-    case $which in
-      27) python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" \
-            --release Qwen__Qwen3.6-27B --bits 16 --layers "${S_LAYERS:-8}" --mtp > /tmp/q$which-path || exit 1 ;;
-      35) python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" --mtp \
-            > /tmp/q$which-path || exit 1 ;;
-    esac
-    model=$(tail -1 /tmp/q$which-path)
+    model=$(spec_model "$which" --mtp) || exit 1
     name=$(basename "$model")
     for cell in ${S_CELLS:-verify head auto}; do
       left=$(( LIMIT - SECONDS ))
@@ -246,13 +251,7 @@ if [[ $MODE == fuse ]]; then
   rc=0
   for which in ${S_MODELS:-27 35}; do
     step "model $which"
-    case $which in
-      27) python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" \
-            --release Qwen__Qwen3.6-27B --bits 16 --layers "${S_LAYERS:-8}" > /tmp/q$which-path || exit 1 ;;
-      35) python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" \
-            > /tmp/q$which-path || exit 1 ;;
-    esac
-    model=$(tail -1 /tmp/q$which-path)
+    model=$(spec_model "$which") || exit 1
     name=$(basename "$model")
     for round in $(seq "${U_ROUNDS:-2}"); do
       for fuse in 1 0; do
@@ -295,13 +294,8 @@ if [[ $MODE == spec ]]; then
   models=()
   for which in ${S_MODELS:-27 35}; do
     step "model $which"
-    case $which in
-      27) python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" \
-            --release Qwen__Qwen3.6-27B --bits 16 --layers "${S_LAYERS:-8}" > /tmp/q27-path || exit 1 ;;
-      35) python3 scripts/bench/h200/make_qwen3_5_bench_model.py --device gpu --out "$BENCH" \
-            > /tmp/q35-path || exit 1 ;;
-    esac
-    models+=("$(tail -1 /tmp/q$which-path)")
+    model=$(spec_model "$which") || exit 1
+    models+=("$model")
   done
   rc=0
   for model in "${models[@]}"; do

@@ -58,7 +58,11 @@ async fn health_models_retrieve_load_unload() {
         (model["loaded"].clone(), model["vision"].clone()),
         (json!(false), json!(false))
     );
-    assert_eq!(model["warm_up_seconds"], Value::Null, "not loaded, not warmed up");
+    assert_eq!(
+        model["warm_up_seconds"],
+        Value::Null,
+        "not loaded, not warmed up"
+    );
 
     assert_eq!(get(&app, "/v1/models/qwen3-tiny").await.json()["id"], MODEL);
     let load = post(&app, "/v1/models/qwen3-tiny/load", &json!({})).await;
@@ -66,7 +70,11 @@ async fn health_models_retrieve_load_unload() {
     assert_eq!(load.json()["loaded"], true);
     assert_eq!(load.json()["model_type"], "qwen3");
     // Loading warms the model up (the default `warm_up`): its time is reported.
-    assert!(load.json()["warm_up_seconds"].as_f64().unwrap() > 0.0, "{}", load.text);
+    assert!(
+        load.json()["warm_up_seconds"].as_f64().unwrap() > 0.0,
+        "{}",
+        load.text
+    );
     assert_eq!(
         get(&app, "/v1/models").await.json()["data"][0]["loaded"],
         true

@@ -8,6 +8,7 @@ use std::{
 
 mod bench;
 mod bench_spec;
+mod cluster;
 mod launch;
 mod pull;
 mod serve;
@@ -51,6 +52,9 @@ enum Command {
     Launch(launch::LaunchArgs),
     /// Print the server's OpenAPI 3.1 document as YAML (what docs/openapi.yaml holds).
     Openapi,
+    /// Machines serving one model together: `rmlx cluster check HOSTFILE --rank N` joins the
+    /// group, agrees on versions and the model, and times the links (docs/DISTRIBUTED.md).
+    Cluster(cluster::ClusterArgs),
     /// Check the MLX runtime: library, version, device, and a few real operations.
     Doctor {
         /// Print one JSON object instead of text.
@@ -168,6 +172,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve::serve(args),
         Command::Pull(args) => pull::pull(args),
         Command::Launch(args) => launch::launch(args),
+        Command::Cluster(args) => cluster::cluster(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

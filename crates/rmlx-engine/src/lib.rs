@@ -6,6 +6,7 @@ pub mod chat;
 pub mod config;
 pub mod constrain;
 pub mod disk_cache;
+pub mod distributed;
 pub mod engine;
 pub mod error;
 pub mod generate;

@@ -1,0 +1,144 @@
+//! `rmlx cluster check`: joins the group a hostfile describes, checks that every rank runs the
+//! same rMLX, MLX and model, and times the links. Run it on every machine (or once per rank on
+//! one machine) before serving across them; docs/DISTRIBUTED.md has the hostfile.
+
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::Context;
+use mlx_rs::Array;
+use rmlx_engine::distributed::{fingerprint::model_fingerprint, Group, Hostfile};
+
+#[derive(clap::Args)]
+pub struct ClusterArgs {
+    #[command(subcommand)]
+    command: ClusterCommand,
+}
+
+#[derive(clap::Subcommand)]
+enum ClusterCommand {
+    /// Join the group, agree on versions and the model, and time the links.
+    Check(CheckArgs),
+}
+
+#[derive(clap::Args)]
+struct CheckArgs {
+    /// The cluster's hostfile (backend, hosts, port; docs/DISTRIBUTED.md).
+    hostfile: PathBuf,
+    /// This process's rank in the hostfile [default: $MLX_RANK].
+    #[arg(long)]
+    rank: Option<usize>,
+    /// A model folder every rank must hold the same (config, tokenizer, weight headers).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Seconds to wait for the other ranks to join; past it the process exits with status 3.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    join_timeout: u64,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// This process's rank: `--rank`, else `$MLX_RANK` (what `mlx.launch` sets).
+pub fn rank(given: Option<usize>) -> anyhow::Result<usize> {
+    match given {
+        Some(rank) => Ok(rank),
+        None => std::env::var("MLX_RANK")
+            .context("give --rank N (or set MLX_RANK)")?
+            .parse()
+            .context("MLX_RANK is not a rank number"),
+    }
+}
+
+pub fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
+    match args.command {
+        ClusterCommand::Check(args) => check(args),
+    }
+}
+
+fn check(args: CheckArgs) -> anyhow::Result<()> {
+    let hostfile = Hostfile::read(&args.hostfile)?;
+    let rank = rank(args.rank)?;
+    // Computed before joining: a rank that cannot read its model fails alone, not mid-check.
+    let model = match &args.model {
+        Some(dir) => Some(
+            model_fingerprint(dir)
+                .with_context(|| format!("cannot read the model folder {}", dir.display()))?,
+        ),
+        None => None,
+    };
+    let joined_at = std::time::Instant::now();
+    let group = Group::join(&hostfile, rank, Duration::from_secs(args.join_timeout))?;
+    let join_s = joined_at.elapsed().as_secs_f64();
+    let mlx = rmlx_engine::runtime::runtime_info()?.mlx_version;
+    group.agree("the rMLX version", env!("CARGO_PKG_VERSION"))?;
+    group.agree("the MLX version", &mlx)?;
+    if let Some(model) = &model {
+        group.agree("the model (config, tokenizer, weight headers)", model)?;
+    }
+    let size = group.size();
+    // Every collective checked against what it must give.
+    let mine = Array::from_slice(&[rank as f32 + 1.0, 10.0 * (rank as f32 + 1.0)], &[2]);
+    let sum = group.all_sum(&mine)?.as_slice::<f32>().to_vec();
+    let total = (size * (size + 1) / 2) as f32;
+    anyhow::ensure!(
+        sum == [total, 10.0 * total],
+        "all_sum gave {sum:?}, not {:?}",
+        [total, 10.0 * total]
+    );
+    let ranks = group
+        .all_gather(&Array::from_slice(&[rank as i32], &[1]))?
+        .as_slice::<i32>()
+        .to_vec();
+    anyhow::ensure!(
+        ranks == (0..size as i32).collect::<Vec<_>>(),
+        "all_gather gave {ranks:?}"
+    );
+    // Around the ring: each rank sends to the next and receives from the one before.
+    let (next, before) = ((rank + 1) % size, (rank + size - 1) % size);
+    group.send(&Array::from_slice(&[100 * rank as i32], &[1]), next)?;
+    let got = group.recv_like(&Array::from_slice(&[0i32], &[1]), before)?;
+    anyhow::ensure!(
+        got.as_slice::<i32>() == [100 * before as i32],
+        "rank {before} sent {:?}",
+        got.as_slice::<i32>()
+    );
+    // The latency of a small all_sum (what each decode step of a pipeline pays once).
+    let probe = Array::from_slice(&vec![1i32; size.max(2)], &[size.max(2) as i32]);
+    let mut times: Vec<f64> = (0..20)
+        .map(|_| {
+            let started = std::time::Instant::now();
+            group
+                .all_sum(&probe)
+                .map(|_| started.elapsed().as_secs_f64() * 1e3)
+        })
+        .collect::<Result<_, _>>()?;
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let report = serde_json::json!({
+        "rank": rank,
+        "size": size,
+        "backend": hostfile.backend.mlx_name(),
+        "endpoint": hostfile.endpoint(rank),
+        "join_s": join_s,
+        "rmlx_version": env!("CARGO_PKG_VERSION"),
+        "mlx_version": mlx,
+        "model_fingerprint": model,
+        "all_sum": sum,
+        "all_gather": ranks,
+        "received_from": before,
+        "small_all_sum_ms": median,
+    });
+    if args.json {
+        println!("{report}");
+    } else {
+        println!(
+            "rank {rank} of {size} ({}, {}): joined in {join_s:.2} s; rMLX {}, MLX {mlx}{} agreed; \
+             all_sum, all_gather, send/recv checked; a small all_sum takes {median:.2} ms",
+            hostfile.backend.mlx_name(),
+            hostfile.endpoint(rank),
+            env!("CARGO_PKG_VERSION"),
+            if model.is_some() { " and the model" } else { "" },
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,153 @@
+//! The group of a cluster (issue 33 a), with the real binary: two `rmlx cluster check`
+//! processes on loopback form a ring over MLX's distributed layer, agree on versions and the
+//! model, and pass every collective; a rank whose peer never comes exits within its watchdog,
+//! naming the peer; ranks holding different models refuse to go on.
+
+use std::{
+    io::Read,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+/// Two consecutive free loopback ports (rank i listens on port + i).
+fn free_ports() -> u16 {
+    for _ in 0..100 {
+        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = first.local_addr().unwrap().port();
+        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no two consecutive free ports");
+}
+
+fn hostfile(name: &str) -> (PathBuf, u16) {
+    let port = free_ports();
+    let path =
+        std::env::temp_dir().join(format!("rmlx-cluster-{name}-{}.json", std::process::id()));
+    let text = serde_json::json!({
+        "backend": "ring",
+        "port": port,
+        "hosts": [{"ip": "127.0.0.1"}, {"ip": "127.0.0.1"}],
+    });
+    std::fs::write(&path, text.to_string()).unwrap();
+    (path, port)
+}
+
+fn check(hostfile: &Path, rank: usize, model: Option<&str>, timeout: u64) -> Child {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rmlx"));
+    command
+        .args(["cluster", "check", "--json", "--rank", &rank.to_string()])
+        .args(["--join-timeout", &timeout.to_string()])
+        .arg(hostfile)
+        .env_remove("MLX_RANK")
+        .env_remove("MLX_HOSTFILE")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(model) = model {
+        command.arg("--model").arg(fixture(model));
+    }
+    command.spawn().unwrap()
+}
+
+/// Waits for `child` at most `limit` (then kills it: a test must never hang); its status,
+/// stdout and stderr.
+fn finish(mut child: Child, limit: Duration) -> (Option<i32>, String, String) {
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code();
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    (status, out, err)
+}
+
+#[test]
+fn two_ranks_join_agree_and_pass_every_collective() {
+    let (hostfile, port) = hostfile("ok");
+    let follower = check(&hostfile, 1, Some("qwen3-tiny"), 60);
+    let leader = check(&hostfile, 0, Some("qwen3-tiny"), 60);
+    let reports: Vec<serde_json::Value> = [leader, follower]
+        .into_iter()
+        .map(|child| {
+            let (status, out, err) = finish(child, Duration::from_secs(90));
+            assert_eq!(status, Some(0), "stdout: {out}\nstderr: {err}");
+            serde_json::from_str(out.trim()).unwrap()
+        })
+        .collect();
+    for (rank, report) in reports.iter().enumerate() {
+        assert_eq!(report["rank"], rank, "{report}");
+        assert_eq!(report["size"], 2);
+        assert_eq!(
+            report["endpoint"],
+            format!("127.0.0.1:{}", port as usize + rank)
+        );
+        assert_eq!(report["all_sum"], serde_json::json!([3.0, 30.0]));
+        assert_eq!(report["all_gather"], serde_json::json!([0, 1]));
+        assert_eq!(report["received_from"], 1 - rank);
+        assert!(report["small_all_sum_ms"].as_f64().unwrap() > 0.0);
+    }
+    assert_eq!(
+        reports[0]["model_fingerprint"],
+        reports[1]["model_fingerprint"]
+    );
+    assert!(reports[0]["model_fingerprint"].as_str().unwrap().len() == 64);
+    let _ = std::fs::remove_file(hostfile);
+}
+
+#[test]
+fn a_rank_whose_peer_never_comes_exits_within_its_watchdog() {
+    let (hostfile, port) = hostfile("alone");
+    let started = Instant::now();
+    let (status, out, err) = finish(check(&hostfile, 0, None, 5), Duration::from_secs(30));
+    let took = started.elapsed();
+    assert_eq!(status, Some(3), "stdout: {out}\nstderr: {err}");
+    assert!(took < Duration::from_secs(12), "exited after {took:?}");
+    assert!(
+        err.contains(&format!("rank 1 at 127.0.0.1:{}", port + 1)),
+        "the peer is not named: {err}"
+    );
+    let _ = std::fs::remove_file(hostfile);
+}
+
+#[test]
+fn ranks_holding_different_models_refuse_to_go_on() {
+    let (hostfile, _) = hostfile("models");
+    let follower = check(&hostfile, 1, Some("qwen3-vl-tiny"), 60);
+    let leader = check(&hostfile, 0, Some("qwen3-tiny"), 60);
+    for child in [leader, follower] {
+        let (status, out, err) = finish(child, Duration::from_secs(90));
+        assert_eq!(status, Some(1), "stdout: {out}\nstderr: {err}");
+        assert!(
+            err.contains("the ranks disagree on the model"),
+            "stderr: {err}"
+        );
+    }
+    let _ = std::fs::remove_file(hostfile);
+}

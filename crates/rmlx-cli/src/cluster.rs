@@ -96,11 +96,15 @@ fn check(args: CheckArgs) -> anyhow::Result<()> {
     // Around the ring: each rank sends to the next and receives from the one before.
     let (next, before) = ((rank + 1) % size, (rank + size - 1) % size);
     group.send(&Array::from_slice(&[100 * rank as i32], &[1]), next)?;
-    let got = group.recv_like(&Array::from_slice(&[0i32], &[1]), before)?;
+    let got = group.recv(&[1], mlx_rs::Dtype::Int32, before)?;
+    group.send(&Array::from_slice(&[0.5 + rank as f32, 2.0], &[1, 2]), next)?;
+    let like = group.recv_like(&Array::from_slice(&[0f32; 2], &[1, 2]), before)?;
     anyhow::ensure!(
-        got.as_slice::<i32>() == [100 * before as i32],
-        "rank {before} sent {:?}",
-        got.as_slice::<i32>()
+        got.as_slice::<i32>() == [100 * before as i32]
+            && like.as_slice::<f32>() == [0.5 + before as f32, 2.0],
+        "rank {before} sent {:?} and {:?}",
+        got.as_slice::<i32>(),
+        like.as_slice::<f32>()
     );
     // The latency of a small all_sum (what each decode step of a pipeline pays once).
     let probe = Array::from_slice(&vec![1i32; size.max(2)], &[size.max(2) as i32]);

@@ -422,6 +422,7 @@ fn doctor(json: bool) -> anyhow::Result<()> {
     // What `main` set for MLX (see `prepare_environment`), as this process runs with it.
     let check = rmlx_engine::runtime::CACHE_THRASHING_CHECK;
     let thrashing = std::env::var(check).unwrap_or_default();
+    let distributed = rmlx_engine::distributed::backends_available();
     if json {
         let value = serde_json::json!({
             "runtime": info,
@@ -429,6 +430,7 @@ fn doctor(json: bool) -> anyhow::Result<()> {
             "softmax_row_sums": [row_sum],
             "quantized_matmul_shape": y.shape(),
             "mlx_settings": { check: thrashing },
+            "distributed_backends": distributed.iter().cloned().collect::<std::collections::BTreeMap<_, _>>(),
         });
         println!("{value}");
     } else {
@@ -449,6 +451,11 @@ fn doctor(json: bool) -> anyhow::Result<()> {
             "4-bit affine quantized matmul 1x64 @ 64x64: shape {:?}",
             y.shape()
         );
+        let backends: Vec<String> = distributed
+            .iter()
+            .map(|(name, on)| format!("{name} {}", if *on { "yes" } else { "no" }))
+            .collect();
+        println!("distributed backends: {}", backends.join(", "));
     }
     if info.mlx_version != info.compiled_mlx_version {
         eprintln!(

@@ -45,6 +45,19 @@ fn mlx_cache_thrashing_check_is_off_unless_chosen() {
     assert_eq!(setting(Some("1")), "1");
 }
 
+/// The ring backend is in every MLX build (rmlx cluster check runs on it here).
+#[test]
+fn doctor_lists_the_distributed_backends() {
+    let output = rmlx().args(["doctor", "--json"]).output().unwrap();
+    assert!(output.status.success());
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(report["distributed_backends"]["ring"], true, "{report}");
+    assert!(
+        report["distributed_backends"]["jaccl"].is_boolean(),
+        "{report}"
+    );
+}
+
 #[test]
 fn missing_mlx_library_is_a_clear_message() {
     let empty = std::env::temp_dir().join(format!("rmlx-no-mlx-{}", std::process::id()));

@@ -21,7 +21,7 @@ use std::{
     time::Duration,
 };
 
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 
 pub use hostfile::{Backend, Hostfile, HostfileError};
 
@@ -60,6 +60,20 @@ pub enum DistributedError {
         first: String,
         theirs: String,
     },
+}
+
+/// Whether this MLX build has each backend rMLX can run a cluster on (`rmlx doctor`): the ring
+/// everywhere, JACCL on macOS 26.2 and later with RDMA enabled.
+pub fn backends_available() -> Vec<(&'static str, bool)> {
+    [Backend::Ring, Backend::Jaccl]
+        .into_iter()
+        .map(|backend| {
+            let name = std::ffi::CString::new(backend.mlx_name()).expect("no NUL in names");
+            // SAFETY: a query taking a C string that outlives it.
+            let available = unsafe { mlx_sys::mlx_distributed_is_available(name.as_ptr()) };
+            (backend.mlx_name(), available)
+        })
+        .collect()
 }
 
 /// This process's place in a group of processes, one per rank of the hostfile.
@@ -226,6 +240,27 @@ impl Group {
             mlx_sys::mlx_distributed_send(out, x.as_ptr(), to as i32, self.raw, stream)
         })
         .map(drop)
+    }
+
+    /// Receives from rank `from` an array of `shape` and `dtype`.
+    pub fn recv(
+        &self,
+        shape: &[i32],
+        dtype: Dtype,
+        from: usize,
+    ) -> Result<Array, DistributedError> {
+        // SAFETY: live handles for the call; `shape` outlives it.
+        self.collective("recv", |out, stream| unsafe {
+            mlx_sys::mlx_distributed_recv(
+                out,
+                shape.as_ptr(),
+                shape.len(),
+                dtype as mlx_sys::mlx_dtype,
+                from as i32,
+                self.raw,
+                stream,
+            )
+        })
     }
 
     /// Receives from rank `from` an array of `like`'s shape and dtype.

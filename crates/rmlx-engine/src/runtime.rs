@@ -275,6 +275,9 @@ pub struct Serving {
     /// Bytes set aside for the prefix cache (budgets given explicitly; the automatic ones take
     /// only what is left).
     pub reserved: u64,
+    /// The model's draft head will be loaded (speculation on and the checkpoint ships one): its
+    /// KV grows with the context beside the trunk's.
+    pub draft_head: bool,
 }
 
 /// What serving the model in `dir` as `serving` takes: [`memory_needed`] plus the KV cache
@@ -316,7 +319,10 @@ fn serving_costs(
 ) -> std::io::Result<(u64, u64)> {
     use crate::models::structure;
     let weights = memory_needed(dir)?;
-    let per_token = structure::kv_bytes_per_token_stored(config, serving.kv_bits);
+    let mut per_token = structure::kv_bytes_per_token_stored(config, serving.kv_bits);
+    if serving.draft_head {
+        per_token += structure::draft_head_kv_bytes_per_token(config, serving.kv_bits);
+    }
     let state = structure::fixed_state_bytes(config) * serving.rows.max(1) as u64;
     Ok((weights + state + serving.reserved, per_token))
 }
@@ -481,6 +487,44 @@ mod serving_tests {
         assert_eq!(
             largest_context_that_fits(&dir, &config, &serving, u64::MAX / 2).unwrap(),
             Some(40960)
+        );
+    }
+
+    /// A loaded draft head's KV counts per position beside the trunk's: the same memory then
+    /// holds a shorter context, by the head's share (one layer beside the trunk's full ones;
+    /// this fixture has one of those).
+    #[test]
+    fn a_loaded_draft_head_shortens_the_context_that_fits() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/releases/qwen3.6-27b");
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let trunk = crate::models::structure::kv_bytes_per_token(&config);
+        let head = crate::models::structure::draft_head_kv_bytes_per_token(&config, None);
+        assert!(head > 0 && head <= trunk, "{head} {trunk}");
+        let plain = Serving {
+            rows: 1,
+            max_ctx: Some(0),
+            ..Serving::default()
+        };
+        let base = memory_needed_at(&dir, &config, &plain).unwrap();
+        let available = base + 10_000 * (trunk + head);
+        let with_head = Serving {
+            draft_head: true,
+            max_ctx: None,
+            ..plain
+        };
+        let without = Serving {
+            max_ctx: None,
+            ..plain
+        };
+        assert_eq!(
+            largest_context_that_fits(&dir, &config, &with_head, available).unwrap(),
+            Some(10_000)
+        );
+        assert!(
+            largest_context_that_fits(&dir, &config, &without, available).unwrap() > Some(10_000)
         );
     }
 

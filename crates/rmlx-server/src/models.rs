@@ -77,7 +77,7 @@ fn model_object(
         structure: rmlx_engine::models::structure::describe(&config),
         fits: available.and_then(|available| fits(&entry.path, &config, &state.config, available)),
         max_context_fits: available.and_then(|available| {
-            let serving = serving(&state.config);
+            let serving = serving(&state.config, &entry.path);
             rmlx_engine::runtime::largest_context_that_fits(
                 &entry.path,
                 &config,
@@ -129,13 +129,17 @@ fn folder_size(dir: &std::path::Path, depth: usize) -> u64 {
 
 /// How this server holds a model (its context cap, batch rows, KV bits, explicit prefix-cache
 /// budgets).
-fn serving(server: &crate::ServerConfig) -> rmlx_engine::runtime::Serving {
+fn serving(server: &crate::ServerConfig, dir: &std::path::Path) -> rmlx_engine::runtime::Serving {
+    use rmlx_engine::speculative::SpeculativeMode;
     rmlx_engine::runtime::Serving {
         max_ctx: server.max_ctx,
         rows: server.max_batch,
         kv_bits: server.kv_bits,
         reserved: server.prefix_cache_bytes.unwrap_or(0)
             + server.prefix_snapshot_bytes.unwrap_or(0),
+        // Loaded with speculation on (its KV then counts), unless drafting is off.
+        draft_head: server.speculative != SpeculativeMode::Off
+            && rmlx_engine::models::ships_draft_head_at(dir),
     }
 }
 
@@ -150,7 +154,7 @@ fn fits(
     server: &crate::ServerConfig,
     available: u64,
 ) -> Option<Fits> {
-    let needed = rmlx_engine::runtime::memory_needed_at(dir, config, &serving(server)).ok()?;
+    let needed = rmlx_engine::runtime::memory_needed_at(dir, config, &serving(server, dir)).ok()?;
     Some(if needed > available {
         Fits::No
     } else if needed > available / 4 * 3 {

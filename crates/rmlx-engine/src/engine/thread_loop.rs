@@ -339,7 +339,9 @@ impl EngineThread {
             if let Some(draft) = &self.draft_model {
                 loaded = models::draft_model::attach(loaded, draft)?;
             }
-            let footprint = footprint(&key)?;
+            let mut footprint = footprint(&key)?;
+            // What the model holds per position, its loaded draft head's KV included.
+            footprint.kv_per_token = loaded.info.kv_bytes_per_token;
             self.models.insert(
                 key.clone(),
                 Resident {

@@ -342,7 +342,12 @@ pub fn load_model_with(dir: &Path, options: LoadOptions) -> Result<LoadedModel> 
         vision: config.json.get("vision_config").is_some(),
         weight_bytes: summary.bytes,
         structure: structure::describe(&config.json),
-        kv_bytes_per_token: structure::kv_bytes_per_token(&config.json),
+        // A loaded draft head keeps its own KV per position beside the trunk's.
+        kv_bytes_per_token: structure::kv_bytes_per_token(&config.json)
+            + match model.draft_head() {
+                Some(_) => structure::draft_head_kv_bytes_per_token(&config.json, None),
+                None => 0,
+            },
         recurrent_state_bytes: structure::recurrent_state_bytes(&config.json),
         window_state_bytes: structure::window_state_bytes(&config.json),
         draft_head: ships_draft_head,

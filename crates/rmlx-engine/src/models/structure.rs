@@ -169,16 +169,39 @@ fn cached_layer_rows(config: &Value, sliding: bool, kv_bits: Option<i32>) -> u64
             } else {
                 (kv_heads, head_dim)
             };
-            let group = 64.min(dim);
-            match kv_bits {
-                // Per group: `group * bits / 8` packed bytes, a scale and a bias.
-                Some(bits) if group >= 32 && dim % group == 0 => {
-                    2 * kv * (dim / group) * (group * bits as u64 / 8 + 2 * bytes)
-                }
-                _ => 2 * kv * dim * bytes,
-            }
+            layer_kv_bytes(kv, dim, bytes, kv_bits)
         })
         .sum()
+}
+
+/// One layer's K and V for one position: `kv` heads of `dim`, dense (`bytes` a value) or at
+/// `kv_bits` (per group of 64 or the head's width: `group * bits / 8` packed bytes, a scale
+/// and a bias; heads MLX cannot group stay dense).
+fn layer_kv_bytes(kv: u64, dim: u64, bytes: u64, kv_bits: Option<i32>) -> u64 {
+    let group = 64.min(dim);
+    match kv_bits {
+        Some(bits) if group >= 32 && dim.is_multiple_of(group) => {
+            2 * kv * (dim / group) * (group * bits as u64 / 8 + 2 * bytes)
+        }
+        _ => 2 * kv * dim * bytes,
+    }
+}
+
+/// Bytes per position of context the multi-token-prediction draft head's KV takes when it is
+/// loaded (Qwen3.5 / 3.6 `mtp_num_hidden_layers`: full-attention decoder layers whose caches
+/// follow the trunk's, one entry per trunk position), stored as the trunk's (`kv_bits`).
+pub fn draft_head_kv_bytes_per_token(config: &Value, kv_bits: Option<i32>) -> u64 {
+    let text = text(config);
+    let layers = int(text, "mtp_num_hidden_layers").unwrap_or(0);
+    if layers == 0 {
+        return 0;
+    }
+    let heads = int(text, "num_attention_heads").unwrap_or(1);
+    let kv = int(text, "num_key_value_heads").unwrap_or(heads);
+    let dim = int(text, "head_dim")
+        .or_else(|| int(text, "hidden_size").map(|hidden| hidden / heads.max(1)))
+        .unwrap_or(0);
+    layers * layer_kv_bytes(kv, dim, activation_bytes(config), kv_bits)
 }
 
 /// Bytes of the fixed per-sequence state of the linear-attention layers (Qwen3.5's Gated
@@ -220,6 +243,23 @@ mod tests {
             .join(release)
             .join("config.json");
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    }
+
+    /// Qwen3.6-27B's head is one full-attention layer (4 KV heads of 256, bf16): one more
+    /// layer's KV beside the trunk's 16; models without a head add nothing.
+    #[test]
+    fn the_draft_head_keeps_one_layer_of_kv() {
+        let qwen = real("Qwen__Qwen3.6-27B");
+        assert_eq!(draft_head_kv_bytes_per_token(&qwen, None), 2 * 4 * 256 * 2);
+        assert_eq!(kv_bytes_per_token(&qwen), 16 * 2 * 4 * 256 * 2);
+        assert_eq!(
+            draft_head_kv_bytes_per_token(&qwen, Some(8)),
+            2 * 4 * (256 / 64) * (64 + 2 * 2)
+        );
+        assert_eq!(
+            draft_head_kv_bytes_per_token(&real("Qwen__Qwen3-4B"), None),
+            0
+        );
     }
 
     #[test]

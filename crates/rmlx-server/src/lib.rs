@@ -351,15 +351,11 @@ pub async fn serve(config: ServerConfig) -> anyhow::Result<()> {
     use std::io::Write;
     std::io::stdout().flush()?;
     if let (true, Some(first)) = (state.config.warm_up, state.config.models.first()) {
-        let (engine, model, speculative) = (
-            state.engine.clone(),
-            first.clone(),
-            state.config.speculative,
-        );
+        let (engine, model) = (state.engine.clone(), first.clone());
         // Beside the listener: /health answers meanwhile, requests queue behind it.
         tokio::task::spawn_blocking(move || {
             let started = std::time::Instant::now();
-            match engine.warm_up(&model, speculative) {
+            match engine.warm_up(&model) {
                 Ok(done) => eprintln!(
                     "rmlx serve: {} loaded and warmed up in {:.1} s (warm-up {:.1} s: {} requests, \
                      batches up to {} rows{})",

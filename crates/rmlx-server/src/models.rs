@@ -44,6 +44,11 @@ fn model_object(
 ) -> ModelObject {
     let info = state.registry.info(entry);
     let config = read_config(&entry.path).unwrap_or(Value::Null);
+    let draft_head = info.as_ref().map_or_else(
+        || rmlx_engine::models::ships_draft_head_at(&entry.path),
+        |info| info.draft_head,
+    );
+    let serving = serving(&state.config, draft_head);
     ModelObject {
         id: entry.id.clone(),
         object: ModelObjectType::Model,
@@ -55,10 +60,7 @@ fn model_object(
             || crate::convert::config_has_vision(&config),
             |info| info.vision,
         ),
-        draft_head: info.as_ref().map_or_else(
-            || rmlx_engine::models::ships_draft_head_at(&entry.path),
-            |info| info.draft_head,
-        ),
+        draft_head,
         draft_model: state
             .config
             .draft_model
@@ -75,9 +77,8 @@ fn model_object(
         },
         deletable: entry.source != Source::Model,
         structure: rmlx_engine::models::structure::describe(&config),
-        fits: available.and_then(|available| fits(&entry.path, &config, &state.config, available)),
+        fits: available.and_then(|available| fits(&entry.path, &config, &serving, available)),
         max_context_fits: available.and_then(|available| {
-            let serving = serving(&state.config, &entry.path);
             rmlx_engine::runtime::largest_context_that_fits(
                 &entry.path,
                 &config,
@@ -128,8 +129,8 @@ fn folder_size(dir: &std::path::Path, depth: usize) -> u64 {
 }
 
 /// How this server holds a model (its context cap, batch rows, KV bits, explicit prefix-cache
-/// budgets).
-fn serving(server: &crate::ServerConfig, dir: &std::path::Path) -> rmlx_engine::runtime::Serving {
+/// budgets; `draft_head`: the checkpoint ships one).
+fn serving(server: &crate::ServerConfig, draft_head: bool) -> rmlx_engine::runtime::Serving {
     use rmlx_engine::speculative::SpeculativeMode;
     rmlx_engine::runtime::Serving {
         max_ctx: server.max_ctx,
@@ -138,8 +139,7 @@ fn serving(server: &crate::ServerConfig, dir: &std::path::Path) -> rmlx_engine::
         reserved: server.prefix_cache_bytes.unwrap_or(0)
             + server.prefix_snapshot_bytes.unwrap_or(0),
         // Loaded with speculation on (its KV then counts), unless drafting is off.
-        draft_head: server.speculative != SpeculativeMode::Off
-            && rmlx_engine::models::ships_draft_head_at(dir),
+        draft_head: draft_head && server.speculative != SpeculativeMode::Off,
     }
 }
 
@@ -151,10 +151,10 @@ fn serving(server: &crate::ServerConfig, dir: &std::path::Path) -> rmlx_engine::
 fn fits(
     dir: &std::path::Path,
     config: &Value,
-    server: &crate::ServerConfig,
+    serving: &rmlx_engine::runtime::Serving,
     available: u64,
 ) -> Option<Fits> {
-    let needed = rmlx_engine::runtime::memory_needed_at(dir, config, &serving(server, dir)).ok()?;
+    let needed = rmlx_engine::runtime::memory_needed_at(dir, config, serving).ok()?;
     Some(if needed > available {
         Fits::No
     } else if needed > available / 4 * 3 {
@@ -308,11 +308,11 @@ pub async fn load(
 ) -> Result<Json<ModelObject>, ApiError> {
     let entry = state.registry.resolve(&id)?;
     let path = entry.path.clone();
-    let (warm_up, speculative) = (state.config.warm_up, state.config.speculative);
+    let warm_up = state.config.warm_up;
     let info = on_engine(&state, move |engine| {
         let info = engine.model_info(&path)?;
         if warm_up {
-            engine.warm_up(&path, speculative)?;
+            engine.warm_up(&path)?;
         }
         Ok(info)
     })

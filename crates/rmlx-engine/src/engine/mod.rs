@@ -151,6 +151,8 @@ struct Inner {
     max_queue: usize,
     /// Requests decoding together at most (the warm-up fills a batch this wide).
     max_batch: usize,
+    /// Speculative decoding for requests that do not choose (the warm-up steps it if on).
+    speculative: crate::speculative::SpeculativeMode,
     /// Each model's last warm-up (its folder, canonical).
     warm_ups: std::sync::Mutex<HashMap<PathBuf, WarmUp>>,
     /// Warm-ups running: while any does, other requests wait (see `EngineThread::warming`).
@@ -276,6 +278,7 @@ impl Engine {
                 resident,
                 max_queue,
                 max_batch: options.max_batch.max(1),
+                speculative: options.speculative,
                 warm_ups: Default::default(),
                 warming,
                 disk_stats,

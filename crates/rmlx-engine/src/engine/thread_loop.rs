@@ -60,8 +60,9 @@ impl Resident {
     }
 }
 
-/// A model's weights, KV per token and recurrent state, from its folder.
-fn footprint(dir: &Path) -> Result<ModelFootprint> {
+/// A model's weights and recurrent state, from its folder, and the KV per token it holds as
+/// loaded (`kv_per_token`: its draft head's included).
+fn footprint(dir: &Path, kv_per_token: u64) -> Result<ModelFootprint> {
     let io = |error: std::io::Error| EngineError::Io {
         path: dir.to_path_buf(),
         message: error.to_string(),
@@ -74,7 +75,7 @@ fn footprint(dir: &Path) -> Result<ModelFootprint> {
         })?;
     Ok(ModelFootprint {
         weights: crate::runtime::memory_needed(dir).map_err(io)?,
-        kv_per_token: models::structure::kv_bytes_per_token(&config),
+        kv_per_token,
         // Sliding windows count with the recurrent state: past the window the prefix cache
         // keeps them as snapshots.
         recurrent_state: models::structure::fixed_state_bytes(&config),
@@ -339,9 +340,7 @@ impl EngineThread {
             if let Some(draft) = &self.draft_model {
                 loaded = models::draft_model::attach(loaded, draft)?;
             }
-            let mut footprint = footprint(&key)?;
-            // What the model holds per position, its loaded draft head's KV included.
-            footprint.kv_per_token = loaded.info.kv_bytes_per_token;
+            let footprint = footprint(&key, loaded.info.kv_bytes_per_token)?;
             self.models.insert(
                 key.clone(),
                 Resident {

@@ -68,7 +68,7 @@ fn prompt(vocab: usize, len: usize, seed: usize) -> Vec<u32> {
 impl Engine {
     /// Loads `model` if needed, then runs the warm-up. Requests sent meanwhile wait until it
     /// ends (its own requests go ahead of them), as they would for the load.
-    pub fn warm_up(&self, model: &Path, speculative: SpeculativeMode) -> Result<WarmUp> {
+    pub fn warm_up(&self, model: &Path) -> Result<WarmUp> {
         let info = self.model_info(model)?;
         let _holding = Warming::begin(self);
         let started = Instant::now();
@@ -116,7 +116,7 @@ impl Engine {
         wait_all(burst)?;
         // A speculative step of every depth, each rolled back (the drafts are never right):
         // the model's own draft model or head where it has one, else drafts made up here.
-        let speculates = speculative != SpeculativeMode::Off;
+        let speculates = self.inner.speculative != SpeculativeMode::Off;
         if speculates {
             let spec = if info.draft_head_loaded {
                 SpeculativeParams {

@@ -123,6 +123,9 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         prefix_cache_bytes: Some(0),
         prefix_snapshot_bytes: Some(0),
         kv_bits: args.kv_bits,
+        // Plain decode, as the peers it is compared with run (and no draft head primed);
+        // --draft-accuracy measures speculation against it.
+        speculative: rmlx_engine::speculative::SpeculativeMode::Off,
         ..EngineOptions::default()
     })?;
     let vocab = engine.model_info(&model)?.vocab_size;

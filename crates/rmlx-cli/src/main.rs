@@ -132,7 +132,7 @@ struct GenerateArgs {
 }
 
 /// `--speculative`'s default: the engine's.
-const DEFAULT_SPECULATIVE: &str = "off";
+const DEFAULT_SPECULATIVE: &str = "auto";
 
 /// `--speculative auto|off|lookup|mtp|draft`.
 pub(crate) fn parse_speculative(

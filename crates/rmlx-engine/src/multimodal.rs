@@ -96,7 +96,7 @@ pub fn check_blocks(images: &ImagePrefill, range: Range<usize>) -> Result<()> {
 /// pairs a zero hidden state first (see `DraftHead::prime`).
 pub fn prefill_piece(
     model: &dyn VisionLanguageModel,
-    primed: Option<(&dyn DraftHead, &Array, bool)>,
+    primed: Option<(&dyn DraftHead, &Array)>,
     images: &ImagePrefill,
     prompt: &[u32],
     piece: Range<usize>,
@@ -129,16 +129,14 @@ pub fn prefill_piece(
                 grid_thw: images.features.grid_thw[first..=last].to_vec(),
             };
             match primed {
-                Some((head, next, carry)) => {
-                    head.prime(&input, Some(&features), next, carry, caches)?
-                }
+                Some((head, next)) => head.prime(&input, Some(&features), next, caches)?,
                 None => {
                     model.forward_with_images(&input, Some(&features), caches, Logits::Last)?;
                 }
             }
         }
         _ => match primed {
-            Some((head, next, carry)) => head.prime(&input, None, next, carry, caches)?,
+            Some((head, next)) => head.prime(&input, None, next, caches)?,
             None => {
                 model.forward(&input, caches, Logits::Last)?;
             }

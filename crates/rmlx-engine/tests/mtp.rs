@@ -79,7 +79,6 @@ fn head_against_golden(dir: &std::path::Path, golden: &Golden, what: &str) -> f3
         &ids_array(&ids[..n - 1]),
         None,
         &ids_array(&ids[1..]),
-        false,
         &mut caches,
     )
     .unwrap();

@@ -546,3 +546,55 @@ fn cancel_stops_a_speculative_answer_between_steps() {
     assert!(given < 1500, "{given}");
     assert_eq!(completion.token_ids[..], plain.token_ids[..given]);
 }
+
+/// `auto` is the engine's default: a request that does not choose drafts by prompt lookup when
+/// greedy or sampled without a seed, and a seeded sampled request decodes plainly (a depth
+/// chosen from timings would make its answer differ between runs): the same answer twice,
+/// equal to an engine with speculation off.
+#[test]
+fn auto_is_the_default_and_leaves_seeded_sampling_plain() {
+    let dir = "releases/gemma-4-e2b-it";
+    let phrase = text_ids(12, 3, 10, 900);
+    let prompt: Vec<u32> = phrase.iter().cycle().take(12 * 6).copied().collect();
+    let engine = |speculative: Option<SpeculativeMode>| {
+        let mut options = EngineOptions {
+            max_queue: 4,
+            prefix_cache_bytes: Some(0),
+            prefix_snapshot_bytes: Some(0),
+            ..EngineOptions::default()
+        };
+        if let Some(mode) = speculative {
+            options.speculative = mode;
+        }
+        Engine::start_with(options).unwrap()
+    };
+    let (default, off) = (engine(None), engine(Some(SpeculativeMode::Off)));
+    let ask = |engine: &Engine, temperature: f32, seed: Option<u64>| -> Completion {
+        let mut params = params(64, None);
+        params.speculative.mode = None;
+        params.sampling.temperature = temperature;
+        params.sampling.seed = seed;
+        let request = Request {
+            model: fixture(dir),
+            prompt: Prompt::Ids(prompt.clone()),
+            params,
+            ..Request::default()
+        };
+        engine.submit(request).unwrap().wait().unwrap()
+    };
+    let greedy = ask(&default, 0.0, None);
+    assert_same(&ask(&off, 0.0, None), &greedy, "greedy, auto by default");
+    assert!(greedy.timings.draft_tokens > 0, "auto did not draft");
+    let seeded = ask(&default, 0.9, Some(7));
+    assert_eq!(
+        seeded.timings.draft_tokens, 0,
+        "a seeded sampled row drafted"
+    );
+    assert_eq!(ask(&default, 0.9, Some(7)).token_ids, seeded.token_ids);
+    assert_eq!(ask(&off, 0.9, Some(7)).token_ids, seeded.token_ids);
+    let unseeded = ask(&default, 0.01, None);
+    assert!(
+        unseeded.timings.draft_tokens > 0,
+        "an unseeded sampled row did not draft"
+    );
+}

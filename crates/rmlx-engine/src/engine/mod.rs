@@ -124,7 +124,7 @@ impl Default for EngineOptions {
             kv_bits: None,
             prefix_disk_dir: None,
             prefix_disk_bytes: None,
-            speculative: crate::speculative::SpeculativeMode::default(),
+            speculative: crate::speculative::SpeculativeMode::Auto,
             draft_model: None,
             disk_read_delay: None,
         }

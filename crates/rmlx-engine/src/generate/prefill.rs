@@ -40,9 +40,6 @@ pub struct Prefill {
     snapshots: Vec<CachedSequence>,
     images: Option<ImagePrefill>,
     started: Instant,
-    /// Whether the next piece's first token is paired with a zero hidden state in the draft
-    /// head, whose caches then hold one position fewer than the trunk's (see `align_head`).
-    head_carry: bool,
     /// The most prompts prefilled in one forward with this one (see [`step_together`]).
     prefilled_with: usize,
 }
@@ -68,7 +65,6 @@ impl Prefill {
                 "at most {MAX_TOP_LOGPROBS} top log-probs per token"
             )));
         }
-        let mut head_carry = false;
         let (caches, cached_tokens) = match reuse {
             Some(reuse)
                 if reuse.cached_tokens < prompt_ids.len()
@@ -84,7 +80,8 @@ impl Prefill {
                 draft_caches
                     .iter_mut()
                     .for_each(|cache| cache.truncate(reuse.cached_tokens as i32));
-                head_carry = align_head(model, &mut caches, reuse.cached_tokens, max_ctx)?;
+                let next = prompt_ids[reuse.cached_tokens];
+                align_head(model, &mut caches, reuse.cached_tokens, next, max_ctx)?;
                 caches.append(&mut draft_caches);
                 (caches, reuse.cached_tokens)
             }
@@ -138,7 +135,6 @@ impl Prefill {
             snapshots: Vec::new(),
             images,
             started,
-            head_carry,
             prefilled_with: 0,
         })
     }
@@ -171,10 +167,9 @@ impl Prefill {
     }
 
     /// Whether its next piece may run as a row of a group's forward ([`step_together`]): text
-    /// only (image pieces place features row by row), and not a reused prefix's first piece
-    /// with a draft head (that piece pairs its first token with a zero hidden state).
+    /// only (image pieces place features row by row).
     pub fn groups(&self) -> bool {
-        self.images.is_none() && !self.head_carry && !self.pieces.is_empty()
+        self.images.is_none() && !self.pieces.is_empty()
     }
 
     /// Its caches, taken out while they are a row of a group's (see [`step_together`]).
@@ -220,11 +215,9 @@ impl Prefill {
         // piece never ends at the last prompt token (the first decode step feeds it).
         let primed = model.draft_head().map(|head| {
             let next = as_input(&self.prompt_ids[piece.start + 1..=piece.end]);
-            (head, next, std::mem::take(&mut self.head_carry))
+            (head, next)
         });
-        let primed = primed
-            .as_ref()
-            .map(|(head, next, carry)| (*head, next, *carry));
+        let primed = primed.as_ref().map(|(head, next)| (*head, next));
         let own = crate::models::draft_model::own_caches(model, self.caches.len());
         let (caches, draft_caches) = self.caches.split_at_mut(own);
         match (&self.images, model.as_vision()) {
@@ -239,7 +232,7 @@ impl Prefill {
             _ => {
                 let input = as_input(&self.prompt_ids[piece.clone()]);
                 match primed {
-                    Some((head, next, carry)) => head.prime(&input, None, next, carry, caches)?,
+                    Some((head, next)) => head.prime(&input, None, next, caches)?,
                     None => {
                         model.forward(&input, caches, Logits::Last)?;
                     }
@@ -315,12 +308,16 @@ impl Prefill {
             .min(self.max_ctx - self.prompt_ids.len() + 1);
         let has_head = model.draft_head().is_some();
         let has_draft_model = model.draft_model().is_some();
-        let (proposer, depth) =
-            match crate::speculative::Proposer::new(&params.speculative, has_head, has_draft_model)
-            {
-                Some((proposer, depth)) => (Some(proposer), depth),
-                None => (None, None),
-            };
+        let seeded_sampling = !params.sampling.is_greedy() && params.sampling.seed.is_some();
+        let (proposer, depth) = match crate::speculative::Proposer::new(
+            &params.speculative,
+            has_head,
+            has_draft_model,
+            seeded_sampling,
+        ) {
+            Some((proposer, depth)) => (Some(proposer), depth),
+            None => (None, None),
+        };
         let sequence = Sequence {
             sampler: Sampler::new(&params.sampling)?,
             constraint,
@@ -405,7 +402,7 @@ pub fn step_together(
     match model.draft_head() {
         // Each position paired with the token after it (a piece never ends at the last prompt
         // token, so it is the prompt's).
-        Some(head) => head.prime(&input, None, &ids(1), false, trunk)?,
+        Some(head) => head.prime(&input, None, &ids(1), trunk)?,
         None => {
             model.forward(&input, trunk, Logits::Last)?;
         }
@@ -450,19 +447,21 @@ fn draft_caches_hold(model: &dyn LanguageModel, caches: &[KvCache], cached: usiz
 
 /// A reused prefix of `cached` tokens for a model with a draft head: the head's last entry
 /// paired the trunk's hidden state at `cached - 1` with the token after it in the stored
-/// conversation, which this prompt may not share, so it goes, and the first piece re-pairs that
-/// position with this prompt's token and a zero hidden state (the stored one is not kept; the
-/// head then sees that token alone). Returns whether that pair is due. A prefix whose head caches are missing
-/// or shorter (stored without a head, or its last tokens never taken in) gets fresh head caches
-/// that start at the right rotary position, with no history.
+/// conversation, which this prompt may not share, so it goes, and that position is re-paired
+/// with this prompt's token `next` and a zero hidden state (the stored one is not kept; the
+/// head then sees that token alone) right here, so the prompt's pieces prime as a fresh
+/// prompt's do (and prefill in a group). A prefix whose head caches are missing or shorter
+/// (stored without a head, or its last tokens never taken in) gets fresh head caches that start
+/// at the right rotary position, with no history.
 fn align_head(
     model: &dyn LanguageModel,
     caches: &mut Vec<KvCache>,
     cached: usize,
+    next: u32,
     max_ctx: usize,
-) -> Result<bool> {
+) -> Result<()> {
     let Some(head) = model.draft_head() else {
-        return Ok(false);
+        return Ok(());
     };
     let trunk = model.num_layers();
     let keep = cached.saturating_sub(1) as i32;
@@ -481,7 +480,11 @@ fn align_head(
             caches.push(fresh);
         }
     }
-    Ok(cached > 0)
+    if cached > 0 {
+        head.take_in_alone(&as_input(&[next]), &mut caches[trunk..])?;
+        crate::runtime::eval(caches[trunk..].iter().flat_map(|cache| cache.state()))?;
+    }
+    Ok(())
 }
 
 /// Where a prefill snapshots its caches for the prefix cache. A recurrent state cannot be cut

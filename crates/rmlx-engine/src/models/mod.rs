@@ -87,19 +87,21 @@ pub trait DraftHead {
     /// Caches the head keeps after the trunk's (one per head layer).
     fn head_layers(&self) -> usize;
 
-    /// A prefill piece (`inputs` `[1, L]`, with its image features if any) through the trunk,
-    /// then the head over each position's hidden state paired with `next` `[1, L]` (the token
-    /// after each input). `carry`: the head's caches hold one position fewer than the trunk's
-    /// (a reused prefix whose hidden state there is not kept): the piece's first token is
-    /// paired with a zero hidden state at the position before the piece.
+    /// A prefill piece (`inputs` `[B, L]`, with its image features if any) through the trunk,
+    /// then the head over each position's hidden state paired with `next` `[B, L]` (the token
+    /// after each input).
     fn prime(
         &self,
         inputs: &Array,
         features: Option<&VisionFeatures>,
         next: &Array,
-        carry: bool,
         caches: &mut [KvCache],
     ) -> Result<()>;
+
+    /// `token` `[1, 1]` paired with a zero hidden state at the next position of the head's
+    /// `caches`: a reused prefix's head holds one position fewer than its trunk (the hidden
+    /// state there is not kept), and the prompt's token after the prefix fills it alone.
+    fn take_in_alone(&self, token: &Array, caches: &mut [KvCache]) -> Result<()>;
 
     /// [`LanguageModel::forward`] that also returns the final-norm hidden states of every input
     /// position, `[B, L, H]` (text only).

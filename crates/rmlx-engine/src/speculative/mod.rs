@@ -33,7 +33,8 @@ pub enum SpeculativeMode {
     /// The model's draft head if it has one, else a draft model if one is paired with it, else
     /// prompt lookup, its depth chosen per request
     /// from measured acceptance and step costs (`depth.rs`): it switches itself off where it
-    /// loses.
+    /// loses. A sampled request with a seed decodes plainly: a depth chosen from timings would
+    /// make its answer differ between runs. The engine's default.
     Auto,
 }
 
@@ -66,7 +67,7 @@ pub const DEFAULT_MAX_DRAFT: usize = 4;
 /// A request's speculative decoding.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct SpeculativeParams {
-    /// None: the engine's default (`EngineOptions::speculative`; off when run alone).
+    /// None: the engine's default (`EngineOptions::speculative`, `auto`; off when run alone).
     #[serde(default)]
     pub mode: Option<SpeculativeMode>,
     /// Tokens drafted per step at most (k).
@@ -122,14 +123,19 @@ pub(crate) enum Proposer {
 
 impl Proposer {
     /// The proposer and, for `auto`, its depth control. `has_head`: the model's draft head is
-    /// loaded; `has_draft_model`: a draft model is paired with it.
+    /// loaded; `has_draft_model`: a draft model is paired with it; `seeded_sampling`: the
+    /// request samples with a seed, so `auto` leaves it plain (its depth would follow timings,
+    /// and the seed would no longer give one answer).
     pub(crate) fn new(
         params: &SpeculativeParams,
         has_head: bool,
         has_draft_model: bool,
+        seeded_sampling: bool,
     ) -> Option<(Self, Option<depth::DepthControl>)> {
         let mode = params.mode.unwrap_or_default();
-        if params.max_draft == 0 || (params.drafter.is_none() && mode == SpeculativeMode::Off) {
+        let plain =
+            mode == SpeculativeMode::Off || (mode == SpeculativeMode::Auto && seeded_sampling);
+        if params.max_draft == 0 || (params.drafter.is_none() && plain) {
             return None;
         }
         let head = has_head && matches!(mode, SpeculativeMode::Mtp | SpeculativeMode::Auto);

@@ -321,7 +321,6 @@ impl DraftHead for Model {
         inputs: &Array,
         features: Option<&VisionFeatures>,
         next: &Array,
-        carry: bool,
         caches: &mut [KvCache],
     ) -> Result<()> {
         let trunk_layers = self.num_layers();
@@ -332,26 +331,7 @@ impl DraftHead for Model {
             RotaryAngles::for_chunk(&rows, trunk, &self.language.rope, self.language.rotary_dim)?;
         let hidden = self.language.trunk(chunk.h.clone(), &rotary, trunk)?;
         // Pair i: the hidden state at input i with the token after it, at input i's position.
-        let (tokens, hidden, rotary) = match carry {
-            false => (next.clone(), hidden, rotary),
-            true => {
-                let shape = hidden.shape();
-                let carry = mlx_rs::ops::zeros_dtype(&[1, 1, shape[2]], hidden.dtype())?;
-                let first = mlx_rs::ops::indexing::IndexOp::index(inputs, (.., ..1));
-                let before: [Vec<i32>; 3] = std::array::from_fn(|axis| {
-                    std::iter::once(rows[0][0] - 1)
-                        .chain(rows[axis].iter().copied())
-                        .collect()
-                });
-                let before = [&before[0][..], &before[1][..], &before[2][..]];
-                (
-                    mlx_rs::ops::concatenate(&[&first, next], 1)?,
-                    mlx_rs::ops::concatenate(&[carry, hidden], 1)?,
-                    RotaryAngles::new(&before, &self.language.rope, self.language.rotary_dim)?,
-                )
-            }
-        };
-        let embeds = self.language.embed_tokens.forward(&tokens)?;
+        let embeds = self.language.embed_tokens.forward(next)?;
         self.head().forward(&embeds, &hidden, &rotary, head)?;
         self.set_rope_delta(&chunk, caches);
         Ok(())
@@ -391,6 +371,12 @@ impl DraftHead for Model {
             RotaryAngles::for_chunk(&rows, caches, &self.language.rope, self.language.rotary_dim)?;
         let embeds = self.language.embed_tokens.forward(tokens)?;
         self.head().forward(&embeds, hidden, &rotary, caches)
+    }
+
+    fn take_in_alone(&self, token: &Array, caches: &mut [KvCache]) -> Result<()> {
+        let zeros = mlx_rs::ops::zeros_like(&self.language.embed_tokens.forward(token)?)?;
+        self.head_forward(token, &zeros, caches)?;
+        Ok(())
     }
 
     fn head_logits(&self, outputs: &Array) -> Result<Array> {

@@ -899,6 +899,11 @@ impl KvCache {
         self.max_ctx = max_ctx.min(i32::MAX as usize) as i32;
     }
 
+    /// Positions that may still be written before the context is full.
+    pub fn room(&self) -> i32 {
+        self.max_ctx.saturating_sub(self.offset).max(0)
+    }
+
     /// Positions allocated (what the cache holds in memory).
     pub fn capacity(&self) -> i32 {
         self.parts

@@ -75,6 +75,7 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
     }
     let count = rows.len();
     let mut fresh = vec![false; count];
+    let mut nan_rows = None;
     let stepped = rows.iter_mut().any(|row| row.sequence().wants_step());
     if stepped {
         let mut queued = Vec::new();
@@ -117,6 +118,11 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
             None => model.forward(&input, caches, Logits::Last)?,
         };
         let logits = logits.index((.., -1, ..));
+        if super::finite::enabled() {
+            let flags = super::finite::nan_rows(&logits)?;
+            queued.push(flags.clone());
+            nan_rows = Some(flags);
+        }
         // Greedy rows with no processor but a logit bias are sampled in one op for the whole
         // batch (one bias add, one log-softmax, one argmax, one host read), not row by row.
         let together = if count > 1
@@ -173,6 +179,9 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
     let bytes = kv_bytes(caches, rows.len());
     for (row, fresh) in rows.iter_mut().zip(fresh) {
         read_all(row, tokenizer, bytes, fresh as usize)?;
+    }
+    if super::finite::enabled() {
+        super::finite::check_previous(nan_rows, caches, rows)?;
     }
     // A turn that only reads the tokens of steps queued before (every row done) is no step.
     if let Some(clock) = clock.filter(|_| stepped) {

@@ -112,6 +112,16 @@ pub(super) fn catch_up<R: DecodeRow>(
     if width == 0 {
         return Ok(None);
     }
+    // Widths rounded up to a power of two (where the context has room): a width is a shape,
+    // MLX compiles kernels per shape (seconds each on CUDA), and how many pairs are pending
+    // depends on when rows probe, so unrounded widths would keep meeting new ones.
+    let room = head_caches
+        .iter()
+        .map(KvCache::room)
+        .min()
+        .unwrap_or(0)
+        .max(0) as usize;
+    let width = width.next_power_of_two().min(room.max(width));
     let mut tokens = Vec::with_capacity(rows.len() * width);
     let mut hidden = Vec::with_capacity(rows.len());
     let mut size = None;

@@ -6,10 +6,11 @@
 //! `prefill.rs`, `sequence.rs` (one request's decode state), `batch.rs` (a batch's decode step), `verify.rs` (a speculative step), `settle.rs` (its sampled, penalised
 //! and constrained rows),
 //! `head.rs` (the model's own draft head in the decode loop), `draft.rs` (a separate draft model
-//! in it).
+//! in it), `finite.rs` (a debugging check for NaN logits).
 
 mod batch;
 mod draft;
+mod finite;
 mod head;
 mod params;
 mod prefill;

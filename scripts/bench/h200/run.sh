@@ -31,7 +31,8 @@
 #   S_MODELS ("27 35": one call may hold only one; a later warm call keeps the made checkpoints),
 #   S_CELLS ("verify c1 c8 ragged").
 # MODE=spec_profile (step 2 instead; issues 30, 31): the same shapes with random `mtp.*` heads;
-#   `rmlx bench --step-profile` per cell of S_CELLS ("verify head auto"; also "c8", and "prime":
+#   `rmlx bench --step-profile` per cell of S_CELLS ("verify head auto"; also "auto0" (p = 0
+#   alone), "c8", and "prime":
 #   TTFT and peak memory over an S_PRIME_PROMPT (4096) token prompt with and without the head),
 #   S_RUNS (2). Verify and head at the same depths (1, 3): their step times' difference is the
 #   head's k draft steps.
@@ -196,6 +197,8 @@ if [[ $MODE == spec_profile ]]; then
         verify) flags=(--draft-accuracy 0 --draft-depth 1,3) ;;
         head) flags=(--draft-head --draft-accuracy 1,0 --draft-depth 1,3) ;;
         auto) flags=(--draft-head --draft-accuracy 1,0) ;;
+        # The random head alone (no forced cell before it to leave a kept-drafts prior).
+        auto0) flags=(--draft-head --draft-accuracy 0) ;;
         c8) flags=(--draft-accuracy 0.5 --concurrency "${S_STREAMS:-8}") ;;
         # Priming the head over a long prompt: TTFT and each arm's peak, with and without it.
         prime) flags=(--draft-head --draft-accuracy 1 --draft-depth 1)

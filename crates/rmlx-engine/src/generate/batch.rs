@@ -75,7 +75,6 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
     }
     let count = rows.len();
     let mut fresh = vec![false; count];
-    let mut nan_rows = None;
     let stepped = rows.iter_mut().any(|row| row.sequence().wants_step());
     if stepped {
         let mut queued = Vec::new();
@@ -119,9 +118,7 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
         };
         let logits = logits.index((.., -1, ..));
         if super::finite::enabled() {
-            let flags = super::finite::nan_rows(&logits)?;
-            queued.push(flags.clone());
-            nan_rows = Some(flags);
+            queued.extend(super::finite::check(&logits, &input, caches, rows)?);
         }
         // Greedy rows with no processor but a logit bias are sampled in one op for the whole
         // batch (one bias add, one log-softmax, one argmax, one host read), not row by row.
@@ -179,9 +176,6 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
     let bytes = kv_bytes(caches, rows.len());
     for (row, fresh) in rows.iter_mut().zip(fresh) {
         read_all(row, tokenizer, bytes, fresh as usize)?;
-    }
-    if super::finite::enabled() {
-        super::finite::check_previous(nan_rows, caches, rows)?;
     }
     // A turn that only reads the tokens of steps queued before (every row done) is no step.
     if let Some(clock) = clock.filter(|_| stepped) {

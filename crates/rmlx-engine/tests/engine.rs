@@ -193,6 +193,37 @@ fn full_queue_is_refused_and_accepted_requests_finish_in_order() {
     assert_eq!(engine.queue_depth(), 0);
 }
 
+/// A server holds requests from before the model it warms up has loaded: a request that
+/// comes while the model loads waits for the load and the whole warm-up, not only the load.
+#[test]
+fn a_request_sent_while_the_model_loads_for_its_warm_up_waits_for_the_warm_up() {
+    let model = fixture("qwen3-tiny");
+    let engine = Engine::start(16).unwrap();
+    let hold = engine.hold_for_warm_up();
+    let warming = {
+        let (engine, model) = (engine.clone(), model.clone());
+        std::thread::spawn(move || {
+            let done = engine.warm_up(&model);
+            drop(hold);
+            (done, std::time::Instant::now())
+        })
+    };
+    let completion = engine
+        .submit(request("Count to five", 12))
+        .unwrap()
+        .wait()
+        .unwrap();
+    let answered = std::time::Instant::now();
+    let (done, warmed) = warming.join().unwrap();
+    assert!(done.unwrap().requests > 0);
+    assert!(
+        answered > warmed,
+        "the request was answered {:?} before the warm-up ended",
+        warmed - answered
+    );
+    assert_eq!(completion.batched_with, 1, "it ran alone: {completion:?}");
+}
+
 /// The warm-up leaves nothing in the metrics or the prefix cache; a request sent during one
 /// waits for it (its requests go first), then runs alone and answers as without one.
 #[test]

@@ -352,10 +352,14 @@ pub async fn serve(config: ServerConfig) -> anyhow::Result<()> {
     std::io::stdout().flush()?;
     if let (true, Some(first)) = (state.config.warm_up, state.config.models.first()) {
         let (engine, model) = (state.engine.clone(), first.clone());
-        // Beside the listener: /health answers meanwhile, requests queue behind it.
+        // Beside the listener: /health answers meanwhile, requests queue behind it from the
+        // first (held from here, before the task starts loading).
+        let hold = engine.hold_for_warm_up();
         tokio::task::spawn_blocking(move || {
             let started = std::time::Instant::now();
-            match engine.warm_up(&model) {
+            let warmed = engine.warm_up(&model);
+            drop(hold);
+            match warmed {
                 Ok(done) => eprintln!(
                     "rmlx serve: {} loaded and warmed up in {:.1} s (warm-up {:.1} s: {} requests, \
                      batches up to {} rows{})",

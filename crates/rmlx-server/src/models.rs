@@ -310,6 +310,8 @@ pub async fn load(
     let path = entry.path.clone();
     let warm_up = state.config.warm_up;
     let info = on_engine(&state, move |engine| {
+        // Requests that come while it loads wait for the warm-up too.
+        let _hold = warm_up.then(|| engine.hold_for_warm_up());
         let info = engine.model_info(&path)?;
         if warm_up {
             engine.warm_up(&path)?;

@@ -44,7 +44,7 @@ use crate::{
 
 pub use request::{Event, Prompt, Request, RequestHandle, Step};
 use thread_loop::EngineThread;
-pub use warm_up::WarmUp;
+pub use warm_up::{WarmUp, Warming};
 
 enum Job {
     Generate {

@@ -201,6 +201,20 @@ impl EngineThread {
                     .unwrap_or(self.pending.len());
                 self.pending.insert(at, job);
             }
+            // During a warm-up, a load or an unload goes ahead of the requests it holds: the
+            // warm-up's own load must not wait behind a request that waits for the warm-up.
+            job if !matches!(job, Job::Generate { .. })
+                && self.warming.load(std::sync::atomic::Ordering::SeqCst) > 0 =>
+            {
+                let at = self
+                    .pending
+                    .iter()
+                    .position(|queued| {
+                        matches!(queued, Job::Generate { .. }) && !queued.is_warm_up()
+                    })
+                    .unwrap_or(self.pending.len());
+                self.pending.insert(at, job);
+            }
             job => self.pending.push_back(job),
         }
     }

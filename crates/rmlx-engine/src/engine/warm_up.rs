@@ -20,18 +20,20 @@ use crate::{
 
 use super::{Engine, Job, Prompt, Request, RequestHandle};
 
-/// Holds other requests back while it lives (`EngineThread::held`); dropped, it wakes the
-/// engine thread to start them.
-struct Warming<'a>(&'a Engine);
+/// Holds requests back while it lives (`EngineThread::held`), except a warm-up's own;
+/// dropped, it wakes the engine thread to start them. [`Engine::hold_for_warm_up`] gives one
+/// to a caller that must hold requests from before the warm-up starts (a server whose
+/// listener is open while it loads the model to warm up).
+pub struct Warming(Engine);
 
-impl<'a> Warming<'a> {
-    fn begin(engine: &'a Engine) -> Self {
+impl Warming {
+    fn begin(engine: &Engine) -> Self {
         engine.inner.warming.fetch_add(1, Ordering::SeqCst);
-        Self(engine)
+        Self(engine.clone())
     }
 }
 
-impl Drop for Warming<'_> {
+impl Drop for Warming {
     fn drop(&mut self) {
         self.0.inner.warming.fetch_sub(1, Ordering::SeqCst);
         let _ = self.0.jobs().send(Job::Wake);
@@ -69,8 +71,10 @@ impl Engine {
     /// Loads `model` if needed, then runs the warm-up. Requests sent meanwhile wait until it
     /// ends (its own requests go ahead of them), as they would for the load.
     pub fn warm_up(&self, model: &Path) -> Result<WarmUp> {
-        let info = self.model_info(model)?;
+        // Held from before the load: a request that came while the model loads would
+        // otherwise start between the load and the warm-up, and meet every new shape first.
         let _holding = Warming::begin(self);
+        let info = self.model_info(model)?;
         let started = Instant::now();
         let vocab = info.vocab_size.max(2);
         let context = info.context_length.max(64);
@@ -153,6 +157,11 @@ impl Engine {
             .unwrap_or_else(|p| p.into_inner())
             .insert(model.canonicalize().unwrap_or(info.path), warm_up.clone());
         Ok(warm_up)
+    }
+
+    /// Holds every request but a warm-up's own until the returned guard is dropped.
+    pub fn hold_for_warm_up(&self) -> Warming {
+        Warming::begin(self)
     }
 
     /// The model's last warm-up, if one ran.

@@ -66,6 +66,28 @@ fn check(args: CheckArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
+    // Which layers this rank would hold in a pipeline (the hostfile's split, checked, or one
+    // balanced by bytes): a split that cuts layers which must stay together fails here.
+    let layers = match &args.model {
+        Some(dir) => {
+            use rmlx_engine::distributed::split;
+            let config: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(dir.join("config.json"))?)
+                    .with_context(|| format!("{}", dir.join("config.json").display()))?;
+            let bytes = split::layer_bytes(dir)?;
+            let ranges = split::plan(
+                &bytes,
+                hostfile.size(),
+                hostfile.split.as_deref(),
+                &split::together(&config),
+            )?;
+            let range = ranges[rank].clone();
+            let held = bytes.layers[range.clone()].iter().sum::<u64>()
+                + if rank == 0 { bytes.rest } else { 0 };
+            Some((range, held))
+        }
+        None => None,
+    };
     let joined_at = std::time::Instant::now();
     let group = Group::join(&hostfile, rank, Duration::from_secs(args.join_timeout))?;
     let join_s = joined_at.elapsed().as_secs_f64();
@@ -127,6 +149,8 @@ fn check(args: CheckArgs) -> anyhow::Result<()> {
         "rmlx_version": env!("CARGO_PKG_VERSION"),
         "mlx_version": mlx,
         "model_fingerprint": model,
+        "layers": layers.as_ref().map(|(range, _)| [range.start, range.end]),
+        "weight_bytes": layers.as_ref().map(|(_, bytes)| bytes),
         "all_sum": sum,
         "all_gather": ranks,
         "received_from": before,
@@ -143,6 +167,19 @@ fn check(args: CheckArgs) -> anyhow::Result<()> {
             env!("CARGO_PKG_VERSION"),
             if model.is_some() { " and the model" } else { "" },
         );
+        if let Some((range, bytes)) = &layers {
+            println!(
+                "rank {rank} would hold layers {}-{} ({:.2} GB of weights{})",
+                range.start,
+                range.end - 1,
+                *bytes as f64 / 1e9,
+                if rank == 0 {
+                    ", with the embeddings, the output layer and any vision tower"
+                } else {
+                    ""
+                }
+            );
+        }
     }
     Ok(())
 }

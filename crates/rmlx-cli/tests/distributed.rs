@@ -118,6 +118,40 @@ fn two_ranks_join_agree_and_pass_every_collective() {
         reports[1]["model_fingerprint"]
     );
     assert!(reports[0]["model_fingerprint"].as_str().unwrap().len() == 64);
+    // The pipeline's layers: rank 0's from the first, rank 1's to the last, none twice.
+    let (first, second) = (&reports[0]["layers"], &reports[1]["layers"]);
+    assert_eq!(first[0], 0, "{first}");
+    assert_eq!(first[1], second[0], "{first} {second}");
+    assert!(second[1].as_u64().unwrap() > second[0].as_u64().unwrap());
+    assert!(
+        reports[0]["weight_bytes"].as_u64().unwrap() > reports[1]["weight_bytes"].as_u64().unwrap()
+    );
+    let _ = std::fs::remove_file(hostfile);
+}
+
+/// A hostfile split that cuts Gemma 4's KV-shared layers from the layers whose KV they read is
+/// refused before joining, naming the range to keep whole.
+#[test]
+fn a_split_that_cuts_shared_layers_is_refused_before_joining() {
+    let (hostfile, port) = hostfile("split");
+    let text = serde_json::json!({
+        "backend": "ring",
+        "port": port,
+        "hosts": [{"ip": "127.0.0.1"}, {"ip": "127.0.0.1"}],
+        "split": [5, 5],
+    });
+    std::fs::write(&hostfile, text.to_string()).unwrap();
+    let started = std::time::Instant::now();
+    let (status, out, err) = finish(
+        check(&hostfile, 0, Some("releases/gemma-4-e2b-it"), 60),
+        Duration::from_secs(30),
+    );
+    assert_eq!(status, Some(1), "stdout: {out}\nstderr: {err}");
+    assert!(err.contains("cuts layers 3-9 apart"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "it waited to join first"
+    );
     let _ = std::fs::remove_file(hostfile);
 }
 

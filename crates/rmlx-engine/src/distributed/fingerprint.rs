@@ -46,7 +46,7 @@ pub fn model_fingerprint(dir: &Path) -> std::io::Result<String> {
 }
 
 /// A safetensors file's header: its 8-byte length and the JSON after it.
-fn safetensors_header(path: &Path) -> std::io::Result<Vec<u8>> {
+pub(crate) fn safetensors_header(path: &Path) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
     let mut file = std::fs::File::open(path)?;
     let mut length = [0u8; 8];

@@ -12,6 +12,7 @@
 
 pub mod fingerprint;
 pub mod hostfile;
+pub mod split;
 
 use std::{
     sync::{

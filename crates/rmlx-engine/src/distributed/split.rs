@@ -220,11 +220,9 @@ pub fn plan(
     for rank in (0..ranks).rev() {
         for start in 0..count {
             let mut choice: Option<(u64, usize)> = None;
-            for end in start + 1..=count {
-                if !allowed(end) {
-                    continue;
-                }
-                let Some((rest_load, _)) = best[rank + 1][end] else {
+            let later = &best[rank + 1];
+            for (end, after) in later.iter().enumerate().skip(start + 1) {
+                let Some((rest_load, _)) = after.filter(|_| allowed(end)) else {
                     continue;
                 };
                 let worst = load(rank, start..end).max(rest_load);
@@ -237,8 +235,8 @@ pub fn plan(
     }
     let mut ranges = Vec::with_capacity(ranks);
     let mut start = 0;
-    for rank in 0..ranks {
-        let (_, end) = best[rank][start].ok_or(SplitError::TooManyRanks {
+    for from in best.iter().take(ranks) {
+        let (_, end) = from[start].ok_or(SplitError::TooManyRanks {
             ranks,
             layers: count,
         })?;

@@ -70,21 +70,13 @@ fn check(args: CheckArgs) -> anyhow::Result<()> {
     // balanced by bytes): a split that cuts layers which must stay together fails here.
     let layers = match &args.model {
         Some(dir) => {
-            use rmlx_engine::distributed::split;
-            let config: serde_json::Value =
-                serde_json::from_slice(&std::fs::read(dir.join("config.json"))?)
-                    .with_context(|| format!("{}", dir.join("config.json").display()))?;
-            let bytes = split::layer_bytes(dir)?;
-            let ranges = split::plan(
-                &bytes,
+            let (ranges, bytes) = rmlx_engine::distributed::split::plan_model(
+                dir,
                 hostfile.size(),
                 hostfile.split.as_deref(),
-                &split::together(&config),
             )?;
             let range = ranges[rank].clone();
-            let held = bytes.layers[range.clone()].iter().sum::<u64>()
-                + if rank == 0 { bytes.rest } else { 0 };
-            Some((range, held))
+            Some((range.clone(), bytes.of_rank(rank, range)))
         }
         None => None,
     };

@@ -19,6 +19,13 @@ pub struct LayerBytes {
     pub rest: u64,
 }
 
+impl LayerBytes {
+    /// The weight bytes rank `rank` keeps when it holds `layers`.
+    pub fn of_rank(&self, rank: usize, layers: Range<usize>) -> u64 {
+        self.layers[layers].iter().sum::<u64>() + if rank == 0 { self.rest } else { 0 }
+    }
+}
+
 /// Layer ranges that one rank must hold whole, with why.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Together {
@@ -73,16 +80,28 @@ fn language_layer(name: &str) -> Option<usize> {
     })
 }
 
+/// The model in `dir` split over `ranks`: each rank's layers (see [`plan`]) and the bytes
+/// they were balanced by.
+pub fn plan_model(
+    dir: &Path,
+    ranks: usize,
+    split: Option<&[usize]>,
+) -> Result<(Vec<Range<usize>>, LayerBytes), SplitError> {
+    let path = dir.join("config.json");
+    let config: Value = std::fs::read(&path)
+        .map_err(|e| e.to_string())
+        .and_then(|bytes| serde_json::from_slice(&bytes).map_err(|e| e.to_string()))
+        .map_err(|e| SplitError::Read(format!("{}: {e}", path.display())))?;
+    let bytes = layer_bytes(dir, &config)?;
+    let ranges = plan(&bytes, ranks, split, &together(&config))?;
+    Ok((ranges, bytes))
+}
+
 /// Bytes per language layer and outside them, from the safetensors headers in `dir` (no
-/// weight is read).
-pub fn layer_bytes(dir: &Path) -> Result<LayerBytes, SplitError> {
+/// weight is read); `config` is its config.json.
+pub fn layer_bytes(dir: &Path, config: &Value) -> Result<LayerBytes, SplitError> {
     let read = |what: String| SplitError::Read(what);
-    let config: Value = serde_json::from_slice(
-        &std::fs::read(dir.join("config.json"))
-            .map_err(|e| read(format!("{}: {e}", dir.join("config.json").display())))?,
-    )
-    .map_err(|e| read(format!("{}: {e}", dir.join("config.json").display())))?;
-    let count = text(&config)["num_hidden_layers"]
+    let count = text(config)["num_hidden_layers"]
         .as_u64()
         .ok_or_else(|| read(format!("{}: no num_hidden_layers", dir.display())))?
         as usize;
@@ -205,15 +224,6 @@ pub fn plan(
     }
     // best[r][i]: the smallest largest-rank load over ranks r.. holding layers i..; a table of
     // ranks x layers (a few hundred cells), each trying every allowed end of rank r's range.
-    let prefix: Vec<u64> = std::iter::once(0)
-        .chain(bytes.layers.iter().scan(0u64, |sum, &b| {
-            *sum += b;
-            Some(*sum)
-        }))
-        .collect();
-    let load = |rank: usize, range: Range<usize>| {
-        prefix[range.end] - prefix[range.start] + if rank == 0 { bytes.rest } else { 0 }
-    };
     let allowed = |at: usize| at == count || cuts(at, together).is_none();
     let mut best = vec![vec![None::<(u64, usize)>; count + 1]; ranks + 1];
     best[ranks][count] = Some((0, count));
@@ -225,7 +235,7 @@ pub fn plan(
                 let Some((rest_load, _)) = after.filter(|_| allowed(end)) else {
                     continue;
                 };
-                let worst = load(rank, start..end).max(rest_load);
+                let worst = bytes.of_rank(rank, start..end).max(rest_load);
                 if choice.is_none_or(|(held, _)| worst < held) {
                     choice = Some((worst, end));
                 }
@@ -263,7 +273,7 @@ mod tests {
     /// Every tensor of a release fixture lands in one layer or the rest (headers only).
     #[test]
     fn every_tensor_counts_once() {
-        let bytes = layer_bytes(&fixture("qwen3-4b")).unwrap();
+        let bytes = layer_bytes(&fixture("qwen3-4b"), &config("qwen3-4b")).unwrap();
         let size: u64 = std::fs::metadata(fixture("qwen3-4b").join("model.safetensors"))
             .unwrap()
             .len();
@@ -304,7 +314,7 @@ mod tests {
         assert_eq!(kept.len(), 1, "{kept:?}");
         // 10 layers, the last 5 shared: they read layer 3 (sliding) and layer 4 (full).
         assert_eq!(kept[0].layers, 3..10);
-        let bytes = layer_bytes(&fixture("gemma-4-e2b-it")).unwrap();
+        let bytes = layer_bytes(&fixture("gemma-4-e2b-it"), &config).unwrap();
         let ranges = plan(&bytes, 2, None, &kept).unwrap();
         assert!(ranges[1].start <= 3, "{ranges:?}");
         assert!(plan(&bytes, 2, Some(&[3, 7]), &kept).is_ok());
@@ -349,7 +359,7 @@ mod tests {
         let config = config("qwen3-vl-2b-instruct");
         let kept = together(&config);
         assert_eq!(kept[0].layers, 0..3, "{kept:?}");
-        let bytes = layer_bytes(&fixture("qwen3-vl-2b-instruct")).unwrap();
+        let bytes = layer_bytes(&fixture("qwen3-vl-2b-instruct"), &config).unwrap();
         assert_eq!(bytes.layers.len(), 4);
         let ranges = plan(&bytes, 2, None, &kept).unwrap();
         assert_eq!(ranges, vec![0..3, 3..4]);

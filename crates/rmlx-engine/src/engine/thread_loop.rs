@@ -191,32 +191,28 @@ impl EngineThread {
 
     /// A job joins the queue: a warm-up's request ahead of every job not the warm-up's.
     fn queue(&mut self, job: Job) {
+        let warming = self.warming.load(std::sync::atomic::Ordering::SeqCst) > 0;
         match job {
             Job::Wake => {}
-            job if job.is_warm_up() => {
-                let at = self
-                    .pending
-                    .iter()
-                    .position(|queued| !queued.is_warm_up())
-                    .unwrap_or(self.pending.len());
-                self.pending.insert(at, job);
-            }
+            job if job.is_warm_up() => self.insert_before(job, |queued| !queued.is_warm_up()),
             // During a warm-up, a load or an unload goes ahead of the requests it holds: the
             // warm-up's own load must not wait behind a request that waits for the warm-up.
-            job if !matches!(job, Job::Generate { .. })
-                && self.warming.load(std::sync::atomic::Ordering::SeqCst) > 0 =>
-            {
-                let at = self
-                    .pending
-                    .iter()
-                    .position(|queued| {
-                        matches!(queued, Job::Generate { .. }) && !queued.is_warm_up()
-                    })
-                    .unwrap_or(self.pending.len());
-                self.pending.insert(at, job);
-            }
+            job if warming && !matches!(job, Job::Generate { .. }) => self
+                .insert_before(job, |queued| {
+                    matches!(queued, Job::Generate { .. }) && !queued.is_warm_up()
+                }),
             job => self.pending.push_back(job),
         }
+    }
+
+    /// Puts `job` before the first queued job that `later` picks (at the end if none).
+    fn insert_before(&mut self, job: Job, later: impl Fn(&Job) -> bool) {
+        let at = self
+            .pending
+            .iter()
+            .position(later)
+            .unwrap_or(self.pending.len());
+        self.pending.insert(at, job);
     }
 
     /// Whether the queue's first job waits for a warm-up to end.

@@ -106,12 +106,17 @@ class MlxLm:
         # The same EOS bias as the rmlx server side gets (serve mode), through mlx-lm's own
         # logits processor.
         processors = self.processors(logit_bias=logit_bias) if logit_bias else None
+        # MLX's peak over this run, weights included (as `rmlx bench` reports its own).
+        mx.clear_cache()
+        mx.reset_peak_memory()
         start = time.perf_counter()
         stamps = []
         for token, _ in self.generate_step(mx.array(ids), self.model, max_tokens=gen_tokens, sampler=self.sampler,
                                            logits_processors=processors, prefill_step_size=self.prefill_chunk):
             stamps.append(time.perf_counter())
-        return stamps_to_metrics(start, stamps, len(ids))
+        metrics = stamps_to_metrics(start, stamps, len(ids))
+        metrics["peak_memory_bytes"] = mx.get_peak_memory()
+        return metrics
 
 
 class MlxVlm:
@@ -398,7 +403,11 @@ def main():
         ours, theirs = med("rmlx", key), med(ref, key)
         ratio = ours / theirs if higher_better else theirs / ours
         print(f"{label:14s}{cells}{ratio:17.2f}x")
-    print("(ratio > 1 means rmlx is faster)")
+    if all("peak_memory_bytes" in r for n in names for r in results[n]):
+        cells = "".join(f"{med(n, 'peak_memory_bytes') / 1e9:10.2f} {'':14s}" for n in names)
+        ratio = med(ref, "peak_memory_bytes") / med("rmlx", "peak_memory_bytes")
+        print(f"{'MLX peak GB':14s}{cells}{ratio:17.2f}x")
+    print("(ratio > 1 means rmlx is faster, or holds less at its peak)")
     if via == "serve":
         print(f"rmlx cached_tokens per run: {[r['cached_tokens'] for r in results['rmlx']]}")
     for c, row in enumerate(chats):

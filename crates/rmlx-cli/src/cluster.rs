@@ -2,11 +2,17 @@
 //! same rMLX, MLX and model, and times the links. Run it on every machine (or once per rank on
 //! one machine) before serving across them; docs/DISTRIBUTED.md has the hostfile.
 
-use std::{path::PathBuf, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
 
 use anyhow::Context;
 use mlx_rs::Array;
-use rmlx_engine::distributed::{fingerprint::model_fingerprint, Group, Hostfile};
+use rmlx_engine::distributed::{
+    fingerprint::model_fingerprint, pipeline::Stage, split, Group, Hostfile,
+};
 
 #[derive(clap::Args)]
 pub struct ClusterArgs {
@@ -49,6 +55,34 @@ pub fn rank(given: Option<usize>) -> anyhow::Result<usize> {
     }
 }
 
+/// Joins the group `hostfile` describes to run `model` across it: every rank agrees on the
+/// rMLX and MLX versions and the model, and holds the layers of the plan (the hostfile's
+/// `split`, or one balanced by weight bytes).
+pub fn join_pipeline(
+    hostfile: &Path,
+    rank: Option<usize>,
+    model: &Path,
+    join_timeout: Duration,
+) -> anyhow::Result<Arc<Stage>> {
+    let hostfile = Hostfile::read(hostfile)?;
+    let rank = self::rank(rank)?;
+    // Read before joining: a rank that cannot read its model fails alone.
+    let fingerprint = model_fingerprint(model)
+        .with_context(|| format!("cannot read the model folder {}", model.display()))?;
+    let (ranges, _) = split::plan_model(model, hostfile.size(), hostfile.split.as_deref())?;
+    let group = Group::join(&hostfile, rank, join_timeout)?;
+    group.agree("the rMLX version", env!("CARGO_PKG_VERSION"))?;
+    group.agree(
+        "the MLX version",
+        &rmlx_engine::runtime::runtime_info()?.mlx_version,
+    )?;
+    group.agree(
+        "the model (config, tokenizer, weight headers)",
+        &fingerprint,
+    )?;
+    Ok(Arc::new(Stage::new(Arc::new(group), ranges)))
+}
+
 pub fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     match args.command {
         ClusterCommand::Check(args) => check(args),
@@ -70,11 +104,8 @@ fn check(args: CheckArgs) -> anyhow::Result<()> {
     // balanced by bytes): a split that cuts layers which must stay together fails here.
     let layers = match &args.model {
         Some(dir) => {
-            let (ranges, bytes) = rmlx_engine::distributed::split::plan_model(
-                dir,
-                hostfile.size(),
-                hostfile.split.as_deref(),
-            )?;
+            let (ranges, bytes) =
+                split::plan_model(dir, hostfile.size(), hostfile.split.as_deref())?;
             let range = ranges[rank].clone();
             Some((range.clone(), bytes.of_rank(rank, range)))
         }

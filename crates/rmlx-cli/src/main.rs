@@ -129,6 +129,17 @@ struct GenerateArgs {
     /// Print exactly one JSON object (text, ids, usage, timings) instead of streaming.
     #[arg(long)]
     json: bool,
+    /// Run the model across the machines of this hostfile, one process per rank
+    /// (docs/DISTRIBUTED.md): rank 0 answers, the others compute their layers. Speculative
+    /// decoding is off across ranks.
+    #[arg(long, value_name = "HOSTFILE")]
+    distributed: Option<PathBuf>,
+    /// This process's rank in the hostfile [default: $MLX_RANK].
+    #[arg(long, requires = "distributed")]
+    rank: Option<usize>,
+    /// With --distributed: seconds to wait for the other ranks to join (then exit status 3).
+    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    join_timeout: u64,
 }
 
 /// `--speculative`'s default: the engine's.
@@ -194,6 +205,23 @@ fn check_model_dir(model: &Path) -> anyhow::Result<()> {
 
 fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     check_model_dir(&args.model)?;
+    let stage = match &args.distributed {
+        Some(hostfile) => Some(cluster::join_pipeline(
+            hostfile,
+            args.rank,
+            &args.model,
+            std::time::Duration::from_secs(args.join_timeout),
+        )?),
+        None => None,
+    };
+    let part = rmlx_engine::models::Part {
+        stage: stage.clone(),
+    };
+    if let Some(stage) = part.follower() {
+        return follow(&args, stage, &part);
+    }
+    // Rank 0 ends the followers' loops however its own work ends.
+    let _stop = stage.map(StopFollowers);
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,
@@ -261,11 +289,20 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         },
         ..Request::default()
     };
+    let distributed = part.stage().is_some();
     let engine = Engine::start_with(rmlx_engine::engine::EngineOptions {
         max_queue: 1,
         kv_bits: args.kv_bits,
-        speculative: args.speculative,
-        draft_model: args.draft_model,
+        // A rolled-back draft would leave the other ranks' caches ahead of rank 0's.
+        speculative: match distributed {
+            true => rmlx_engine::speculative::SpeculativeMode::Off,
+            false => args.speculative,
+        },
+        draft_model: args.draft_model.filter(|_| !distributed),
+        // One request: nothing to reuse, and the other ranks' caches follow this one only.
+        prefix_cache_bytes: distributed.then_some(0),
+        prefix_snapshot_bytes: distributed.then_some(0),
+        part,
         ..Default::default()
     })?;
     let handle = engine.submit(request)?;
@@ -306,6 +343,51 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         }
     }
     anyhow::bail!("the engine stopped without an answer")
+}
+
+/// A follower rank of `rmlx generate --distributed`: its layers for each of rank 0's forwards.
+fn follow(
+    args: &GenerateArgs,
+    stage: &rmlx_engine::distributed::pipeline::Stage,
+    part: &rmlx_engine::models::Part,
+) -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let loaded = rmlx_engine::models::load_model_with(
+        &args.model,
+        rmlx_engine::models::LoadOptions {
+            part: part.clone(),
+            ..Default::default()
+        },
+    )
+    .context("cannot load this rank's layers")?;
+    let storage = match args.kv_bits {
+        Some(bits) => rmlx_engine::cache::KvStorage::quantized(bits)?,
+        None => rmlx_engine::cache::KvStorage::Dense,
+    };
+    let max_ctx = args.max_ctx.unwrap_or(loaded.info.context_length);
+    let forwards =
+        rmlx_engine::distributed::pipeline::follow(loaded.model.as_ref(), stage, max_ctx, storage)?;
+    let layers = stage.own_layers();
+    eprintln!(
+        "rank {}: layers {}-{} ({:.2} GB of weights), {forwards} forwards in {:.1} s",
+        stage.rank(),
+        layers.start,
+        layers.end - 1,
+        loaded.info.weight_bytes as f64 / 1e9,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Rank 0's end of the pipeline's work, however `rmlx generate` ends.
+struct StopFollowers(std::sync::Arc<rmlx_engine::distributed::pipeline::Stage>);
+
+impl Drop for StopFollowers {
+    fn drop(&mut self) {
+        if let Err(error) = self.0.stop_followers() {
+            eprintln!("rmlx: could not stop the other ranks: {error}");
+        }
+    }
 }
 
 fn info(model: &Path, json: bool) -> anyhow::Result<()> {

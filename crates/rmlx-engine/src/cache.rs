@@ -911,6 +911,14 @@ impl KvCache {
             .map_or(0, |keys| self.base + keys.shape()[2])
     }
 
+    /// A layer another pipeline rank computes: its cache here holds zero-width keys and values
+    /// but moves as the real one does (offsets, rows, paddings), so every cache operation and
+    /// mask reads the same positions on every rank at no cost.
+    pub fn shadow_step(&mut self, batch: i32, len: i32) -> Result<()> {
+        let empty = ops::zeros::<f32>(&[batch, 1, len, 0])?;
+        self.update_and_fetch_stored(&empty, &empty).map(drop)
+    }
+
     /// Appends `[B, heads, L, dim]` keys/values and returns everything stored so far (a dense
     /// cache's; see [`Self::update_and_fetch_stored`]).
     pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {

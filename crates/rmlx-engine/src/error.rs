@@ -60,6 +60,9 @@ pub enum EngineError {
     QueueFull(usize),
     #[error("the engine has stopped")]
     EngineStopped,
+    /// A pipeline across ranks failed (a peer lost, a message this rank cannot read).
+    #[error("distributed: {0}")]
+    Distributed(String),
 }
 
 impl From<mlx_rs::error::Exception> for EngineError {
@@ -119,6 +122,7 @@ impl EngineError {
             Self::InvalidRequest(_) => "invalid_request",
             Self::QueueFull(_) => "queue_full",
             Self::EngineStopped => "engine_stopped",
+            Self::Distributed(_) => "distributed",
         }
     }
 
@@ -129,6 +133,7 @@ impl EngineError {
             Self::Mlx(message) => Self::Mlx(message.clone()),
             Self::OutOfMemory(message) => Self::OutOfMemory(message.clone()),
             Self::Internal(message) => Self::Internal(message.clone()),
+            Self::Distributed(message) => Self::Distributed(message.clone()),
             Self::InvalidRequest(message) => Self::InvalidRequest(message.clone()),
             Self::ContextOverflow {
                 prompt_tokens,

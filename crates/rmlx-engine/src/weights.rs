@@ -362,6 +362,11 @@ impl WeightStore {
         self.tensors.remove(name);
     }
 
+    /// Drops every tensor under `prefix` (a layer another pipeline rank holds): never read.
+    pub fn discard_prefix(&mut self, prefix: &str) {
+        self.tensors.retain(|name, _| !name.starts_with(prefix));
+    }
+
     /// Takes a tensor, checking its shape and element type.
     pub fn take(&mut self, name: &str, shape: &[i32], kind: DtypeKind) -> Result<Array> {
         let (array, file) =

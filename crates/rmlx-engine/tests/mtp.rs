@@ -48,7 +48,14 @@ struct Golden {
 }
 
 fn with_head(dir: &str) -> LoadedModel {
-    load_model_with(&fixture(dir), LoadOptions { draft_head: true }).unwrap()
+    load_model_with(
+        &fixture(dir),
+        LoadOptions {
+            draft_head: true,
+            ..LoadOptions::default()
+        },
+    )
+    .unwrap()
 }
 
 fn argmax(logits: &Array) -> u32 {
@@ -67,7 +74,14 @@ fn argmax(logits: &Array) -> u32 {
 /// gives the target's next token and hidden state, then the head drafts from that pair and from
 /// its own outputs. Returns the largest logit difference; checks tokens where margins allow.
 fn head_against_golden(dir: &std::path::Path, golden: &Golden, what: &str) -> f32 {
-    let loaded = load_model_with(dir, LoadOptions { draft_head: true }).unwrap();
+    let loaded = load_model_with(
+        dir,
+        LoadOptions {
+            draft_head: true,
+            ..LoadOptions::default()
+        },
+    )
+    .unwrap();
     let model = loaded.model.as_ref();
     let head = model.draft_head().expect("a head to load");
     assert!(loaded.info.draft_head && loaded.info.draft_head_loaded);
@@ -200,10 +214,16 @@ fn sidecar_heads_give_the_release_heads_drafts() {
     let mut mixed = shifted(&head);
     mixed.insert("mtp.extra.weight".into(), Array::from_f32(0.0));
     Array::save_safetensors(&mixed, None, &sidecar).unwrap();
-    let error = load_model_with(dir.path(), LoadOptions { draft_head: true })
-        .err()
-        .unwrap()
-        .to_string();
+    let error = load_model_with(
+        dir.path(),
+        LoadOptions {
+            draft_head: true,
+            ..LoadOptions::default()
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(error.contains("mtp.safetensors"), "{error}");
 }
 
@@ -516,7 +536,14 @@ fn a_release_head_written_beside_a_conversion() {
         &text_ids(28, 31, 10, 900),
         &biased(params(24, SpeculativeMode::Off), Some(PARTIAL_BIAS)),
     );
-    let loaded = load_model_with(converted.path(), LoadOptions { draft_head: true }).unwrap();
+    let loaded = load_model_with(
+        converted.path(),
+        LoadOptions {
+            draft_head: true,
+            ..LoadOptions::default()
+        },
+    )
+    .unwrap();
     assert!(loaded.model.draft_head().is_some());
     let answer = run(
         &loaded,
@@ -554,7 +581,14 @@ fn four_bit_conversions_with_written_heads_are_exact() {
             run_in(loaded, dir.path(), prompt, params)
         };
         let plain_model = load_model(dir.path()).unwrap();
-        let loaded = load_model_with(dir.path(), LoadOptions { draft_head: true }).unwrap();
+        let loaded = load_model_with(
+            dir.path(),
+            LoadOptions {
+                draft_head: true,
+                ..LoadOptions::default()
+            },
+        )
+        .unwrap();
         assert!(loaded.info.draft_head_loaded, "{conversion}");
         let prompts: Vec<Vec<u32>> = (0..3)
             .map(|row| text_ids(20 + 5 * row, 71 + row as u32, 10, 900))

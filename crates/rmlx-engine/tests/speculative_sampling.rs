@@ -316,7 +316,14 @@ fn the_draft_head_draws_for_sampled_rows_and_keeps_the_law() {
     let plain_model = load_model(&fixture(dir)).unwrap();
     let (plain, _, _) = answers(&plain_model, SpeculativeMode::Off, 0);
     drop(plain_model);
-    let loaded = load_model_with(&fixture(dir), LoadOptions { draft_head: true }).unwrap();
+    let loaded = load_model_with(
+        &fixture(dir),
+        LoadOptions {
+            draft_head: true,
+            ..LoadOptions::default()
+        },
+    )
+    .unwrap();
     let (drafted_answers, drafted, kept) = answers(&loaded, SpeculativeMode::Mtp, HEAD_SEEDS);
     assert!(
         drafted > HEAD_SEEDS as usize && kept > 0 && kept < drafted,

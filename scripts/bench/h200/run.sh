@@ -53,6 +53,8 @@
 #   Env: C_MODELS ("bf16 4bit"), C_STREAMS (1,4,8,16), C_RUNS (5), C_TOKENS (128), C_PROMPT (512),
 #   C_RUNS_4BIT (C_RUNS), C_OPS_BUFFER (MLX_MAX_OPS_PER_BUFFER values to try first on one bf16
 #   stream).
+# MODE=prefill (step 2 instead; issue 32 f): the bf16 Qwen3-4B shape, prompts of L_TOKENS ("8192 32768
+#   65536") against mlx-lm (bench.py: prefill tok/s, MLX peak), L_RUNS (2), L_CHUNK (2048).
 # MODE=profile (step 2 instead): probe_ops.py (per-op costs of MLX CUDA at the decode shapes),
 #   the same two checkpoints, `rmlx bench --step-profile` at 1 and P_STREAMS (8) streams (bf16 also
 #   with MLX_DISABLE_COMPILE=1 RMLX_WEIGHTS_ON_DEVICE=0), then concurrency.py and bench.py on bf16.
@@ -143,7 +145,7 @@ if [[ $MODE == qwen3_5 ]]; then
   du -sh "$Q35"; ls "$Q35"
   step "bench qwen3_5"
   left=$(( LIMIT - SECONDS ))
-  RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/bench.py --model "$Q35" --rmlx /tmp/rmlx/rmlx \
+  RMLX_STEP_PROFILE=1 RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/bench.py --model "$Q35" --rmlx /tmp/rmlx/rmlx \
     --reference mlx-vlm --device gpu --prompt-tokens "${Q35_PROMPT:-512}" --gen-tokens "${Q35_GEN:-128}" \
     --runs "${Q35_RUNS:-5}" --mlx-vlm-gdn "${Q35_GDN:-chunked,sequential}" --prefill-chunk 512 \
     --chat-turns "${Q35_CHATS:-3}" --chat-words "${Q35_WORDS:-1500}" \
@@ -385,6 +387,35 @@ if [[ $MODE == profile ]]; then
     --json-out "$OUT/h200-single-bf16.json"
   step "done"
   exit 0
+fi
+
+if [[ $MODE == prefill ]]; then
+  # Issue 32 (f): long prompts against mlx-lm on the bf16 Qwen3-4B shape, prefill tok/s and MLX's
+  # peak memory at each of L_TOKENS (one `rmlx bench` process per run, mlx-lm in-process, both
+  # warmed at the shape, runs interleaved). Qwen3-4B's config says 40,960 positions (rmlx refuses
+  # longer prompts); a sibling folder with the same weights says 131,072 for the 64k row.
+  step "models qwen3 4b"
+  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$TIKTOKEN" \
+    > /tmp/q3-paths || exit 1
+  long=$BENCH/qwen3-4b-shape-bf16-131k
+  if [[ ! -f $long/config.json ]]; then
+    mkdir -p "$long"
+    for f in "$BENCH"/qwen3-4b-shape-bf16/*; do ln -sf "$f" "$long/"; done
+    rm "$long/config.json"
+    python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); c["max_position_embeddings"]=131072; json.dump(c,open(sys.argv[2],"w"),indent=1)' \
+      "$BENCH/qwen3-4b-shape-bf16/config.json" "$long/config.json"
+  fi
+  rc=0
+  for n in ${L_TOKENS:-8192 32768 65536}; do
+    left=$(( LIMIT - SECONDS ))
+    (( left > 30 )) || { echo "no time left for $n"; rc=1; break; }
+    step "prefill $n tokens"
+    RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/bench.py --model "$long" \
+      --rmlx /tmp/rmlx/rmlx --reference mlx-lm --device gpu --prompt-tokens "$n" --gen-tokens "${L_GEN:-8}" \
+      --prefill-chunk "${L_CHUNK:-2048}" --runs "${L_RUNS:-2}" --json-out "$OUT/prefill-$n.json" || rc=1
+  done
+  step "done ($rc)"
+  exit $rc
 fi
 
 if [[ $MODE == concurrency ]]; then

@@ -12,6 +12,7 @@
 
 pub mod fingerprint;
 pub mod hostfile;
+pub mod pipeline;
 pub mod split;
 
 use std::{
@@ -83,6 +84,11 @@ pub struct Group {
     rank: usize,
     size: usize,
 }
+
+// SAFETY: MLX's group is a handle to its backend's sockets or devices; rMLX calls it from one
+// thread at a time (the engine thread, or the CLI before the engine starts).
+unsafe impl Send for Group {}
+unsafe impl Sync for Group {}
 
 impl Drop for Group {
     fn drop(&mut self) {

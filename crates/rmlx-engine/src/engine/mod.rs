@@ -110,6 +110,9 @@ pub struct EngineOptions {
     /// Holds every disk-cache read back this long (tests: a slow disk).
     #[doc(hidden)]
     pub disk_read_delay: Option<std::time::Duration>,
+    /// Rank 0 of a pipeline across machines (issue 33): models load with only this rank's
+    /// layers and every forward runs through the other ranks.
+    pub part: crate::models::Part,
 }
 
 impl Default for EngineOptions {
@@ -127,6 +130,7 @@ impl Default for EngineOptions {
             speculative: crate::speculative::SpeculativeMode::Auto,
             draft_model: None,
             disk_read_delay: None,
+            part: crate::models::Part::default(),
         }
     }
 }
@@ -245,6 +249,7 @@ impl Engine {
                     kv_storage,
                     speculative: options.speculative,
                     draft_model: options.draft_model.clone(),
+                    part: options.part.clone(),
                     disk,
                     fingerprints: HashMap::new(),
                     prefix_ids: HashMap::new(),

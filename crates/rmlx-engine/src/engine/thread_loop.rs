@@ -97,6 +97,8 @@ pub(super) struct EngineThread {
     pub(super) speculative: crate::speculative::SpeculativeMode,
     /// Paired with every model loaded (`EngineOptions::draft_model`).
     pub(super) draft_model: Option<PathBuf>,
+    /// This process's part of every model it loads (`EngineOptions::part`).
+    pub(super) part: models::Part,
     /// The disk cache and each model's fingerprint (`EngineOptions::prefix_disk_dir`).
     pub(super) disk: Option<DiskCache>,
     pub(super) fingerprints: HashMap<PathBuf, String>,
@@ -345,6 +347,7 @@ impl EngineThread {
             // The draft head costs memory and prefill: loaded only when speculation is on.
             let options = models::LoadOptions {
                 draft_head: self.speculative != crate::speculative::SpeculativeMode::Off,
+                part: self.part.clone(),
             };
             let mut loaded = models::load_model_with(&key, options)?;
             if let Some(draft) = &self.draft_model {

@@ -14,9 +14,11 @@ use std::path::{Path, PathBuf};
 
 use mlx_rs::{ops, Array};
 
+pub use crate::distributed::pipeline::Part;
 use crate::{
     cache::KvCache,
     config::ConfigFile,
+    distributed::pipeline,
     error::{EngineError, Result},
     weights::WeightStore,
 };
@@ -281,10 +283,61 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
 ];
 
 /// What to load besides the model itself.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Clone, Default)]
 pub struct LoadOptions {
     /// The draft head a checkpoint ships (Qwen3.5 / 3.6 `mtp.*`), for speculative decoding.
     pub draft_head: bool,
+    /// One pipeline stage's part of the model instead of all of it (issue 33).
+    pub part: Part,
+}
+
+/// The layer loop's input: `embed()` (the embeddings and what later layers also read) in one
+/// process and on rank 0; on a follower, what the previous rank sent.
+pub(crate) fn stage_input(
+    part: &Part,
+    embed: impl FnOnce() -> Result<(Array, Vec<Array>)>,
+) -> Result<(Array, Vec<Array>)> {
+    match part.follower() {
+        Some(stage) => {
+            let mut arrays = stage.receive()?.into_iter();
+            let h = arrays
+                .next()
+                .ok_or_else(|| EngineError::Distributed("an empty pipeline message".into()))?;
+            Ok((h, arrays.collect()))
+        }
+        None => embed(),
+    }
+}
+
+/// After this process's layers: the hidden state to finish on (one process; rank 0 once the
+/// last rank sent it back), or None on a follower, which passed it on.
+/// `position`: the chunk's start (the first cache's offset before it).
+pub(crate) fn stage_output(
+    part: &Part,
+    h: Array,
+    riders: &[Array],
+    logits: Logits,
+    position: i32,
+) -> Result<Option<Array>> {
+    match part.stage() {
+        Some(stage) => stage.pass_on(&h, riders, logits == Logits::Last, position),
+        None => Ok(Some(h)),
+    }
+}
+
+/// Where a chunk starts: the first cache's offset before the forward.
+pub(crate) fn chunk_position(caches: &[KvCache]) -> i32 {
+    caches.first().map_or(0, KvCache::offset)
+}
+
+/// `[B, L]` of a layer loop's hidden state (what a shadow layer's cache advances by).
+pub(crate) fn batch_and_len(h: &Array) -> (i32, i32) {
+    (h.shape()[0], h.shape()[1])
+}
+
+/// A part only rank 0 holds (embeddings, norm, output layer).
+pub(crate) fn held<'a, T>(part: &'a Option<T>, what: &str) -> Result<&'a T> {
+    part.as_ref().ok_or_else(|| pipeline::not_held(what))
 }
 
 /// [`load_model_with`] without the optional parts.
@@ -295,6 +348,7 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
 /// Reads config.json, builds the family's model strictly from the weights (every parameter
 /// filled, nothing left over) and evaluates the weights once so the file reads happen here.
 pub fn load_model_with(dir: &Path, options: LoadOptions) -> Result<LoadedModel> {
+    let part = options.part.clone();
     let config = ConfigFile::read(dir)?;
     let model_type = config.base.model_type.clone();
     // Refuse an unknown family before reading any weights.
@@ -307,8 +361,8 @@ pub fn load_model_with(dir: &Path, options: LoadOptions) -> Result<LoadedModel> 
         || (model_type.starts_with("qwen3_5") && qwen3_5::mtp::find_sidecar(dir).is_some());
     debug_assert_eq!(ships_draft_head, ships_draft_head_at(dir));
     let model: Box<dyn LanguageModel> = match model_type.as_str() {
-        "qwen3" => Box::new(qwen3::Model::load(dir, &config, &mut store)?),
-        "qwen3_moe" => Box::new(qwen3_moe::load(dir, &config, &mut store)?),
+        "qwen3" => Box::new(qwen3::Model::load(dir, &config, &mut store, part)?),
+        "qwen3_moe" => Box::new(qwen3_moe::load(dir, &config, &mut store, part)?),
         // qwen3_vl_moe is Qwen3-VL with experts in the text decoder (mlx-vlm `qwen3_vl_moe`).
         "qwen3_vl" | "qwen3_vl_moe" => Box::new(qwen3_vl::Model::load(dir, &config, &mut store)?),
         // qwen3_5_moe is Qwen3.5 with routed experts in every layer (mlx-vlm `qwen3_5_moe`).

@@ -6,7 +6,10 @@ use std::path::Path;
 use mlx_rs::{ops, ops::indexing::IndexOp, Array};
 use serde::{Deserialize, Serialize};
 
-use super::{LanguageModel, Logits};
+use super::{
+    batch_and_len, chunk_position, held, stage_input, stage_output, LanguageModel, Logits, Part,
+};
+use crate::distributed::pipeline::no_logits;
 use crate::{
     attention::attend_update,
     cache::{KvCache, RopeOffset},
@@ -312,18 +315,26 @@ impl TransformerBlock {
 
 pub struct Model {
     args: Config,
-    embed_tokens: Embedding,
-    layers: Vec<TransformerBlock>,
-    norm: RmsNorm,
+    part: Part,
+    /// Rank 0's (None on a pipeline's other ranks), as are `norm` and `lm_head`.
+    embed_tokens: Option<Embedding>,
+    /// None where another pipeline rank computes the layer.
+    layers: Vec<Option<TransformerBlock>>,
+    norm: Option<RmsNorm>,
     lm_head: Option<Linear>,
 }
 
 impl Model {
-    pub fn load(dir: &Path, config: &ConfigFile, store: &mut WeightStore) -> Result<Self> {
+    pub fn load(
+        dir: &Path,
+        config: &ConfigFile,
+        store: &mut WeightStore,
+        part: Part,
+    ) -> Result<Self> {
         let args: Config = config.family(dir)?;
         let quant = config.base.quantization.as_ref();
         let (hidden, intermediate) = (args.hidden_size, args.intermediate_size);
-        Self::load_with(dir, config, store, args, |store, prefix, _| {
+        Self::load_with(dir, config, store, args, part, |store, prefix, _| {
             Ok(FeedForward::Dense(Mlp::load(
                 store,
                 quant,
@@ -341,33 +352,48 @@ impl Model {
         config: &ConfigFile,
         store: &mut WeightStore,
         args: Config,
+        part: Part,
         mut mlp: impl FnMut(&mut WeightStore, &str, usize) -> Result<FeedForward>,
     ) -> Result<Self> {
         args.validate(dir)?;
         let rope = args.rope(dir)?;
         let quant = config.base.quantization.as_ref();
         // sanitize: a tied model ignores a stray lm_head, as mlx-lm does.
-        if args.tie_word_embeddings {
-            for suffix in ["weight", "scales", "biases"] {
-                store.discard(&format!("lm_head.{suffix}"));
-            }
+        if args.tie_word_embeddings || !part.has_ends() {
+            store.discard_prefix("lm_head.");
         }
-        let embed_tokens = Embedding::load(
-            store,
-            quant,
-            "model.embed_tokens",
-            args.vocab_size,
-            args.hidden_size,
-        )?;
+        if !part.has_ends() {
+            store.discard_prefix("model.embed_tokens.");
+            store.discard_prefix("model.norm.");
+        }
+        let embed_tokens = part
+            .has_ends()
+            .then(|| {
+                Embedding::load(
+                    store,
+                    quant,
+                    "model.embed_tokens",
+                    args.vocab_size,
+                    args.hidden_size,
+                )
+            })
+            .transpose()?;
         let layers = (0..args.num_hidden_layers as usize)
             .map(|index| {
                 let prefix = format!("model.layers.{index}");
+                if !part.has_layer(index) {
+                    store.discard_prefix(&format!("{prefix}."));
+                    return Ok(None);
+                }
                 let ffn = mlp(store, &format!("{prefix}.mlp"), index)?;
-                TransformerBlock::load(store, quant, &prefix, &args, rope, ffn)
+                TransformerBlock::load(store, quant, &prefix, &args, rope, ffn).map(Some)
             })
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::load(store, "model.norm", args.hidden_size, args.rms_norm_eps)?;
-        let lm_head = if args.tie_word_embeddings {
+        let norm = part
+            .has_ends()
+            .then(|| RmsNorm::load(store, "model.norm", args.hidden_size, args.rms_norm_eps))
+            .transpose()?;
+        let lm_head = if args.tie_word_embeddings || !part.has_ends() {
             None
         } else {
             Some(Linear::load(
@@ -381,6 +407,7 @@ impl Model {
         };
         Ok(Self {
             args,
+            part,
             embed_tokens,
             layers,
             norm,
@@ -391,18 +418,31 @@ impl Model {
 
 impl LanguageModel for Model {
     fn forward(&self, inputs: &Array, caches: &mut [KvCache], logits: Logits) -> Result<Array> {
-        let mut h = self.embed_tokens.forward(inputs)?;
+        let (mut h, _) = stage_input(&self.part, || {
+            Ok((
+                held(&self.embed_tokens, "the embeddings")?.forward(inputs)?,
+                Vec::new(),
+            ))
+        })?;
+        let (batch, len) = batch_and_len(&h);
+        let position = chunk_position(caches);
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.forward(&h, cache)?;
+            match layer {
+                Some(layer) => h = layer.forward(&h, cache)?,
+                None => cache.shadow_step(batch, len)?,
+            }
         }
+        let Some(mut h) = stage_output(&self.part, h, &[], logits, position)? else {
+            return no_logits();
+        };
         if logits == Logits::Last && h.shape()[1] > 1 {
             let last = h.shape()[1] - 1;
             h = h.index((.., last..));
         }
-        let h = self.norm.forward(&h)?;
+        let h = held(&self.norm, "the final norm")?.forward(&h)?;
         match &self.lm_head {
             Some(head) => head.forward(&h),
-            None => self.embed_tokens.as_linear(&h),
+            None => held(&self.embed_tokens, "the embeddings")?.as_linear(&h),
         }
     }
 

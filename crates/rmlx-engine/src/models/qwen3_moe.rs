@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use super::{
     qwen3::{self, FeedForward, Mlp},
     switch::{combine, GluActivation, SoftmaxTopK, SwitchGlu, SwitchLinear},
+    Part,
 };
 use crate::{
     config::{ConfigFile, QuantizationConfig},
@@ -184,17 +185,29 @@ impl SparseMoeBlock {
 }
 
 /// Builds the Qwen3 decoder with experts where the config places them.
-pub fn load(dir: &Path, config: &ConfigFile, store: &mut WeightStore) -> Result<qwen3::Model> {
+pub fn load(
+    dir: &Path,
+    config: &ConfigFile,
+    store: &mut WeightStore,
+    part: Part,
+) -> Result<qwen3::Model> {
     let args: Config = config.family(dir)?;
     args.moe.validate(dir)?;
     let quant = config.base.quantization.as_ref();
     let (hidden, intermediate) = (args.text.hidden_size, args.text.intermediate_size);
     let moe = args.moe.clone();
-    qwen3::Model::load_with(dir, config, store, args.text, |store, prefix, index| {
-        Ok(if moe.is_sparse(index) {
-            FeedForward::Experts(SparseMoeBlock::load(store, quant, prefix, hidden, &moe)?)
-        } else {
-            FeedForward::Dense(Mlp::load(store, quant, prefix, hidden, intermediate)?)
-        })
-    })
+    qwen3::Model::load_with(
+        dir,
+        config,
+        store,
+        args.text,
+        part,
+        |store, prefix, index| {
+            Ok(if moe.is_sparse(index) {
+                FeedForward::Experts(SparseMoeBlock::load(store, quant, prefix, hidden, &moe)?)
+            } else {
+                FeedForward::Dense(Mlp::load(store, quant, prefix, hidden, intermediate)?)
+            })
+        },
+    )
 }

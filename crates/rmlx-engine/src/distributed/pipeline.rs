@@ -1,0 +1,366 @@
+//! One model split into stages across the ranks (issue 33 b): rank 0 embeds, runs its layers
+//! and sends the hidden state on; each rank runs its own layers and passes it to the next; the
+//! last sends it back to rank 0, which applies the final norm and the output layer. What a
+//! family's later layers need besides the hidden state (rotary rows, Gemma 4's per-layer
+//! inputs, image spans) rides along in the same message.
+//! Reference: mlx-lm `models/pipeline.py` and `models/deepseek_v3.py` (`pipeline` and the
+//! send / recv around the layer loop); here embeddings and sampling stay on rank 0 only.
+
+use std::{
+    ops::Range,
+    sync::{Arc, Mutex},
+};
+
+use mlx_rs::{Array, Dtype};
+
+use super::{DistributedError, Group};
+use crate::error::{EngineError, Result};
+
+/// Arrays one message may carry (the hidden state and what rides with it).
+const MAX_ARRAYS: usize = 5;
+/// Dimensions per array in a message's header.
+const MAX_DIMS: usize = 4;
+/// Words before the arrays' shapes: kind, array count, `last_only`, the chunk's position.
+const PREAMBLE: usize = 4;
+/// A message's header: the preamble, then per array its dtype, rank and dimensions.
+const HEADER: usize = PREAMBLE + MAX_ARRAYS * (2 + MAX_DIMS);
+/// The header's first word: a forward's arrays, or the end of the pipeline's work.
+const ARRAYS: i32 = 0x524d_4c58; // "RMLX"
+const STOP: i32 = 0x5354_4f50; // "STOP"
+
+/// One forward's input to a rank: the hidden state first, then what rides with it.
+pub struct Message {
+    pub arrays: Vec<Array>,
+    /// Whether rank 0 wants only the last position back (`Logits::Last`).
+    pub last_only: bool,
+    /// Where the chunk starts in the sequence (rank 0's cache offset): 0 starts a new one.
+    pub position: i32,
+}
+
+/// This process's stage: which layers it computes, and its group.
+pub struct Stage {
+    group: Arc<Group>,
+    /// Each rank's layers, in rank order (contiguous, covering the model).
+    layers: Vec<Range<usize>>,
+    /// A follower's message, received by its loop ([`Self::next`]) before the forward runs.
+    pending: Mutex<Option<Message>>,
+    /// The running forward's `last_only` as rank 0 asked (a follower passes it on).
+    last_only: Mutex<bool>,
+}
+
+impl Stage {
+    pub fn new(group: Arc<Group>, layers: Vec<Range<usize>>) -> Self {
+        debug_assert_eq!(group.size(), layers.len());
+        Self {
+            group,
+            layers,
+            pending: Mutex::new(None),
+            last_only: Mutex::new(true),
+        }
+    }
+
+    /// Each rank's layers.
+    pub fn layers(&self) -> &[Range<usize>] {
+        &self.layers
+    }
+
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+
+    /// Rank 0 holds everything outside the layers: embeddings, vision tower, norm, output.
+    pub fn is_first(&self) -> bool {
+        self.rank() == 0
+    }
+
+    /// The layers this rank computes.
+    pub fn own_layers(&self) -> Range<usize> {
+        self.layers[self.rank()].clone()
+    }
+
+    pub fn owns(&self, layer: usize) -> bool {
+        self.own_layers().contains(&layer)
+    }
+
+    /// A follower's next message from the previous rank, kept for the forward it starts; None
+    /// once rank 0 ended the pipeline's work (passed on to the next rank first).
+    pub fn next(&self) -> Result<Option<(bool, i32)>> {
+        let Some(message) = self.receive_from(self.rank() - 1)? else {
+            if self.rank() + 1 < self.size() {
+                self.send_stop(self.rank() + 1)?;
+            }
+            return Ok(None);
+        };
+        let shape = (message.last_only, message.position);
+        *self.pending.lock().expect("not poisoned") = Some(message);
+        Ok(Some(shape))
+    }
+
+    /// A follower's input: the hidden state and what rides with it, from the previous rank.
+    pub fn receive(&self) -> Result<Vec<Array>> {
+        let message = match self.pending.lock().expect("not poisoned").take() {
+            Some(message) => message,
+            None => self
+                .receive_from(self.rank() - 1)?
+                .ok_or_else(|| protocol("the pipeline ended mid-forward".into()))?,
+        };
+        *self.last_only.lock().expect("not poisoned") = message.last_only;
+        Ok(message.arrays)
+    }
+
+    /// Rank 0, when its work is done: the followers leave their loops (and exit).
+    pub fn stop_followers(&self) -> Result<()> {
+        match self.size() > 1 && self.is_first() {
+            true => self.send_stop(1),
+            false => Ok(()),
+        }
+    }
+
+    /// After this rank's layers: on to the next rank, or (the last) back to rank 0 with only
+    /// the positions rank 0 asked for (`last_only` there). Rank 0 then receives the final
+    /// hidden state and gets it back; the others get None (they have no output layer).
+    /// `position`: rank 0's cache offset before this chunk.
+    pub fn pass_on(
+        &self,
+        h: &Array,
+        riders: &[Array],
+        last_only: bool,
+        position: i32,
+    ) -> Result<Option<Array>> {
+        let size = self.size();
+        if size == 1 {
+            return Ok(Some(h.clone()));
+        }
+        let rank = self.rank();
+        let last_only = match rank {
+            0 => last_only,
+            _ => *self.last_only.lock().expect("not poisoned"),
+        };
+        if rank + 1 < size {
+            let mut arrays = vec![h.clone()];
+            arrays.extend(riders.iter().cloned());
+            self.send_to(&arrays, rank + 1, last_only, position)?;
+        } else {
+            let len = h.shape()[1];
+            let h = match last_only && len > 1 {
+                true => mlx_rs::ops::indexing::IndexOp::index(h, (.., (len - 1)..)),
+                false => h.clone(),
+            };
+            self.send_to(&[h], 0, last_only, position)?;
+        }
+        if rank != 0 {
+            return Ok(None);
+        }
+        let mut back = self
+            .receive_from(size - 1)?
+            .ok_or_else(|| protocol("the last rank stopped instead of answering".into()))?;
+        match back.arrays.len() {
+            1 => Ok(back.arrays.pop()),
+            n => Err(protocol(format!(
+                "the last rank sent {n} arrays back, not 1"
+            ))),
+        }
+    }
+
+    /// Rank 0's `values` on every rank (the others pass zeros of the same length): one
+    /// all_sum of int32, the step's control message.
+    pub fn broadcast(&self, values: &[i32]) -> Result<Vec<i32>> {
+        // MLX's ring sums at least one element per rank on its fast path.
+        let len = values.len().max(self.size());
+        let mut mine = vec![0i32; len];
+        if self.is_first() {
+            mine[..values.len()].copy_from_slice(values);
+        }
+        let summed = self
+            .group
+            .all_sum(&Array::from_slice(&mine, &[len as i32]))
+            .map_err(distributed)?;
+        Ok(summed.as_slice::<i32>()[..values.len()].to_vec())
+    }
+
+    fn send_stop(&self, to: usize) -> Result<()> {
+        let mut header = vec![0i32; HEADER];
+        header[0] = STOP;
+        self.group
+            .send(&Array::from_slice(&header, &[HEADER as i32]), to)
+            .map_err(distributed)
+    }
+
+    fn send_to(&self, arrays: &[Array], to: usize, last_only: bool, position: i32) -> Result<()> {
+        if arrays.len() > MAX_ARRAYS {
+            return Err(protocol(format!("{} arrays in one message", arrays.len())));
+        }
+        let mut header = vec![0i32; HEADER];
+        header[0] = ARRAYS;
+        header[1] = arrays.len() as i32;
+        header[2] = last_only as i32;
+        header[3] = position;
+        for (index, array) in arrays.iter().enumerate() {
+            let shape = array.shape();
+            if shape.len() > MAX_DIMS {
+                return Err(protocol(format!("an array of {} dimensions", shape.len())));
+            }
+            let at = PREAMBLE + index * (2 + MAX_DIMS);
+            header[at] = u32::from(array.dtype()) as i32;
+            header[at + 1] = shape.len() as i32;
+            header[at + 2..at + 2 + shape.len()].copy_from_slice(shape);
+        }
+        let group = &self.group;
+        group
+            .send(&Array::from_slice(&header, &[HEADER as i32]), to)
+            .map_err(distributed)?;
+        for array in arrays.iter().filter(|array| array.size() > 0) {
+            group.send(array, to).map_err(distributed)?;
+        }
+        Ok(())
+    }
+
+    /// The next message from rank `from`; None when it is the pipeline's stop.
+    fn receive_from(&self, from: usize) -> Result<Option<Message>> {
+        let header = self
+            .group
+            .recv(&[HEADER as i32], Dtype::Int32, from)
+            .map_err(distributed)?;
+        let header = header.as_slice::<i32>().to_vec();
+        if header[0] == STOP {
+            return Ok(None);
+        }
+        let count = header[1];
+        if header[0] != ARRAYS || !(0..=MAX_ARRAYS as i32).contains(&count) {
+            return Err(protocol(format!(
+                "rank {from} sent a header this rank cannot read ({:x}, {count})",
+                header[0]
+            )));
+        }
+        let arrays = (0..count as usize)
+            .map(|index| {
+                let at = PREAMBLE + index * (2 + MAX_DIMS);
+                let dtype = Dtype::try_from(header[at] as u32)
+                    .map_err(|_| protocol(format!("unknown dtype {}", header[at])))?;
+                let ndim = (header[at + 1].clamp(0, MAX_DIMS as i32)) as usize;
+                let shape = &header[at + 2..at + 2 + ndim];
+                if shape.iter().any(|&dim| dim == 0) {
+                    return Ok(mlx_rs::ops::zeros_dtype(shape, dtype)?);
+                }
+                self.group.recv(shape, dtype, from).map_err(distributed)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(Message {
+            arrays,
+            last_only: header[2] != 0,
+            position: header[3],
+        }))
+    }
+}
+
+fn distributed(error: DistributedError) -> EngineError {
+    EngineError::Distributed(error.to_string())
+}
+
+fn protocol(message: String) -> EngineError {
+    EngineError::Distributed(format!("pipeline message: {message}"))
+}
+
+/// Which parts of a model this process loads and runs: all of it, or one stage's layers (and,
+/// on rank 0, everything outside the layers).
+#[derive(Clone, Default)]
+pub struct Part {
+    pub stage: Option<Arc<Stage>>,
+}
+
+impl std::fmt::Debug for Part {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.stage() {
+            None => write!(f, "Part(whole)"),
+            Some(stage) => write!(
+                f,
+                "Part(rank {} of {}, layers {:?})",
+                stage.rank(),
+                stage.size(),
+                stage.own_layers()
+            ),
+        }
+    }
+}
+
+impl Part {
+    pub fn whole() -> Self {
+        Self::default()
+    }
+
+    pub fn has_layer(&self, layer: usize) -> bool {
+        self.stage.as_ref().is_none_or(|stage| stage.owns(layer))
+    }
+
+    /// Embeddings, the vision tower, the final norm and output layer, a draft head.
+    pub fn has_ends(&self) -> bool {
+        self.stage.as_ref().is_none_or(|stage| stage.is_first())
+    }
+
+    /// A follower's stage (it receives its input instead of embedding tokens).
+    pub fn follower(&self) -> Option<&Stage> {
+        self.stage.as_deref().filter(|stage| !stage.is_first())
+    }
+
+    pub fn stage(&self) -> Option<&Stage> {
+        self.stage.as_deref()
+    }
+}
+
+/// What a family's forward returns on a rank without the output layer: nothing to sample.
+pub fn no_logits() -> Result<Array> {
+    Ok(mlx_rs::ops::zeros::<f32>(&[0])?)
+}
+
+/// The error of a rank asked for a part it does not hold.
+pub fn not_held(what: &str) -> EngineError {
+    EngineError::Distributed(format!("this rank does not hold {what} (rank 0 does)"))
+}
+
+/// A follower's work: its layers for every forward rank 0 runs, until rank 0 stops the
+/// pipeline. Its caches follow rank 0's sequence: a chunk at position 0 starts a new one; any
+/// other position must be where this rank's caches end. Returns the forwards it ran.
+pub fn follow(
+    model: &dyn crate::models::LanguageModel,
+    stage: &Stage,
+    max_ctx: usize,
+    kv_storage: crate::cache::KvStorage,
+) -> Result<usize> {
+    let fresh = || {
+        let mut caches = model.new_cache(max_ctx);
+        caches
+            .iter_mut()
+            .filter(|cache| !cache.is_windowed())
+            .for_each(|cache| cache.set_storage(kv_storage));
+        caches
+    };
+    let mut caches = fresh();
+    // The forward reads only the received hidden state's shape; these ids are never embedded.
+    let placeholder = Array::from_slice(&[0u32], &[1, 1]);
+    let mut forwards = 0;
+    while let Some((last_only, position)) = stage.next()? {
+        let offset = caches.first().map_or(0, crate::cache::KvCache::offset);
+        if position == 0 && offset != 0 {
+            caches = fresh();
+        } else if position != offset {
+            return Err(protocol(format!(
+                "rank 0 sent a chunk at position {position}; this rank's caches end at {offset}"
+            )));
+        }
+        let logits = match last_only {
+            true => crate::models::Logits::Last,
+            false => crate::models::Logits::All,
+        };
+        model.forward(&placeholder, &mut caches, logits)?;
+        forwards += 1;
+    }
+    Ok(forwards)
+}

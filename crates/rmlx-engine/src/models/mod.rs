@@ -364,15 +364,21 @@ pub fn load_model_with(dir: &Path, options: LoadOptions) -> Result<LoadedModel> 
         "qwen3" => Box::new(qwen3::Model::load(dir, &config, &mut store, part)?),
         "qwen3_moe" => Box::new(qwen3_moe::load(dir, &config, &mut store, part)?),
         // qwen3_vl_moe is Qwen3-VL with experts in the text decoder (mlx-vlm `qwen3_vl_moe`).
-        "qwen3_vl" | "qwen3_vl_moe" => Box::new(qwen3_vl::Model::load(dir, &config, &mut store)?),
+        "qwen3_vl" | "qwen3_vl_moe" => Box::new(qwen3_vl::Model::load(
+            dir,
+            &config,
+            &mut store,
+            part.clone(),
+        )?),
         // qwen3_5_moe is Qwen3.5 with routed experts in every layer (mlx-vlm `qwen3_5_moe`).
         "qwen3_5" | "qwen3_5_moe" => Box::new(qwen3_5::Model::load(
             dir,
             &config,
             &mut store,
             options.draft_head,
+            part.clone(),
         )?),
-        "gemma4" => Box::new(gemma4::Model::load(dir, &config, &mut store)?),
+        "gemma4" => Box::new(gemma4::Model::load(dir, &config, &mut store, part.clone())?),
         _ => unreachable!("checked above"),
     };
     let summary = store.finish()?;

@@ -16,8 +16,9 @@ use crate::{
     config::QuantizationConfig,
     error::{EngineError, Result},
     models::{
+        chunk_position, held, stage_output,
         switch::{combine, GluActivation, SwitchGlu, SwitchLinear},
-        Logits,
+        Logits, Part,
     },
     nn::{geglu, rope, scalar, Embedding, GatedMlp, Linear, RmsNorm},
     weights::{DtypeKind, WeightStore},
@@ -618,10 +619,13 @@ struct PerLayerInputs {
 
 pub struct LanguageModel {
     pub(super) args: TextConfig,
-    pub(super) embed_tokens: Embedding,
+    pub(super) part: Part,
+    /// Rank 0's (None on a pipeline's other ranks), as are `per_layer` and `norm`.
+    embed_tokens: Option<Embedding>,
     per_layer: Option<PerLayerInputs>,
-    layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
+    /// None where another pipeline rank computes the layer.
+    layers: Vec<Option<DecoderLayer>>,
+    norm: Option<RmsNorm>,
     /// Layer whose keys/values each layer attends to (itself unless KV-shared).
     kv_source: Vec<usize>,
     first_shared: usize,
@@ -633,18 +637,35 @@ impl LanguageModel {
         quant: Option<&QuantizationConfig>,
         config: &Config,
         dir: &std::path::Path,
+        part: Part,
     ) -> Result<Self> {
         // Config::validate has refused untied checkpoints (the logits use embed_tokens).
         let args = config.text_config.clone();
         let prefix = "language_model.model";
-        let embed_tokens = Embedding::load(
-            store,
-            quant,
-            &format!("{prefix}.embed_tokens"),
-            args.vocab_size,
-            args.hidden_size,
-        )?;
-        let per_layer = if args.hidden_size_per_layer_input > 0 {
+        if !part.has_ends() {
+            for name in [
+                "embed_tokens.",
+                "embed_tokens_per_layer.",
+                "per_layer_model_projection.",
+                "per_layer_projection_norm.",
+                "norm.",
+            ] {
+                store.discard_prefix(&format!("{prefix}.{name}"));
+            }
+        }
+        let embed_tokens = part
+            .has_ends()
+            .then(|| {
+                Embedding::load(
+                    store,
+                    quant,
+                    &format!("{prefix}.embed_tokens"),
+                    args.vocab_size,
+                    args.hidden_size,
+                )
+            })
+            .transpose()?;
+        let per_layer = if args.hidden_size_per_layer_input > 0 && part.has_ends() {
             let width = args.hidden_size_per_layer_input;
             let total = args.num_hidden_layers * width;
             Some(PerLayerInputs {
@@ -676,22 +697,25 @@ impl LanguageModel {
         };
         let layers = (0..args.num_hidden_layers as usize)
             .map(|i| {
-                DecoderLayer::load(
-                    store,
-                    quant,
-                    &format!("{prefix}.layers.{i}"),
-                    config,
-                    i,
-                    dir,
-                )
+                let layer = format!("{prefix}.layers.{i}");
+                if !part.has_layer(i) {
+                    store.discard_prefix(&format!("{layer}."));
+                    return Ok(None);
+                }
+                DecoderLayer::load(store, quant, &layer, config, i, dir).map(Some)
             })
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::load(
-            store,
-            &format!("{prefix}.norm"),
-            args.hidden_size,
-            args.rms_norm_eps,
-        )?;
+        let norm = part
+            .has_ends()
+            .then(|| {
+                RmsNorm::load(
+                    store,
+                    &format!("{prefix}.norm"),
+                    args.hidden_size,
+                    args.rms_norm_eps,
+                )
+            })
+            .transpose()?;
         let first_shared = config.first_kv_shared_layer();
         let kv_source = (0..layers.len())
             .map(|i| {
@@ -707,6 +731,7 @@ impl LanguageModel {
             .collect();
         Ok(Self {
             args,
+            part,
             embed_tokens,
             per_layer,
             layers,
@@ -725,9 +750,9 @@ impl LanguageModel {
     /// `RotatingKVCache`), a full layer's the whole context.
     pub fn new_caches(&self, max_ctx: usize) -> Vec<KvCache> {
         let window = self.args.sliding_window.max(1) as usize;
-        self.layers[..self.first_shared]
+        self.args.layer_types[..self.first_shared]
             .iter()
-            .map(|layer| match layer.self_attn.sliding {
+            .map(|kind| match kind.as_str() == "sliding_attention" {
                 true => KvCache::windowed(max_ctx, window),
                 false => KvCache::new(max_ctx),
             })
@@ -736,7 +761,7 @@ impl LanguageModel {
 
     /// `embed_tokens(ids) * sqrt(hidden)`, the scale in the table's dtype.
     pub(super) fn embed(&self, ids: &Array) -> Result<Array> {
-        let h = self.embed_tokens.forward(ids)?;
+        let h = held(&self.embed_tokens, "the embeddings")?.forward(ids)?;
         let scale = scalar((self.args.hidden_size as f64).sqrt(), &h)?;
         Ok(ops::multiply(&h, &scale)?)
     }
@@ -771,8 +796,48 @@ impl LanguageModel {
     /// `images` are the chunk-relative soft-token spans that attend both ways.
     pub(super) fn forward_embeddings(
         &self,
-        mut h: Array,
+        h: Array,
         per_layer_ids: &Array,
+        images: &[Range<usize>],
+        caches: &mut [KvCache],
+        logits: Logits,
+    ) -> Result<Array> {
+        let per_layer = self.per_layer_inputs(per_layer_ids, &h)?;
+        self.decode(h, per_layer, images, caches, logits)
+    }
+
+    /// A pipeline follower's forward: the hidden state, per-layer inputs and image spans rank
+    /// 0 made, through this rank's layers.
+    pub(super) fn forward_received(&self, caches: &mut [KvCache], logits: Logits) -> Result<Array> {
+        let stage = self
+            .part
+            .follower()
+            .ok_or_else(|| EngineError::Internal("not a pipeline follower".into()))?;
+        let mut arrays = stage.receive()?.into_iter();
+        let missing = || EngineError::Distributed("a Gemma 4 chunk came incomplete".into());
+        let h = arrays.next().ok_or_else(missing)?;
+        let per_layer = arrays.next().ok_or_else(missing)?;
+        let spans = arrays.next().ok_or_else(missing)?;
+        let spans: Vec<Range<usize>> = match spans.size() {
+            0 => Vec::new(),
+            _ => spans
+                .as_dtype(mlx_rs::Dtype::Int32)?
+                .as_slice::<i32>()
+                .chunks(2)
+                .map(|pair| pair[0] as usize..pair[1] as usize)
+                .collect(),
+        };
+        let per_layer = (per_layer.size() > 0).then_some(per_layer);
+        self.decode(h, per_layer, &spans, caches, logits)
+    }
+
+    /// The decoder from embeddings `h` and their per-layer inputs: this process's layers
+    /// (across ranks the others', whose caches move in step, empty), then the logits where
+    /// the output layer is (None-shaped `no_logits` on a pipeline's other ranks).
+    fn decode(
+        &self,
+        mut h: Array,
+        per_layer: Option<Array>,
         images: &[Range<usize>],
         caches: &mut [KvCache],
         logits: Logits,
@@ -784,8 +849,8 @@ impl LanguageModel {
                 caches.len()
             )));
         }
-        let per_layer = self.per_layer_inputs(per_layer_ids, &h)?;
-        let len = h.shape()[1];
+        let (batch, len) = (h.shape()[0], h.shape()[1]);
+        let position = chunk_position(caches);
         let first = caches
             .first()
             .ok_or_else(|| EngineError::InvalidRequest("Gemma 4 needs its layer caches".into()))?;
@@ -793,6 +858,12 @@ impl LanguageModel {
         let masks = ChunkMasks::new(first, len, self.args.sliding_window, images)?;
         let mut shared: Vec<Option<Fetched>> = vec![None; self.layers.len()];
         for (index, layer) in self.layers.iter().enumerate() {
+            let Some(layer) = layer else {
+                if index < self.first_shared {
+                    caches[index].shadow_step(batch, len)?;
+                }
+                continue;
+            };
             let source = self.kv_source[index];
             let input = per_layer
                 .as_ref()
@@ -808,11 +879,28 @@ impl LanguageModel {
                 shared[index] = Some(kv);
             }
         }
+        let riders = match self.part.stage() {
+            Some(_) => {
+                let spans: Vec<i32> = images
+                    .iter()
+                    .flat_map(|span| [span.start as i32, span.end as i32])
+                    .collect();
+                vec![
+                    per_layer.unwrap_or(ops::zeros::<f32>(&[0])?),
+                    Array::from_slice(&spans, &[spans.len() as i32]),
+                ]
+            }
+            None => Vec::new(),
+        };
+        let Some(mut h) = stage_output(&self.part, h, &riders, logits, position)? else {
+            return crate::distributed::pipeline::no_logits();
+        };
+        let len = h.shape()[1];
         if logits == Logits::Last && len > 1 {
             h = h.index((.., (len - 1)..));
         }
-        let h = self.norm.forward(&h)?;
-        let out = self.embed_tokens.as_linear(&h)?;
+        let h = held(&self.norm, "the final norm")?.forward(&h)?;
+        let out = held(&self.embed_tokens, "the embeddings")?.as_linear(&h)?;
         match self.args.final_logit_softcapping {
             Some(cap) if cap > 0.0 => {
                 let cap_array = scalar(cap as f64, &out)?;

@@ -15,18 +15,25 @@ use mlx_rs::{ops, Array};
 
 use self::{config::Config, language::LanguageModel as TextModel, vision::VisionModel};
 use super::{
-    host_ids, ImageInput, ImageScatter, LanguageModel, Logits, VisionFeatures, VisionLanguageModel,
+    held, host_ids, ImageInput, ImageScatter, LanguageModel, Logits, Part, VisionFeatures,
+    VisionLanguageModel,
 };
 use crate::{cache::KvCache, config::ConfigFile, error::Result, weights::WeightStore};
 
 pub struct Model {
     config: Config,
-    vision: VisionModel,
+    /// Rank 0's (None on a pipeline's other ranks).
+    vision: Option<VisionModel>,
     language: TextModel,
 }
 
 impl Model {
-    pub fn load(dir: &Path, config: &ConfigFile, store: &mut WeightStore) -> Result<Self> {
+    pub fn load(
+        dir: &Path,
+        config: &ConfigFile,
+        store: &mut WeightStore,
+        part: Part,
+    ) -> Result<Self> {
         let args: Config = config.family(dir)?;
         args.validate(dir)?;
         sanitize(store, &args);
@@ -36,8 +43,15 @@ impl Model {
         let quant = config.base.quantization.as_ref();
         // The tower and embedder stay dense in mlx-vlm's conversions (QAT fp4 included);
         // loading them dense makes a stray quantized tower a strict-loading error.
-        let vision = VisionModel::load(store, &args.vision_config, args.text_config.hidden_size)?;
-        let language = TextModel::load(store, quant, &args, dir)?;
+        if !part.has_ends() {
+            store.discard_prefix("vision_tower.");
+            store.discard_prefix("embed_vision.");
+        }
+        let vision = part
+            .has_ends()
+            .then(|| VisionModel::load(store, &args.vision_config, args.text_config.hidden_size))
+            .transpose()?;
+        let language = TextModel::load(store, quant, &args, dir, part)?;
         Ok(Self {
             config: args,
             vision,
@@ -149,7 +163,7 @@ impl LanguageModel for Model {
 impl VisionLanguageModel for Model {
     fn encode_images(&self, images: &ImageInput) -> Result<VisionFeatures> {
         Ok(VisionFeatures {
-            embeds: self.vision.forward(images)?,
+            embeds: held(&self.vision, "the vision tower")?.forward(images)?,
             deepstack: Vec::new(),
             grid_thw: images.grid_thw.clone(),
         })
@@ -162,6 +176,9 @@ impl VisionLanguageModel for Model {
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
+        if self.language.part.follower().is_some() {
+            return self.language.forward_received(caches, logits);
+        }
         let mut h = self.language.embed(inputs)?;
         let mut bidirectional = Vec::new();
         if let Some(features) = features {

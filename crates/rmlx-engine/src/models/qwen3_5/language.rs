@@ -16,10 +16,12 @@ use crate::{
     config::QuantizationConfig,
     error::Result,
     models::{
+        batch_and_len, held,
         qwen3::Mlp,
         qwen3_vl::{config::Rope, language::RotaryAngles},
+        stage_output,
         switch::{combine, GluActivation, SoftmaxTopK, SwitchGlu, SwitchLinear},
-        Logits,
+        Logits, Part,
     },
     nn::{scalar, Embedding, Linear, Projections, RmsNorm},
     weights::{DtypeKind, WeightStore},
@@ -482,9 +484,12 @@ impl DecoderLayer {
 pub struct LanguageModel {
     pub(super) rope: Rope,
     pub(super) rotary_dim: i32,
-    pub(super) embed_tokens: Embedding,
-    layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
+    pub(super) part: Part,
+    /// Rank 0's (None on a pipeline's other ranks), as are `norm` and `lm_head`.
+    embed_tokens: Option<Embedding>,
+    /// None where another pipeline rank computes the layer.
+    layers: Vec<Option<DecoderLayer>>,
+    norm: Option<RmsNorm>,
     lm_head: Option<Linear>,
 }
 
@@ -495,29 +500,51 @@ impl LanguageModel {
         config: &Config,
         moe: Option<&MoeConfig>,
         rope: (Rope, i32),
+        part: Part,
     ) -> Result<Self> {
         let text = &config.text_config;
         let tied = config.tied();
-        let embed_tokens = Embedding::load(
-            store,
-            quant,
-            "language_model.model.embed_tokens",
-            text.vocab_size,
-            text.hidden_size,
-        )?;
+        if !part.has_ends() {
+            for name in ["embed_tokens.", "norm."] {
+                store.discard_prefix(&format!("language_model.model.{name}"));
+            }
+            store.discard_prefix("language_model.lm_head.");
+        }
+        let embed_tokens = part
+            .has_ends()
+            .then(|| {
+                Embedding::load(
+                    store,
+                    quant,
+                    "language_model.model.embed_tokens",
+                    text.vocab_size,
+                    text.hidden_size,
+                )
+            })
+            .transpose()?;
         let layers = (0..text.num_hidden_layers as usize)
             .map(|index| {
                 let prefix = format!("language_model.model.layers.{index}");
+                if !part.has_layer(index) {
+                    store.discard_prefix(&format!("{prefix}."));
+                    return Ok(None);
+                }
                 DecoderLayer::load(store, quant, config, moe, &prefix, config.is_linear(index))
+                    .map(Some)
             })
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::load(
-            store,
-            "language_model.model.norm",
-            text.hidden_size,
-            text.rms_norm_eps,
-        )?;
-        let lm_head = if tied {
+        let norm = part
+            .has_ends()
+            .then(|| {
+                RmsNorm::load(
+                    store,
+                    "language_model.model.norm",
+                    text.hidden_size,
+                    text.rms_norm_eps,
+                )
+            })
+            .transpose()?;
+        let lm_head = if tied || !part.has_ends() {
             None
         } else {
             Some(Linear::load(
@@ -532,6 +559,7 @@ impl LanguageModel {
         Ok(Self {
             rope: rope.0,
             rotary_dim: rope.1,
+            part,
             embed_tokens,
             layers,
             norm,
@@ -543,42 +571,70 @@ impl LanguageModel {
         self.layers.len()
     }
 
-    /// Embeddings `[1, L, hidden]` at rotary positions `rows` (t, h, w) through the decoder.
+    /// The token embeddings (rank 0's).
+    pub(super) fn embed(&self) -> Result<&Embedding> {
+        held(&self.embed_tokens, "the embeddings")
+    }
+
+    /// Embeddings `[1, L, hidden]` at rotary positions `rows` (t, h, w) through the decoder;
+    /// across ranks `riders` go on with the hidden state and `position` is the chunk's start.
+    /// A pipeline's other ranks return no logits.
     pub(super) fn forward_embeddings(
         &self,
         h: Array,
         rows: &[&[i32]; 3],
+        riders: &[Array],
+        position: i32,
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
         let rotary = RotaryAngles::for_chunk(rows, caches, &self.rope, self.rotary_dim)?;
-        let mut h = self.trunk(h, &rotary, caches)?;
+        let h = self.layers_forward(h, &rotary, caches)?;
+        let Some(mut h) = stage_output(&self.part, h, riders, logits, position)? else {
+            return crate::distributed::pipeline::no_logits();
+        };
         if logits == Logits::Last && h.shape()[1] > 1 {
             let last = h.shape()[1] - 1;
             h = h.index((.., last..));
         }
+        let h = held(&self.norm, "the final norm")?.forward(&h)?;
         self.project(&h)
     }
 
-    /// The decoder layers and the final norm: the hidden states the lm_head scores (and the
-    /// draft head reads), every position.
-    pub(super) fn trunk(
+    /// This process's decoder layers (the others' caches move in step, empty).
+    fn layers_forward(
         &self,
         mut h: Array,
         rotary: &RotaryAngles,
         caches: &mut [KvCache],
     ) -> Result<Array> {
+        let (batch, len) = batch_and_len(&h);
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.forward(&h, rotary, cache)?;
+            match layer {
+                Some(layer) => h = layer.forward(&h, rotary, cache)?,
+                None => cache.shadow_step(batch, len)?,
+            }
         }
-        self.norm.forward(&h)
+        Ok(h)
+    }
+
+    /// The decoder layers and the final norm: the hidden states the lm_head scores (and the
+    /// draft head reads), every position (one process: the head is not loaded across ranks).
+    pub(super) fn trunk(
+        &self,
+        h: Array,
+        rotary: &RotaryAngles,
+        caches: &mut [KvCache],
+    ) -> Result<Array> {
+        let h = self.layers_forward(h, rotary, caches)?;
+        held(&self.norm, "the final norm")?.forward(&h)
     }
 
     /// The lm_head (the embedding when tied) over final-norm hidden states.
     pub(super) fn project(&self, h: &Array) -> Result<Array> {
         match &self.lm_head {
             Some(head) => head.forward(h),
-            None => self.embed_tokens.as_linear(h),
+            None => self.embed()?.as_linear(h),
         }
     }
 }

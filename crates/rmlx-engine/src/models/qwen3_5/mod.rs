@@ -18,22 +18,24 @@ use mlx_rs::Array;
 
 use self::{config::Config, language::LanguageModel as TextModel, mtp::MtpHead};
 use super::{
-    host_ids,
+    chunk_position, held, host_ids,
     qwen3_vl::{
         language::{
-            chunk_base, image_rows, rope_index_for, text_rows, ImageTokenIds, RotaryAngles,
+            chunk_base, delta_after, image_rows, rope_index_for, rows_from_rider, rows_rider,
+            text_rows, ImageTokenIds, RotaryAngles,
         },
         vision::VisionModel,
         MropePositions,
     },
-    DraftHead, ImageInput, ImageScatter, LanguageModel, Logits, VisionFeatures,
+    DraftHead, ImageInput, ImageScatter, LanguageModel, Logits, Part, VisionFeatures,
     VisionLanguageModel,
 };
 use crate::{cache::KvCache, config::ConfigFile, error::Result, weights::WeightStore};
 
 pub struct Model {
     config: Config,
-    vision: VisionModel,
+    /// Rank 0's (None on a pipeline's other ranks).
+    vision: Option<VisionModel>,
     language: TextModel,
     /// The multi-token-prediction head, when loaded (see [`Model::load`]).
     mtp: Option<MtpHead>,
@@ -140,6 +142,7 @@ impl Model {
         config: &ConfigFile,
         store: &mut WeightStore,
         with_head: bool,
+        part: Part,
     ) -> Result<Self> {
         let args: Config = config.family(dir)?;
         let model_type = config.base.model_type.as_str();
@@ -160,8 +163,14 @@ impl Model {
         sanitize(store, args.tied(), head_layers.is_some(), head_shift)?;
         // The converters never quantize the tower: loading it dense makes a quantized one a
         // strict-loading error rather than a silent mis-read.
-        let vision = VisionModel::load(store, "vision_tower", &args.vision_config)?;
-        let language = TextModel::load(store, quant, &args, moe.as_ref(), rope)?;
+        if !part.has_ends() {
+            store.discard_prefix("vision_tower.");
+        }
+        let vision = part
+            .has_ends()
+            .then(|| VisionModel::load(store, "vision_tower", &args.vision_config))
+            .transpose()?;
+        let language = TextModel::load(store, quant, &args, moe.as_ref(), rope, part)?;
         let head_quant = sidecar
             .as_ref()
             .and_then(|head| head.quantization.as_ref())
@@ -236,7 +245,7 @@ impl LanguageModel for Model {
 
 impl VisionLanguageModel for Model {
     fn encode_images(&self, images: &ImageInput) -> Result<VisionFeatures> {
-        self.vision.forward(images)
+        held(&self.vision, "the vision tower")?.forward(images)
     }
 
     fn forward_with_images(
@@ -246,10 +255,32 @@ impl VisionLanguageModel for Model {
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
-        let chunk = self.embed_chunk(inputs, features, caches)?;
-        let out =
-            self.language
-                .forward_embeddings(chunk.h.clone(), &chunk.rows(), caches, logits)?;
+        let position = chunk_position(caches);
+        let chunk = match self.language.part.follower() {
+            None => self.embed_chunk(inputs, features, caches)?,
+            // What rank 0 embedded and positioned; the delta follows from the rows.
+            Some(stage) => {
+                let mut arrays = stage.receive()?.into_iter();
+                let h = arrays.next().ok_or_else(|| {
+                    crate::error::EngineError::Distributed("an empty pipeline message".into())
+                })?;
+                let rows = rows_from_rider(arrays.next().as_ref())?;
+                let delta = (h.shape()[0] == 1).then(|| delta_after(&rows, position));
+                Chunk { h, rows, delta }
+            }
+        };
+        let riders = match self.language.part.stage() {
+            Some(_) => vec![rows_rider(&chunk.rows)],
+            None => Vec::new(),
+        };
+        let out = self.language.forward_embeddings(
+            chunk.h.clone(),
+            &chunk.rows(),
+            &riders,
+            position,
+            caches,
+            logits,
+        )?;
         self.set_rope_delta(&chunk, caches);
         Ok(out)
     }
@@ -277,7 +308,7 @@ impl Model {
         caches: &[KvCache],
     ) -> Result<Chunk> {
         let (base, delta) = chunk_base(caches);
-        let h = self.language.embed_tokens.forward(inputs)?;
+        let h = self.language.embed()?.forward(inputs)?;
         let Some(features) = features else {
             return Ok(Chunk {
                 h,
@@ -331,7 +362,7 @@ impl DraftHead for Model {
             RotaryAngles::for_chunk(&rows, trunk, &self.language.rope, self.language.rotary_dim)?;
         let hidden = self.language.trunk(chunk.h.clone(), &rotary, trunk)?;
         // Pair i: the hidden state at input i with the token after it, at input i's position.
-        let embeds = self.language.embed_tokens.forward(next)?;
+        let embeds = self.language.embed()?.forward(next)?;
         self.head().forward(&embeds, &hidden, &rotary, head)?;
         self.set_rope_delta(&chunk, caches);
         Ok(())
@@ -369,12 +400,12 @@ impl DraftHead for Model {
         let rows = [&rows[0][..], &rows[1][..], &rows[2][..]];
         let rotary =
             RotaryAngles::for_chunk(&rows, caches, &self.language.rope, self.language.rotary_dim)?;
-        let embeds = self.language.embed_tokens.forward(tokens)?;
+        let embeds = self.language.embed()?.forward(tokens)?;
         self.head().forward(&embeds, hidden, &rotary, caches)
     }
 
     fn take_in_alone(&self, token: &Array, caches: &mut [KvCache]) -> Result<()> {
-        let zeros = mlx_rs::ops::zeros_like(&self.language.embed_tokens.forward(token)?)?;
+        let zeros = mlx_rs::ops::zeros_like(&self.language.embed()?.forward(token)?)?;
         self.head_forward(token, &zeros, caches)?;
         Ok(())
     }

@@ -14,9 +14,10 @@ use crate::{
     config::QuantizationConfig,
     error::Result,
     models::{
+        batch_and_len, held,
         qwen3::{Attention, AttentionShape, FeedForward, Mlp},
         qwen3_moe::SparseMoeBlock,
-        Logits,
+        stage_output, Logits, Part,
     },
     nn::{rotate_half, Embedding, Linear, RmsNorm},
     weights::WeightStore,
@@ -128,6 +129,32 @@ pub(crate) fn image_rows(positions: &MropePositions, base: i32) -> [Vec<i32>; 3]
         .rows
         .clone()
         .map(|row| row.into_iter().map(|p| p + base).collect())
+}
+
+/// A chunk's rotary rows as they ride to the next pipeline rank: `[3, L]` int32.
+pub(crate) fn rows_rider(rows: &[Vec<i32>; 3]) -> Array {
+    let flat: Vec<i32> = rows.iter().flatten().copied().collect();
+    Array::from_slice(&flat, &[3, rows[0].len() as i32])
+}
+
+/// [`rows_rider`] read back on the receiving rank.
+pub(crate) fn rows_from_rider(rider: Option<&Array>) -> Result<[Vec<i32>; 3]> {
+    let rider = rider.ok_or_else(|| {
+        crate::error::EngineError::Distributed("the rotary rows did not come with the chunk".into())
+    })?;
+    let len = rider.shape()[1] as usize;
+    let flat = rider.as_dtype(mlx_rs::Dtype::Int32)?;
+    let flat = flat.as_slice::<i32>();
+    Ok([0, 1, 2].map(|row| flat[row * len..(row + 1) * len].to_vec()))
+}
+
+/// The rope delta the caches carry after a one-sequence chunk at `rows` that started at
+/// cache offset `offset`: later tokens continue after the chunk's highest position (what rank
+/// 0 sets from the images' grid, which a follower does not have).
+pub(crate) fn delta_after(rows: &[Vec<i32>; 3], offset: i32) -> i32 {
+    let len = rows[0].len() as i32;
+    let highest = rows.iter().flatten().copied().max().unwrap_or(offset - 1);
+    highest + 1 - offset - len
 }
 
 /// Interleaved MRoPE: frequency `i` takes its position from row `selector[i]` (h at
@@ -318,9 +345,12 @@ pub(super) struct Deepstack<'a> {
 pub struct LanguageModel {
     pub(super) args: TextConfig,
     pub(super) rope: Rope,
-    pub(super) embed_tokens: Embedding,
-    layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
+    pub(super) part: Part,
+    /// Rank 0's (None on a pipeline's other ranks), as are `norm` and `lm_head`.
+    embed_tokens: Option<Embedding>,
+    /// None where another pipeline rank computes the layer.
+    layers: Vec<Option<DecoderLayer>>,
+    norm: Option<RmsNorm>,
     lm_head: Option<Linear>,
 }
 
@@ -330,39 +360,51 @@ impl LanguageModel {
         quant: Option<&QuantizationConfig>,
         config: &Config,
         rope: Rope,
+        part: Part,
     ) -> Result<Self> {
         let args = config.text_config.clone();
         let tied = config.tied();
-        if tied {
-            for suffix in ["weight", "scales", "biases"] {
-                store.discard(&format!("language_model.lm_head.{suffix}"));
-            }
+        if tied || !part.has_ends() {
+            store.discard_prefix("language_model.lm_head.");
         }
-        let embed_tokens = Embedding::load(
-            store,
-            quant,
-            "language_model.model.embed_tokens",
-            args.vocab_size,
-            args.hidden_size,
-        )?;
-        let layers = (0..args.num_hidden_layers)
-            .map(|i| {
-                DecoderLayer::load(
+        if !part.has_ends() {
+            store.discard_prefix("language_model.model.embed_tokens.");
+            store.discard_prefix("language_model.model.norm.");
+        }
+        let embed_tokens = part
+            .has_ends()
+            .then(|| {
+                Embedding::load(
                     store,
                     quant,
-                    &format!("language_model.model.layers.{i}"),
-                    &args,
-                    i as usize,
+                    "language_model.model.embed_tokens",
+                    args.vocab_size,
+                    args.hidden_size,
                 )
             })
+            .transpose()?;
+        let layers = (0..args.num_hidden_layers as usize)
+            .map(|i| {
+                let prefix = format!("language_model.model.layers.{i}");
+                if !part.has_layer(i) {
+                    store.discard_prefix(&format!("{prefix}."));
+                    return Ok(None);
+                }
+                DecoderLayer::load(store, quant, &prefix, &args, i).map(Some)
+            })
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::load(
-            store,
-            "language_model.model.norm",
-            args.hidden_size,
-            args.rms_norm_eps,
-        )?;
-        let lm_head = if tied {
+        let norm = part
+            .has_ends()
+            .then(|| {
+                RmsNorm::load(
+                    store,
+                    "language_model.model.norm",
+                    args.hidden_size,
+                    args.rms_norm_eps,
+                )
+            })
+            .transpose()?;
+        let lm_head = if tied || !part.has_ends() {
             None
         } else {
             Some(Linear::load(
@@ -377,6 +419,7 @@ impl LanguageModel {
         Ok(Self {
             args,
             rope,
+            part,
             embed_tokens,
             layers,
             norm,
@@ -388,15 +431,26 @@ impl LanguageModel {
         self.layers.len()
     }
 
-    /// Embeddings `[1, L, hidden]` at rotary positions `rows` through the decoder to logits.
+    /// The token embeddings (rank 0's).
+    pub(super) fn embed(&self) -> Result<&Embedding> {
+        held(&self.embed_tokens, "the embeddings")
+    }
+
+    /// Embeddings `[1, L, hidden]` at rotary positions `rows` through the decoder to logits;
+    /// across ranks `riders` go on with the hidden state, `position` is the chunk's start and
+    /// the other ranks return no logits.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn forward_embeddings(
         &self,
         mut h: Array,
         rows: &[&[i32]; 3],
         deepstack: Option<Deepstack>,
+        riders: &[Array],
+        position: i32,
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
+        let (batch, len) = batch_and_len(&h);
         let rotary = RotaryAngles::for_chunk(rows, caches, &self.rope, self.args.head_dim)?;
         let padded = match &deepstack {
             Some(ds) => {
@@ -409,20 +463,33 @@ impl LanguageModel {
             None => Vec::new(),
         };
         for (index, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
+            let Some(layer) = layer else {
+                // The plan keeps the deepstack layers on rank 0, which has the features.
+                if padded.get(index).is_some() {
+                    return Err(crate::error::EngineError::Distributed(format!(
+                        "layer {index} adds image features but another rank holds it"
+                    )));
+                }
+                cache.shadow_step(batch, len)?;
+                continue;
+            };
             h = layer.forward(&h, &rotary, cache)?;
             if let (Some(ds), Some(table)) = (&deepstack, padded.get(index)) {
                 let rows = table.take_axis(ds.gather, 0)?.reshape(h.shape())?;
                 h = ops::add(&h, &rows)?;
             }
         }
+        let Some(mut h) = stage_output(&self.part, h, riders, logits, position)? else {
+            return crate::distributed::pipeline::no_logits();
+        };
         if logits == Logits::Last && h.shape()[1] > 1 {
             let last = h.shape()[1] - 1;
             h = h.index((.., last..));
         }
-        let h = self.norm.forward(&h)?;
+        let h = held(&self.norm, "the final norm")?.forward(&h)?;
         match &self.lm_head {
             Some(head) => head.forward(&h),
-            None => self.embed_tokens.as_linear(&h),
+            None => self.embed()?.as_linear(&h),
         }
     }
 }

@@ -14,12 +14,14 @@ use mlx_rs::Array;
 use self::{
     config::Config,
     language::{
-        chunk_base, image_rows, rope_index, text_rows, Deepstack, LanguageModel as TextModel,
+        chunk_base, delta_after, image_rows, rope_index, rows_from_rider, rows_rider, text_rows,
+        Deepstack, LanguageModel as TextModel,
     },
     vision::VisionModel,
 };
 use super::{
-    host_ids, ImageInput, ImageScatter, LanguageModel, Logits, VisionFeatures, VisionLanguageModel,
+    chunk_position, held, host_ids, ImageInput, ImageScatter, LanguageModel, Logits, Part,
+    VisionFeatures, VisionLanguageModel,
 };
 use crate::{
     cache::KvCache,
@@ -32,12 +34,18 @@ pub use language::MropePositions;
 
 pub struct Model {
     config: Config,
-    vision: VisionModel,
+    /// Rank 0's (None on a pipeline's other ranks).
+    vision: Option<VisionModel>,
     language: TextModel,
 }
 
 impl Model {
-    pub fn load(dir: &Path, config: &ConfigFile, store: &mut WeightStore) -> Result<Self> {
+    pub fn load(
+        dir: &Path,
+        config: &ConfigFile,
+        store: &mut WeightStore,
+        part: Part,
+    ) -> Result<Self> {
         let args: Config = config.family(dir)?;
         args.check_activations(dir)?;
         let rope = args.rope(dir)?;
@@ -55,8 +63,14 @@ impl Model {
         }
         // The vision tower is never quantized by mlx-vlm's convert; loading it dense makes a
         // stray quantized tower a strict-loading error instead of a silent mis-read.
-        let vision = VisionModel::load(store, "vision_tower", &args.vision_config)?;
-        let language = TextModel::load(store, quant, &args, rope)?;
+        if !part.has_ends() {
+            store.discard_prefix("vision_tower.");
+        }
+        let vision = part
+            .has_ends()
+            .then(|| VisionModel::load(store, "vision_tower", &args.vision_config))
+            .transpose()?;
+        let language = TextModel::load(store, quant, &args, rope, part)?;
         Ok(Self {
             config: args,
             vision,
@@ -98,7 +112,7 @@ impl LanguageModel for Model {
 
 impl VisionLanguageModel for Model {
     fn encode_images(&self, images: &ImageInput) -> Result<VisionFeatures> {
-        self.vision.forward(images)
+        held(&self.vision, "the vision tower")?.forward(images)
     }
 
     fn forward_with_images(
@@ -108,14 +122,38 @@ impl VisionLanguageModel for Model {
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
+        let position = chunk_position(caches);
+        let pipeline = self.language.part.stage().is_some();
+        if let Some(stage) = self.language.part.follower() {
+            // What rank 0 embedded and positioned; the rope delta follows from the rows.
+            let mut arrays = stage.receive()?.into_iter();
+            let h = arrays
+                .next()
+                .ok_or_else(|| EngineError::Distributed("an empty pipeline message".into()))?;
+            let rows = rows_from_rider(arrays.next().as_ref())?;
+            let single = h.shape()[0] == 1;
+            let riders = [rows_rider(&rows)];
+            let refs = [&rows[0][..], &rows[1][..], &rows[2][..]];
+            let out = self
+                .language
+                .forward_embeddings(h, &refs, None, &riders, position, caches, logits)?;
+            if single {
+                let delta = delta_after(&rows, position);
+                caches
+                    .iter_mut()
+                    .for_each(|cache| cache.set_rope_delta(delta));
+            }
+            return Ok(out);
+        }
         let (base, delta) = chunk_base(caches);
-        let mut h = self.language.embed_tokens.forward(inputs)?;
+        let mut h = self.language.embed()?.forward(inputs)?;
         let Some(features) = features else {
             let rows = text_rows(inputs.shape()[inputs.ndim() - 1], base);
+            let riders: Vec<Array> = pipeline.then(|| rows_rider(&rows)).into_iter().collect();
             let rows = [&rows[0][..], &rows[1][..], &rows[2][..]];
             return self
                 .language
-                .forward_embeddings(h, &rows, None, caches, logits);
+                .forward_embeddings(h, &rows, None, &riders, position, caches, logits);
         };
         let ids = host_ids(inputs)?;
         let scatter = ImageScatter::new(&ids, self.config.image_token_id);
@@ -133,14 +171,21 @@ impl VisionLanguageModel for Model {
 
         let positions = rope_index(&ids, &features.grid_thw, &self.config);
         let rows = image_rows(&positions, base);
+        let riders: Vec<Array> = pipeline.then(|| rows_rider(&rows)).into_iter().collect();
         let rows = [&rows[0][..], &rows[1][..], &rows[2][..]];
         let deepstack = Deepstack {
             gather: &scatter.gather,
             features: &features.deepstack,
         };
-        let out = self
-            .language
-            .forward_embeddings(h, &rows, Some(deepstack), caches, logits)?;
+        let out = self.language.forward_embeddings(
+            h,
+            &rows,
+            Some(deepstack),
+            &riders,
+            position,
+            caches,
+            logits,
+        )?;
         for cache in caches.iter_mut() {
             cache.set_rope_delta(delta + positions.rope_delta);
         }

@@ -130,8 +130,8 @@ struct GenerateArgs {
     #[arg(long)]
     json: bool,
     /// Run the model across the machines of this hostfile, one process per rank
-    /// (docs/DISTRIBUTED.md): rank 0 answers, the others compute their layers. Speculative
-    /// decoding is off across ranks.
+    /// (docs/DISTRIBUTED.md): rank 0 answers, the others compute their layers. Across ranks
+    /// speculative decoding drafts by prompt lookup only.
     #[arg(long, value_name = "HOSTFILE")]
     distributed: Option<PathBuf>,
     /// This process's rank in the hostfile [default: $MLX_RANK].
@@ -293,15 +293,8 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let engine = Engine::start_with(rmlx_engine::engine::EngineOptions {
         max_queue: 1,
         kv_bits: args.kv_bits,
-        // A rolled-back draft would leave the other ranks' caches ahead of rank 0's.
-        speculative: match distributed {
-            true => rmlx_engine::speculative::SpeculativeMode::Off,
-            false => args.speculative,
-        },
+        speculative: args.speculative,
         draft_model: args.draft_model.filter(|_| !distributed),
-        // One request: nothing to reuse, and the other ranks' caches follow this one only.
-        prefix_cache_bytes: distributed.then_some(0),
-        prefix_snapshot_bytes: distributed.then_some(0),
         part,
         ..Default::default()
     })?;
@@ -352,6 +345,17 @@ fn follow(
     part: &rmlx_engine::models::Part,
 ) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
+    // This rank's share must fit here, as rank 0's engine checks its own.
+    if let Some(available) = rmlx_engine::runtime::available_memory() {
+        let needed = rmlx_engine::runtime::memory_needed_for(&args.model, part)?;
+        anyhow::ensure!(
+            needed <= available,
+            "rank {}'s layers need about {:.1} GB but only {:.1} GB of memory is available",
+            stage.rank(),
+            needed as f64 / 1e9,
+            available as f64 / 1e9
+        );
+    }
     let loaded = rmlx_engine::models::load_model_with(
         &args.model,
         rmlx_engine::models::LoadOptions {
@@ -360,14 +364,20 @@ fn follow(
         },
     )
     .context("cannot load this rank's layers")?;
-    let storage = match args.kv_bits {
-        Some(bits) => rmlx_engine::cache::KvStorage::quantized(bits)?,
-        None => rmlx_engine::cache::KvStorage::Dense,
-    };
-    let max_ctx = args.max_ctx.unwrap_or(loaded.info.context_length);
-    let forwards =
-        rmlx_engine::distributed::pipeline::follow(loaded.model.as_ref(), stage, max_ctx, storage)?;
+    // Cache sizes and storage come with rank 0's cache log.
+    let forwards = rmlx_engine::distributed::pipeline::follow(loaded.model.as_ref(), stage)?;
     let layers = stage.own_layers();
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "rank": stage.rank(),
+                "layers": [layers.start, layers.end],
+                "weight_bytes": loaded.info.weight_bytes,
+                "forwards": forwards,
+            })
+        );
+    }
     eprintln!(
         "rank {}: layers {}-{} ({:.2} GB of weights), {forwards} forwards in {:.1} s",
         stage.rank(),

@@ -185,3 +185,107 @@ fn ranks_holding_different_models_refuse_to_go_on() {
     }
     let _ = std::fs::remove_file(hostfile);
 }
+
+/// `rmlx generate` of `model` as one process (`extra` arguments after the prompt's).
+fn generate(model: &str, extra: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rmlx"));
+    command
+        .arg("generate")
+        .arg("--model")
+        .arg(fixture(model))
+        .args(["--max-tokens", "10", "--temperature", "0", "--json"])
+        .args(extra)
+        .env_remove("MLX_RANK")
+        .env_remove("MLX_HOSTFILE")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    command
+}
+
+fn answer(child: Child, what: &str) -> serde_json::Value {
+    let (status, out, err) = finish(child, Duration::from_secs(120));
+    assert_eq!(status, Some(0), "{what}: {err}");
+    serde_json::from_str(out.trim()).unwrap_or_else(|_| panic!("{what}: {out} / {err}"))
+}
+
+/// Issue 33 (b): each family split across two ranks over loopback answers as one process
+/// does, token for token (fp32, greedy): the second rank loads only its layers' tensors and
+/// runs them on what rank 0 sends. Gemma 4 E2B's split puts its KV-shared layers and their
+/// sources on rank 1 (rank 0 keeps the per-layer input tables, which ride along); the
+/// Qwen3-VL request carries an image (rotary rows ride along, deepstack stays on rank 0).
+#[test]
+fn two_ranks_generate_what_one_process_does() {
+    let image = fixture("vision-images/resized/qwen3_vl-noise_80x100-256x288.png");
+    let image = image.to_str().unwrap();
+    // (fixture, extra arguments, the hostfile's split)
+    type Case<'a> = (&'a str, Vec<&'a str>, Option<[usize; 2]>);
+    let cases: [Case; 4] = [
+        ("releases/qwen3-4b", vec![], None),
+        ("releases/qwen3.6-35b-a3b", vec![], None),
+        ("releases/gemma-4-e2b-it", vec![], Some([3, 7])),
+        (
+            "releases/qwen3-vl-2b-instruct",
+            vec!["--image", image],
+            None,
+        ),
+    ];
+    for (model, extra, split) in cases {
+        let mut args = vec!["--prompt", "Tell me about the sea and the sky"];
+        args.extend(extra.iter().copied());
+        let one = answer(generate(model, &args).spawn().unwrap(), model);
+        let (hostfile, port) = hostfile("generate");
+        if let Some(split) = split {
+            let text = serde_json::json!({
+                "backend": "ring",
+                "port": port,
+                "hosts": [{"ip": "127.0.0.1"}, {"ip": "127.0.0.1"}],
+                "split": split,
+            });
+            std::fs::write(&hostfile, text.to_string()).unwrap();
+        }
+        let ranks = [0, 1].map(|rank| {
+            let mut command = generate(model, &args);
+            command.arg("--distributed").arg(&hostfile).args([
+                "--rank",
+                &rank.to_string(),
+                "--join-timeout",
+                "60",
+            ]);
+            command.spawn().unwrap()
+        });
+        let [leader, follower] = ranks;
+        let leader = answer(leader, &format!("{model} rank 0"));
+        let follower = answer(follower, &format!("{model} rank 1"));
+        let _ = std::fs::remove_file(&hostfile);
+        assert_eq!(leader["token_ids"], one["token_ids"], "{model}");
+        assert_eq!(leader["text"], one["text"], "{model}");
+        assert_eq!(one["token_ids"].as_array().unwrap().len(), 10, "{model}");
+        // One forward per prefill chunk and per generated token after the first.
+        assert!(
+            follower["forwards"].as_u64().unwrap() >= 10,
+            "{model}: {follower}"
+        );
+        // The follower holds exactly its layers' weights: what `cluster check` plans for it.
+        let layers = follower["layers"].clone();
+        let planned = rmlx_engine::distributed::split::plan_model(
+            &fixture(model),
+            2,
+            split.as_ref().map(|split| &split[..]),
+        )
+        .unwrap();
+        let range = planned.0[1].clone();
+        assert_eq!(
+            layers,
+            serde_json::json!([range.start, range.end]),
+            "{model}"
+        );
+        assert_eq!(
+            follower["weight_bytes"].as_u64().unwrap(),
+            planned.1.of_rank(1, range),
+            "{model}: the follower loaded other ranks' tensors"
+        );
+        if let Some(split) = split {
+            assert_eq!(layers, serde_json::json!([split[0], split[0] + split[1]]));
+        }
+    }
+}

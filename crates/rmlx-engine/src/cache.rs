@@ -23,7 +23,10 @@
 
 use mlx_rs::{ops, ops::indexing::IndexOp, Array, Stream};
 
-use crate::error::{EngineError, Result};
+use crate::{
+    cache_mirror::MirrorId,
+    error::{EngineError, Result},
+};
 
 /// Positions added per growth step (mlx-lm uses the same).
 pub const GROWTH_STEP: i32 = 256;
@@ -139,6 +142,9 @@ pub struct KvCache {
     /// First position the arrays hold (column 0); positions before it were dropped (windowed
     /// caches only).
     base: i32,
+    /// Rank 0 of a pipeline: this cache's id in the log the other ranks follow
+    /// (`cache_mirror`); unset in one process.
+    mirror: MirrorId,
 }
 
 /// The rows of a batched cache. Row `b` holds its tokens in columns
@@ -187,16 +193,30 @@ pub struct StepInputs {
 
 impl KvCache {
     pub fn new(max_ctx: usize) -> Self {
+        Self::with_window(max_ctx, None)
+    }
+
+    fn with_window(max_ctx: usize, window: Option<i32>) -> Self {
+        let max_ctx = max_ctx.min(i32::MAX as usize) as i32;
         Self {
+            mirror: MirrorId::new(max_ctx, window),
+            ..Self::unmirrored(max_ctx, window)
+        }
+    }
+
+    /// A cache no log knows (made only to be given an id of its own, as `row` does).
+    fn unmirrored(max_ctx: i32, window: Option<i32>) -> Self {
+        Self {
+            mirror: MirrorId::default(),
+            window,
             parts: Vec::new(),
             storage: KvStorage::Dense,
             offset: 0,
-            max_ctx: max_ctx.min(i32::MAX as usize) as i32,
+            max_ctx,
             rope_delta: 0,
             rope_history: Vec::new(),
             recurrent: None,
             rows: None,
-            window: None,
             base: 0,
             speculating: false,
             stashed: None,
@@ -206,10 +226,12 @@ impl KvCache {
     /// A sliding-window layer's cache: it holds the last `window - 1 + WINDOW_SLACK` positions
     /// (plus the chunk being prefilled and one growth step), whatever the context.
     pub fn windowed(max_ctx: usize, window: usize) -> Self {
-        Self {
-            window: Some(window.clamp(1, i32::MAX as usize) as i32),
-            ..Self::new(max_ctx)
-        }
+        Self::with_window(max_ctx, Some(window.clamp(1, i32::MAX as usize) as i32))
+    }
+
+    /// This cache's id in rank 0's log (`cache_mirror`), if it is logged.
+    pub fn mirror_id(&self) -> Option<i32> {
+        self.mirror.id()
     }
 
     /// Stores keys and values as `storage` from now on. Only before the first token: stored
@@ -217,6 +239,7 @@ impl KvCache {
     pub fn set_storage(&mut self, storage: KvStorage) {
         if self.parts.is_empty() {
             self.storage = storage;
+            self.mirror.storage(storage);
         }
     }
 
@@ -272,6 +295,11 @@ impl KvCache {
         };
         if !self.parts.is_empty() || self.recurrent.is_some() || self.rows.is_some() {
             return Err(wrong("the cache is not fresh"));
+        }
+        if self.mirror.id().is_some() {
+            return Err(wrong(
+                "prefixes are not read back from the disk across ranks",
+            ));
         }
         if offset > self.max_ctx || base < 0 || base > offset {
             return Err(wrong("positions"));
@@ -466,6 +494,12 @@ impl KvCache {
     /// The side holding fewer positions is left-padded, so both end at the same column; a row
     /// with nothing cached yet gets zeros (masked keys, a fresh recurrent state).
     pub fn join(&mut self, other: &KvCache) -> Result<()> {
+        self.join_rows(other)?;
+        self.mirror.join(&other.mirror);
+        Ok(())
+    }
+
+    fn join_rows(&mut self, other: &KvCache) -> Result<()> {
         let (mine, theirs) = (self.batch_size() as i32, other.batch_size() as i32);
         let end = self.offset.max(other.offset);
         let (pad_mine, pad_theirs) = (end - self.offset, end - other.offset);
@@ -569,6 +603,12 @@ impl KvCache {
 
     /// Keeps only rows `keep` (in that order), then drops the leading columns no row uses.
     pub fn retain_rows(&mut self, keep: &[usize]) -> Result<()> {
+        self.keep_rows(keep)?;
+        self.mirror.retain(keep);
+        Ok(())
+    }
+
+    fn keep_rows(&mut self, keep: &[usize]) -> Result<()> {
         let Rows {
             left_padding: pads,
             lags,
@@ -644,7 +684,8 @@ impl KvCache {
             };
             contiguous(&rows)
         };
-        let mut cache = KvCache::new(0);
+        let mut cache = KvCache::unmirrored(0, None);
+        cache.mirror = self.mirror.row(row);
         cache.storage = self.storage;
         cache.window = self.window;
         cache.base = first - pad;
@@ -691,6 +732,7 @@ impl KvCache {
     /// Marks the next forward as a speculative step: a linear-attention layer stashes its
     /// step's inputs (see [`StepInputs`]) until [`Self::keep_written`].
     pub fn begin_speculative(&mut self) {
+        self.mirror.speculate();
         self.speculating = true;
         self.stashed = None;
     }
@@ -712,6 +754,12 @@ impl KvCache {
     /// it stashed and takes its conv window ending at the last kept token. Rows keeping
     /// different counts become ragged.
     pub fn keep_written(&mut self, written: i32, kept: &[i32]) -> Result<()> {
+        self.keep_step(written, kept)?;
+        self.mirror.keep(written, kept);
+        Ok(())
+    }
+
+    fn keep_step(&mut self, written: i32, kept: &[i32]) -> Result<()> {
         self.speculating = false;
         let stashed = self.stashed.take();
         let rows = self.batch_size();
@@ -840,6 +888,7 @@ impl KvCache {
     }
 
     pub fn set_rope_delta(&mut self, delta: i32) {
+        self.mirror.rope(delta);
         self.rope_delta = delta;
         self.rope_history.push((self.offset, delta));
     }
@@ -851,6 +900,7 @@ impl KvCache {
             self.can_truncate_to(len),
             "a recurrent state cannot be rewound"
         );
+        self.mirror.truncate(len);
         self.cut_to(len);
     }
 
@@ -867,6 +917,12 @@ impl KvCache {
     /// Frees the positions past the offset: the arrays become copies of exactly what is held
     /// (a prefix-cache entry cut to fit its budget must not keep the whole buffers alive).
     pub fn compact(&mut self) -> Result<()> {
+        self.compact_parts()?;
+        self.mirror.compact();
+        Ok(())
+    }
+
+    fn compact_parts(&mut self) -> Result<()> {
         let end = self.offset - self.base;
         for array in &mut self.parts {
             if array.shape()[2] == end {
@@ -891,12 +947,14 @@ impl KvCache {
     /// Lets the cache grow to `len` positions where its bound was lower (a batch row's caches
     /// come out of [`Self::row`] bounded by what they hold).
     pub fn allow_up_to(&mut self, len: i32) {
+        self.mirror.allow(len);
         self.max_ctx = self.max_ctx.max(len);
     }
 
     /// Re-targets a reused cache to another request's context.
     pub fn set_max_ctx(&mut self, max_ctx: usize) {
         self.max_ctx = max_ctx.min(i32::MAX as usize) as i32;
+        self.mirror.max_ctx(self.max_ctx);
     }
 
     /// Positions that may still be written before the context is full.

@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod cache;
+pub mod cache_mirror;
 pub mod chat;
 pub mod config;
 pub mod constrain;

@@ -381,6 +381,24 @@ pub fn memory_needed(dir: &std::path::Path) -> std::io::Result<u64> {
     Ok(weights + weights / 10)
 }
 
+/// [`memory_needed`] for this process's `part` of the model: one pipeline stage needs its own
+/// layers' weights (rank 0 also the embeddings, output layer and towers), plus a tenth.
+pub fn memory_needed_for(
+    dir: &std::path::Path,
+    part: &crate::models::Part,
+) -> std::io::Result<u64> {
+    let Some(stage) = part.stage() else {
+        return memory_needed(dir);
+    };
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)
+            .map_err(std::io::Error::other)?;
+    let bytes = crate::distributed::split::layer_bytes(dir, &config)
+        .map_err(std::io::Error::other)?
+        .of_rank(stage.rank(), stage.own_layers());
+    Ok(bytes + bytes / 10)
+}
+
 #[cfg(target_os = "macos")]
 extern "C" {
     fn sysctlbyname(

@@ -16,7 +16,7 @@ use mlx_rs::{Array, Dtype};
 use super::{DistributedError, Group};
 use crate::error::{EngineError, Result};
 
-/// Arrays one message may carry (the hidden state and what rides with it).
+/// Arrays one message may carry: the cache log and ids, the hidden state and its riders.
 const MAX_ARRAYS: usize = 5;
 /// Dimensions per array in a message's header.
 const MAX_DIMS: usize = 4;
@@ -24,16 +24,21 @@ const MAX_DIMS: usize = 4;
 const PREAMBLE: usize = 4;
 /// A message's header: the preamble, then per array its dtype, rank and dimensions.
 const HEADER: usize = PREAMBLE + MAX_ARRAYS * (2 + MAX_DIMS);
-/// The header's first word: a forward's arrays, or the end of the pipeline's work.
-const ARRAYS: i32 = 0x524d_4c58; // "RMLX"
+/// The header's first word: a forward's input (rank to next rank), the last rank's output
+/// (back to rank 0), or the end of the pipeline's work.
+const FORWARD: i32 = 0x524d_4c58; // "RMLX"
+const BACK: i32 = 0x4241_434b; // "BACK"
 const STOP: i32 = 0x5354_4f50; // "STOP"
 
-/// One forward's input to a rank: the hidden state first, then what rides with it.
-pub struct Message {
-    pub arrays: Vec<Array>,
+/// What a forward's message tells a follower besides the arrays its layers read.
+pub struct Forward {
+    /// Rank 0's cache operations since the last forward (`cache_mirror`).
+    pub log: Vec<i32>,
+    /// The ids of the caches this forward runs on, one per layer.
+    pub ids: Vec<i32>,
     /// Whether rank 0 wants only the last position back (`Logits::Last`).
     pub last_only: bool,
-    /// Where the chunk starts in the sequence (rank 0's cache offset): 0 starts a new one.
+    /// Where the chunk starts (rank 0's first cache's offset), checked against the copies.
     pub position: i32,
 }
 
@@ -42,20 +47,26 @@ pub struct Stage {
     group: Arc<Group>,
     /// Each rank's layers, in rank order (contiguous, covering the model).
     layers: Vec<Range<usize>>,
-    /// A follower's message, received by its loop ([`Self::next`]) before the forward runs.
-    pending: Mutex<Option<Message>>,
-    /// The running forward's `last_only` as rank 0 asked (a follower passes it on).
-    last_only: Mutex<bool>,
+    /// A follower's input arrays, received by its loop ([`Self::next`]) before the forward.
+    pending: Mutex<Option<Vec<Array>>>,
+    /// The running forward's log, ids and `last_only` (a follower passes them on).
+    current: Mutex<(Array, Array, bool)>,
 }
 
 impl Stage {
+    /// Rank 0 of a pipeline of more than one rank also starts logging its caches' operations
+    /// (`cache_mirror`): make the stage before any cache.
     pub fn new(group: Arc<Group>, layers: Vec<Range<usize>>) -> Self {
         debug_assert_eq!(group.size(), layers.len());
+        if group.rank() == 0 && group.size() > 1 {
+            crate::cache_mirror::enable();
+        }
+        let empty = || Array::from_slice::<i32>(&[], &[0]);
         Self {
             group,
             layers,
             pending: Mutex::new(None),
-            last_only: Mutex::new(true),
+            current: Mutex::new((empty(), empty(), true)),
         }
     }
 
@@ -90,30 +101,46 @@ impl Stage {
         self.own_layers().contains(&layer)
     }
 
-    /// A follower's next message from the previous rank, kept for the forward it starts; None
-    /// once rank 0 ended the pipeline's work (passed on to the next rank first).
-    pub fn next(&self) -> Result<Option<(bool, i32)>> {
-        let Some(message) = self.receive_from(self.rank() - 1)? else {
+    /// A follower's next forward from the previous rank (its arrays kept for the forward it
+    /// starts); None once rank 0 ended the pipeline's work (passed on to the next rank first).
+    pub fn next(&self) -> Result<Option<Forward>> {
+        let from = self.rank() - 1;
+        let Some((kind, header, mut arrays)) = self.receive_from(from)? else {
             if self.rank() + 1 < self.size() {
                 self.send_stop(self.rank() + 1)?;
             }
             return Ok(None);
         };
-        let shape = (message.last_only, message.position);
-        *self.pending.lock().expect("not poisoned") = Some(message);
-        Ok(Some(shape))
+        if kind != FORWARD || arrays.len() < 3 {
+            return Err(protocol(format!("rank {from} sent no forward")));
+        }
+        let rest = arrays.split_off(2);
+        let ids = arrays.pop().expect("two");
+        let log = arrays.pop().expect("one");
+        let words = |array: &Array| -> Result<Vec<i32>> {
+            match array.size() {
+                0 => Ok(Vec::new()),
+                _ => Ok(array.as_dtype(Dtype::Int32)?.as_slice::<i32>().to_vec()),
+            }
+        };
+        let forward = Forward {
+            log: words(&log)?,
+            ids: words(&ids)?,
+            last_only: header[2] != 0,
+            position: header[3],
+        };
+        *self.current.lock().expect("not poisoned") = (log, ids, forward.last_only);
+        *self.pending.lock().expect("not poisoned") = Some(rest);
+        Ok(Some(forward))
     }
 
-    /// A follower's input: the hidden state and what rides with it, from the previous rank.
+    /// A follower's input in its forward: the hidden state and what rides with it.
     pub fn receive(&self) -> Result<Vec<Array>> {
-        let message = match self.pending.lock().expect("not poisoned").take() {
-            Some(message) => message,
-            None => self
-                .receive_from(self.rank() - 1)?
-                .ok_or_else(|| protocol("the pipeline ended mid-forward".into()))?,
-        };
-        *self.last_only.lock().expect("not poisoned") = message.last_only;
-        Ok(message.arrays)
+        self.pending
+            .lock()
+            .expect("not poisoned")
+            .take()
+            .ok_or_else(|| protocol("a forward ran with no message from the previous rank".into()))
     }
 
     /// Rank 0, when its work is done: the followers leave their loops (and exit).
@@ -127,51 +154,56 @@ impl Stage {
     /// After this rank's layers: on to the next rank, or (the last) back to rank 0 with only
     /// the positions rank 0 asked for (`last_only` there). Rank 0 then receives the final
     /// hidden state and gets it back; the others get None (they have no output layer).
-    /// `position`: rank 0's cache offset before this chunk.
+    /// `position`: rank 0's cache offset before this chunk; `ids`: its caches' log ids.
     pub fn pass_on(
         &self,
         h: &Array,
         riders: &[Array],
         last_only: bool,
         position: i32,
+        ids: &[i32],
     ) -> Result<Option<Array>> {
         let size = self.size();
         if size == 1 {
             return Ok(Some(h.clone()));
         }
         let rank = self.rank();
-        let last_only = match rank {
-            0 => last_only,
-            _ => *self.last_only.lock().expect("not poisoned"),
+        let (log, ids, last_only) = match rank {
+            0 => {
+                let log = crate::cache_mirror::take_log();
+                (
+                    Array::from_slice(&log, &[log.len() as i32]),
+                    Array::from_slice(ids, &[ids.len() as i32]),
+                    last_only,
+                )
+            }
+            _ => self.current.lock().expect("not poisoned").clone(),
         };
         if rank + 1 < size {
-            let mut arrays = vec![h.clone()];
+            let mut arrays = vec![log, ids, h.clone()];
             arrays.extend(riders.iter().cloned());
-            self.send_to(&arrays, rank + 1, last_only, position)?;
+            self.send_to(FORWARD, &arrays, rank + 1, last_only, position)?;
         } else {
             let len = h.shape()[1];
             let h = match last_only && len > 1 {
                 true => mlx_rs::ops::indexing::IndexOp::index(h, (.., (len - 1)..)),
                 false => h.clone(),
             };
-            self.send_to(&[h], 0, last_only, position)?;
+            self.send_to(BACK, &[h], 0, last_only, position)?;
         }
         if rank != 0 {
             return Ok(None);
         }
-        let mut back = self
-            .receive_from(size - 1)?
-            .ok_or_else(|| protocol("the last rank stopped instead of answering".into()))?;
-        match back.arrays.len() {
-            1 => Ok(back.arrays.pop()),
-            n => Err(protocol(format!(
-                "the last rank sent {n} arrays back, not 1"
-            ))),
+        match self.receive_from(size - 1)? {
+            Some((BACK, _, mut arrays)) if arrays.len() == 1 => Ok(arrays.pop()),
+            _ => Err(protocol(
+                "the last rank did not send the hidden state back".into(),
+            )),
         }
     }
 
     /// Rank 0's `values` on every rank (the others pass zeros of the same length): one
-    /// all_sum of int32, the step's control message.
+    /// all_sum of int32.
     pub fn broadcast(&self, values: &[i32]) -> Result<Vec<i32>> {
         // MLX's ring sums at least one element per rank on its fast path.
         let len = values.len().max(self.size());
@@ -194,12 +226,19 @@ impl Stage {
             .map_err(distributed)
     }
 
-    fn send_to(&self, arrays: &[Array], to: usize, last_only: bool, position: i32) -> Result<()> {
+    fn send_to(
+        &self,
+        kind: i32,
+        arrays: &[Array],
+        to: usize,
+        last_only: bool,
+        position: i32,
+    ) -> Result<()> {
         if arrays.len() > MAX_ARRAYS {
             return Err(protocol(format!("{} arrays in one message", arrays.len())));
         }
         let mut header = vec![0i32; HEADER];
-        header[0] = ARRAYS;
+        header[0] = kind;
         header[1] = arrays.len() as i32;
         header[2] = last_only as i32;
         header[3] = position;
@@ -223,21 +262,23 @@ impl Stage {
         Ok(())
     }
 
-    /// The next message from rank `from`; None when it is the pipeline's stop.
-    fn receive_from(&self, from: usize) -> Result<Option<Message>> {
+    /// The next message from rank `from`: its kind, header and arrays; None when it is the
+    /// pipeline's stop.
+    #[allow(clippy::type_complexity)]
+    fn receive_from(&self, from: usize) -> Result<Option<(i32, Vec<i32>, Vec<Array>)>> {
         let header = self
             .group
             .recv(&[HEADER as i32], Dtype::Int32, from)
             .map_err(distributed)?;
         let header = header.as_slice::<i32>().to_vec();
-        if header[0] == STOP {
+        let kind = header[0];
+        if kind == STOP {
             return Ok(None);
         }
         let count = header[1];
-        if header[0] != ARRAYS || !(0..=MAX_ARRAYS as i32).contains(&count) {
+        if !(kind == FORWARD || kind == BACK) || !(0..=MAX_ARRAYS as i32).contains(&count) {
             return Err(protocol(format!(
-                "rank {from} sent a header this rank cannot read ({:x}, {count})",
-                header[0]
+                "rank {from} sent a header this rank cannot read ({kind:x}, {count})"
             )));
         }
         let arrays = (0..count as usize)
@@ -247,17 +288,13 @@ impl Stage {
                     .map_err(|_| protocol(format!("unknown dtype {}", header[at])))?;
                 let ndim = (header[at + 1].clamp(0, MAX_DIMS as i32)) as usize;
                 let shape = &header[at + 2..at + 2 + ndim];
-                if shape.iter().any(|&dim| dim == 0) {
+                if shape.contains(&0) {
                     return Ok(mlx_rs::ops::zeros_dtype(shape, dtype)?);
                 }
                 self.group.recv(shape, dtype, from).map_err(distributed)
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Some(Message {
-            arrays,
-            last_only: header[2] != 0,
-            position: header[3],
-        }))
+        Ok(Some((kind, header, arrays)))
     }
 }
 
@@ -325,41 +362,31 @@ pub fn not_held(what: &str) -> EngineError {
     EngineError::Distributed(format!("this rank does not hold {what} (rank 0 does)"))
 }
 
-/// A follower's work: its layers for every forward rank 0 runs, until rank 0 stops the
-/// pipeline. Its caches follow rank 0's sequence: a chunk at position 0 starts a new one; any
-/// other position must be where this rank's caches end. Returns the forwards it ran.
-pub fn follow(
-    model: &dyn crate::models::LanguageModel,
-    stage: &Stage,
-    max_ctx: usize,
-    kv_storage: crate::cache::KvStorage,
-) -> Result<usize> {
-    let fresh = || {
-        let mut caches = model.new_cache(max_ctx);
-        caches
-            .iter_mut()
-            .filter(|cache| !cache.is_windowed())
-            .for_each(|cache| cache.set_storage(kv_storage));
-        caches
-    };
-    let mut caches = fresh();
+/// A follower's work: its layers for every forward rank 0 runs, on its copies of rank 0's
+/// caches (kept by the log each forward brings), until rank 0 stops the pipeline. Returns the
+/// forwards it ran.
+pub fn follow(model: &dyn crate::models::LanguageModel, stage: &Stage) -> Result<usize> {
+    let mut mirrors = crate::cache_mirror::Mirrors::default();
     // The forward reads only the received hidden state's shape; these ids are never embedded.
     let placeholder = Array::from_slice(&[0u32], &[1, 1]);
     let mut forwards = 0;
-    while let Some((last_only, position)) = stage.next()? {
+    while let Some(forward) = stage.next()? {
+        mirrors.apply(&forward.log)?;
+        let mut caches = mirrors.take(&forward.ids)?;
         let offset = caches.first().map_or(0, crate::cache::KvCache::offset);
-        if position == 0 && offset != 0 {
-            caches = fresh();
-        } else if position != offset {
+        if forward.position != offset {
             return Err(protocol(format!(
-                "rank 0 sent a chunk at position {position}; this rank's caches end at {offset}"
+                "rank 0 sent a chunk at position {}; this rank's copy ends at {offset}",
+                forward.position
             )));
         }
-        let logits = match last_only {
+        let logits = match forward.last_only {
             true => crate::models::Logits::Last,
             false => crate::models::Logits::All,
         };
         model.forward(&placeholder, &mut caches, logits)?;
+        crate::runtime::eval(caches.iter().flat_map(|cache| cache.state()))?;
+        mirrors.put_back(&forward.ids, caches);
         forwards += 1;
     }
     Ok(forwards)

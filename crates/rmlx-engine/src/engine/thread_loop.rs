@@ -62,7 +62,7 @@ impl Resident {
 
 /// A model's weights and recurrent state, from its folder, and the KV per token it holds as
 /// loaded (`kv_per_token`: its draft head's included).
-fn footprint(dir: &Path, kv_per_token: u64) -> Result<ModelFootprint> {
+fn footprint(dir: &Path, kv_per_token: u64, part: &models::Part) -> Result<ModelFootprint> {
     let io = |error: std::io::Error| EngineError::Io {
         path: dir.to_path_buf(),
         message: error.to_string(),
@@ -74,7 +74,7 @@ fn footprint(dir: &Path, kv_per_token: u64) -> Result<ModelFootprint> {
             message: error.to_string(),
         })?;
     Ok(ModelFootprint {
-        weights: crate::runtime::memory_needed(dir).map_err(io)?,
+        weights: crate::runtime::memory_needed_for(dir, part).map_err(io)?,
         kv_per_token,
         // Sliding windows count with the recurrent state: past the window the prefix cache
         // keeps them as snapshots.
@@ -320,7 +320,13 @@ impl EngineThread {
             Some(draft) => needed_at(draft)?,
             None => 0,
         };
-        let needed = needed_at(dir)? + draft;
+        let own = crate::runtime::memory_needed_for(dir, &self.part).map_err(|error| {
+            EngineError::Io {
+                path: dir.to_path_buf(),
+                message: error.to_string(),
+            }
+        })?;
+        let needed = own + draft;
         if needed > available {
             return Err(EngineError::ModelTooLarge {
                 model: dir.to_path_buf(),
@@ -346,14 +352,17 @@ impl EngineThread {
             let tokenizer = ChatTokenizer::from_dir(&key)?;
             // The draft head costs memory and prefill: loaded only when speculation is on.
             let options = models::LoadOptions {
-                draft_head: self.speculative != crate::speculative::SpeculativeMode::Off,
+                // The head reads the trunk's last hidden states, which across ranks stay on
+                // the last rank: a pipeline drafts by prompt lookup only.
+                draft_head: self.speculative != crate::speculative::SpeculativeMode::Off
+                    && self.part.stage().is_none(),
                 part: self.part.clone(),
             };
             let mut loaded = models::load_model_with(&key, options)?;
             if let Some(draft) = &self.draft_model {
                 loaded = models::draft_model::attach(loaded, draft)?;
             }
-            let footprint = footprint(&key, loaded.info.kv_bytes_per_token)?;
+            let footprint = footprint(&key, loaded.info.kv_bytes_per_token, &self.part)?;
             self.models.insert(
                 key.clone(),
                 Resident {

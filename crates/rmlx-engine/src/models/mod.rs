@@ -311,23 +311,39 @@ pub(crate) fn stage_input(
 
 /// After this process's layers: the hidden state to finish on (one process; rank 0 once the
 /// last rank sent it back), or None on a follower, which passed it on.
-/// `position`: the chunk's start (the first cache's offset before it).
+/// `start`: where the chunk started and which caches it ran on ([`chunk_start`]).
 pub(crate) fn stage_output(
     part: &Part,
     h: Array,
     riders: &[Array],
     logits: Logits,
-    position: i32,
+    start: &ChunkStart,
 ) -> Result<Option<Array>> {
     match part.stage() {
-        Some(stage) => stage.pass_on(&h, riders, logits == Logits::Last, position),
+        Some(stage) => stage.pass_on(&h, riders, logits == Logits::Last, start.0, &start.1),
         None => Ok(Some(h)),
     }
 }
 
-/// Where a chunk starts: the first cache's offset before the forward.
-pub(crate) fn chunk_position(caches: &[KvCache]) -> i32 {
-    caches.first().map_or(0, KvCache::offset)
+/// Where a chunk starts (the first cache's offset before the forward) and its caches' ids in
+/// rank 0's log (`cache_mirror`; empty in one process).
+pub(crate) struct ChunkStart(i32, Vec<i32>);
+
+pub(crate) fn chunk_start(caches: &[KvCache]) -> ChunkStart {
+    let ids = match crate::cache_mirror::enabled() {
+        true => caches
+            .iter()
+            .map(|cache| cache.mirror_id().unwrap_or(0))
+            .collect(),
+        false => Vec::new(),
+    };
+    ChunkStart(caches.first().map_or(0, KvCache::offset), ids)
+}
+
+impl ChunkStart {
+    pub(crate) fn position(&self) -> i32 {
+        self.0
+    }
 }
 
 /// `[B, L]` of a layer loop's hidden state (what a shadow layer's cache advances by).

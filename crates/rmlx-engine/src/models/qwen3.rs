@@ -7,7 +7,7 @@ use mlx_rs::{ops, ops::indexing::IndexOp, Array};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    batch_and_len, chunk_position, held, stage_input, stage_output, LanguageModel, Logits, Part,
+    batch_and_len, chunk_start, held, stage_input, stage_output, LanguageModel, Logits, Part,
 };
 use crate::distributed::pipeline::no_logits;
 use crate::{
@@ -425,14 +425,14 @@ impl LanguageModel for Model {
             ))
         })?;
         let (batch, len) = batch_and_len(&h);
-        let position = chunk_position(caches);
+        let start = chunk_start(caches);
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
             match layer {
                 Some(layer) => h = layer.forward(&h, cache)?,
                 None => cache.shadow_step(batch, len)?,
             }
         }
-        let Some(mut h) = stage_output(&self.part, h, &[], logits, position)? else {
+        let Some(mut h) = stage_output(&self.part, h, &[], logits, &start)? else {
             return no_logits();
         };
         if logits == Logits::Last && h.shape()[1] > 1 {

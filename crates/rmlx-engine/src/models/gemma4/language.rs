@@ -16,7 +16,7 @@ use crate::{
     config::QuantizationConfig,
     error::{EngineError, Result},
     models::{
-        chunk_position, held, stage_output,
+        chunk_start, held, stage_output,
         switch::{combine, GluActivation, SwitchGlu, SwitchLinear},
         Logits, Part,
     },
@@ -850,7 +850,7 @@ impl LanguageModel {
             )));
         }
         let (batch, len) = (h.shape()[0], h.shape()[1]);
-        let position = chunk_position(caches);
+        let start = chunk_start(caches);
         let first = caches
             .first()
             .ok_or_else(|| EngineError::InvalidRequest("Gemma 4 needs its layer caches".into()))?;
@@ -892,7 +892,7 @@ impl LanguageModel {
             }
             None => Vec::new(),
         };
-        let Some(mut h) = stage_output(&self.part, h, &riders, logits, position)? else {
+        let Some(mut h) = stage_output(&self.part, h, &riders, logits, &start)? else {
             return crate::distributed::pipeline::no_logits();
         };
         let len = h.shape()[1];

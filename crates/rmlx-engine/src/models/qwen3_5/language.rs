@@ -21,7 +21,7 @@ use crate::{
         qwen3_vl::{config::Rope, language::RotaryAngles},
         stage_output,
         switch::{combine, GluActivation, SoftmaxTopK, SwitchGlu, SwitchLinear},
-        Logits, Part,
+        ChunkStart, Logits, Part,
     },
     nn::{scalar, Embedding, Linear, Projections, RmsNorm},
     weights::{DtypeKind, WeightStore},
@@ -584,13 +584,13 @@ impl LanguageModel {
         h: Array,
         rows: &[&[i32]; 3],
         riders: &[Array],
-        position: i32,
+        start: &ChunkStart,
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
         let rotary = RotaryAngles::for_chunk(rows, caches, &self.rope, self.rotary_dim)?;
         let h = self.layers_forward(h, &rotary, caches)?;
-        let Some(mut h) = stage_output(&self.part, h, riders, logits, position)? else {
+        let Some(mut h) = stage_output(&self.part, h, riders, logits, start)? else {
             return crate::distributed::pipeline::no_logits();
         };
         if logits == Logits::Last && h.shape()[1] > 1 {

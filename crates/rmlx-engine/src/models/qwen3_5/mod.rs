@@ -18,7 +18,7 @@ use mlx_rs::Array;
 
 use self::{config::Config, language::LanguageModel as TextModel, mtp::MtpHead};
 use super::{
-    chunk_position, held, host_ids,
+    chunk_start, held, host_ids,
     qwen3_vl::{
         language::{
             chunk_base, delta_after, image_rows, rope_index_for, rows_from_rider, rows_rider,
@@ -255,7 +255,7 @@ impl VisionLanguageModel for Model {
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
-        let position = chunk_position(caches);
+        let start = chunk_start(caches);
         let chunk = match self.language.part.follower() {
             None => self.embed_chunk(inputs, features, caches)?,
             // What rank 0 embedded and positioned; the delta follows from the rows.
@@ -265,7 +265,7 @@ impl VisionLanguageModel for Model {
                     crate::error::EngineError::Distributed("an empty pipeline message".into())
                 })?;
                 let rows = rows_from_rider(arrays.next().as_ref())?;
-                let delta = (h.shape()[0] == 1).then(|| delta_after(&rows, position));
+                let delta = (h.shape()[0] == 1).then(|| delta_after(&rows, start.position()));
                 Chunk { h, rows, delta }
             }
         };
@@ -277,7 +277,7 @@ impl VisionLanguageModel for Model {
             chunk.h.clone(),
             &chunk.rows(),
             &riders,
-            position,
+            &start,
             caches,
             logits,
         )?;

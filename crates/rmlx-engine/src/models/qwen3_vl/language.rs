@@ -17,7 +17,7 @@ use crate::{
         batch_and_len, held,
         qwen3::{Attention, AttentionShape, FeedForward, Mlp},
         qwen3_moe::SparseMoeBlock,
-        stage_output, Logits, Part,
+        stage_output, ChunkStart, Logits, Part,
     },
     nn::{rotate_half, Embedding, Linear, RmsNorm},
     weights::WeightStore,
@@ -446,7 +446,7 @@ impl LanguageModel {
         rows: &[&[i32]; 3],
         deepstack: Option<Deepstack>,
         riders: &[Array],
-        position: i32,
+        start: &ChunkStart,
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
@@ -479,7 +479,7 @@ impl LanguageModel {
                 h = ops::add(&h, &rows)?;
             }
         }
-        let Some(mut h) = stage_output(&self.part, h, riders, logits, position)? else {
+        let Some(mut h) = stage_output(&self.part, h, riders, logits, start)? else {
             return crate::distributed::pipeline::no_logits();
         };
         if logits == Logits::Last && h.shape()[1] > 1 {

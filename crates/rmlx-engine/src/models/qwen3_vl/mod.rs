@@ -20,7 +20,7 @@ use self::{
     vision::VisionModel,
 };
 use super::{
-    chunk_position, held, host_ids, ImageInput, ImageScatter, LanguageModel, Logits, Part,
+    chunk_start, held, host_ids, ImageInput, ImageScatter, LanguageModel, Logits, Part,
     VisionFeatures, VisionLanguageModel,
 };
 use crate::{
@@ -122,7 +122,7 @@ impl VisionLanguageModel for Model {
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
-        let position = chunk_position(caches);
+        let start = chunk_start(caches);
         let pipeline = self.language.part.stage().is_some();
         if let Some(stage) = self.language.part.follower() {
             // What rank 0 embedded and positioned; the rope delta follows from the rows.
@@ -136,9 +136,9 @@ impl VisionLanguageModel for Model {
             let refs = [&rows[0][..], &rows[1][..], &rows[2][..]];
             let out = self
                 .language
-                .forward_embeddings(h, &refs, None, &riders, position, caches, logits)?;
+                .forward_embeddings(h, &refs, None, &riders, &start, caches, logits)?;
             if single {
-                let delta = delta_after(&rows, position);
+                let delta = delta_after(&rows, start.position());
                 caches
                     .iter_mut()
                     .for_each(|cache| cache.set_rope_delta(delta));
@@ -153,7 +153,7 @@ impl VisionLanguageModel for Model {
             let rows = [&rows[0][..], &rows[1][..], &rows[2][..]];
             return self
                 .language
-                .forward_embeddings(h, &rows, None, &riders, position, caches, logits);
+                .forward_embeddings(h, &rows, None, &riders, &start, caches, logits);
         };
         let ids = host_ids(inputs)?;
         let scatter = ImageScatter::new(&ids, self.config.image_token_id);
@@ -182,7 +182,7 @@ impl VisionLanguageModel for Model {
             &rows,
             Some(deepstack),
             &riders,
-            position,
+            &start,
             caches,
             logits,
         )?;

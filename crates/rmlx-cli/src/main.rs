@@ -218,7 +218,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         stage: stage.clone(),
     };
     if let Some(stage) = part.follower() {
-        return follow(&args, stage, &part);
+        return follow_pipeline(&args.model, stage, &part, args.json);
     }
     // Rank 0 ends the followers' loops however its own work ends.
     let _stop = stage.map(StopFollowers);
@@ -338,16 +338,18 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     anyhow::bail!("the engine stopped without an answer")
 }
 
-/// A follower rank of `rmlx generate --distributed`: its layers for each of rank 0's forwards.
-fn follow(
-    args: &GenerateArgs,
+/// A follower rank of `rmlx generate` or `rmlx serve --distributed`: its layers for each of
+/// rank 0's forwards, until rank 0 ends; `json` prints what it did as one object.
+fn follow_pipeline(
+    model: &Path,
     stage: &rmlx_engine::distributed::pipeline::Stage,
     part: &rmlx_engine::models::Part,
+    json: bool,
 ) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     // This rank's share must fit here, as rank 0's engine checks its own.
     if let Some(available) = rmlx_engine::runtime::available_memory() {
-        let needed = rmlx_engine::runtime::memory_needed_for(&args.model, part)?;
+        let needed = rmlx_engine::runtime::memory_needed_for(model, part)?;
         anyhow::ensure!(
             needed <= available,
             "rank {}'s layers need about {:.1} GB but only {:.1} GB of memory is available",
@@ -356,8 +358,15 @@ fn follow(
             available as f64 / 1e9
         );
     }
+    eprintln!(
+        "rmlx: rank {} of {} holds layers {}-{}; following rank 0",
+        stage.rank(),
+        stage.size(),
+        stage.own_layers().start,
+        stage.own_layers().end - 1
+    );
     let loaded = rmlx_engine::models::load_model_with(
-        &args.model,
+        model,
         rmlx_engine::models::LoadOptions {
             part: part.clone(),
             ..Default::default()
@@ -367,7 +376,7 @@ fn follow(
     // Cache sizes and storage come with rank 0's cache log.
     let forwards = rmlx_engine::distributed::pipeline::follow(loaded.model.as_ref(), stage)?;
     let layers = stage.own_layers();
-    if args.json {
+    if json {
         println!(
             "{}",
             serde_json::json!({
@@ -389,7 +398,7 @@ fn follow(
     Ok(())
 }
 
-/// Rank 0's end of the pipeline's work, however `rmlx generate` ends.
+/// Rank 0's end of the pipeline's work, however `rmlx generate` or `rmlx serve` ends.
 struct StopFollowers(std::sync::Arc<rmlx_engine::distributed::pipeline::Stage>);
 
 impl Drop for StopFollowers {

@@ -102,6 +102,17 @@ pub struct ServeArgs {
     /// the first request, build kernels as they come.
     #[arg(long, value_name = "on|off", default_value = "on", value_parser = ["on", "off"])]
     warm_up: String,
+    /// Serve the one --model across the machines of this hostfile, one process per rank
+    /// (docs/DISTRIBUTED.md): rank 0 serves HTTP, the others compute their layers. The disk
+    /// prefix cache is off across ranks, and speculative decoding drafts by prompt lookup.
+    #[arg(long, value_name = "HOSTFILE")]
+    distributed: Option<PathBuf>,
+    /// This process's rank in the hostfile [default: $MLX_RANK, as `mlx.launch` sets it].
+    #[arg(long, requires = "distributed")]
+    rank: Option<usize>,
+    /// With --distributed: seconds to wait for the other ranks to join (then exit status 3).
+    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    join_timeout: u64,
 }
 
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -111,14 +122,44 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     {
         anyhow::bail!("--prefix-disk-gb must be 0 (off) or a positive number of GB");
     }
-    let disk_on = args.prefix_disk_gb != Some(0.0);
+    let part = match &args.distributed {
+        Some(hostfile) => {
+            let [model] = &args.models[..] else {
+                anyhow::bail!("--distributed serves exactly one --model, the one every rank holds");
+            };
+            crate::check_model_dir(model)?;
+            let stage = crate::cluster::join_pipeline(
+                hostfile,
+                args.rank,
+                model,
+                std::time::Duration::from_secs(args.join_timeout),
+            )?;
+            rmlx_engine::models::Part { stage: Some(stage) }
+        }
+        None => rmlx_engine::models::Part::default(),
+    };
+    if let Some(stage) = part.follower() {
+        return crate::follow_pipeline(&args.models[0], stage, &part, false);
+    }
+    let distributed = part.stage().is_some();
+    // Rank 0 ends the followers' loops however serving ends.
+    let _stop = part.stage.clone().map(crate::StopFollowers);
+    // Only the pipeline's model: another would need its own plan on every rank.
+    let (models_dir, hf_cache) = match distributed {
+        true => (None, None),
+        false => (
+            args.models_dir.or_else(rmlx_hub::default_models_dir),
+            args.hf_cache,
+        ),
+    };
+    let disk_on = args.prefix_disk_gb != Some(0.0) && !distributed;
     let config = ServerConfig {
         host: args.host,
         port: args.port,
         models: args.models,
-        models_dir: args.models_dir.or_else(rmlx_hub::default_models_dir),
+        models_dir,
         hub_url: args.hub_url,
-        hf_cache: args.hf_cache,
+        hf_cache,
         max_ctx: args.max_ctx,
         heartbeat: rmlx_server::DEFAULT_HEARTBEAT,
         keep_billing_header: args.keep_billing_header,
@@ -143,6 +184,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ui_dir: args.ui_dir,
         embedded_ui: !args.no_ui,
         warm_up: args.warm_up == "on",
+        part,
     };
     // RMLX_STEP_PROFILE=1: where the decode steps' time went, printed when the server stops
     // (what `rmlx bench --step-profile` shows, for the requests a client sent).

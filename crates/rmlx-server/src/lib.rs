@@ -101,6 +101,9 @@ pub struct ServerConfig {
     /// Warm a model up after loading it (`Engine::warm_up`): `serve` loads and warms the first
     /// `--model` at start, `POST /v1/models/{id}/load` the model it loads.
     pub warm_up: bool,
+    /// Rank 0 of a pipeline across machines (`rmlx serve --distributed`): the model loads with
+    /// only this rank's layers and every forward runs through the other ranks.
+    pub part: rmlx_engine::models::Part,
 }
 
 impl Default for ServerConfig {
@@ -130,6 +133,7 @@ impl Default for ServerConfig {
             ui_dir: None,
             embedded_ui: false,
             warm_up: true,
+            part: Default::default(),
             // A 2560x2560 RGBA PNG is at most ~26 MB, ~35 MB as base64 in a data URI.
             max_body_mb: 64,
         }
@@ -163,6 +167,7 @@ impl AppState {
             prefix_disk_bytes: config.prefix_disk_bytes,
             speculative: config.speculative,
             draft_model: config.draft_model.clone(),
+            part: config.part.clone(),
             ..EngineOptions::default()
         })
         .context("cannot start the engine")?;

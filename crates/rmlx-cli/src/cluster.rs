@@ -11,7 +11,10 @@ use std::{
 use anyhow::Context;
 use mlx_rs::Array;
 use rmlx_engine::distributed::{
-    fingerprint::model_fingerprint, pipeline::Stage, split, Group, Hostfile,
+    fingerprint::model_fingerprint,
+    health,
+    pipeline::{Bells, Stage},
+    split, Group, Hostfile,
 };
 
 #[derive(clap::Args)]
@@ -80,7 +83,20 @@ pub fn join_pipeline(
         "the model (config, tokenizer, weight headers)",
         &fingerprint,
     )?;
-    Ok(Arc::new(Stage::new(Arc::new(group), ranges)))
+    // MLX's ring blocks for ever on a stopped peer: a heartbeat of our own notices it.
+    health::start(
+        &hostfile,
+        rank,
+        &ranges,
+        health::DEFAULT_GRACE,
+        join_timeout,
+    )
+    .context("cannot start the ranks' heartbeat")?;
+    let bells = Bells::connect(&hostfile, rank, join_timeout)
+        .context("cannot connect the ranks' doorbells")?;
+    Ok(Arc::new(
+        Stage::new(Arc::new(group), ranges).with_bells(bells),
+    ))
 }
 
 pub fn cluster(args: ClusterArgs) -> anyhow::Result<()> {

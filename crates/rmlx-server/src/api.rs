@@ -566,12 +566,33 @@ pub struct AnthropicError {
 #[serde(rename_all = "lowercase")]
 pub enum HealthStatus {
     Ok,
+    /// A rank of the pipeline was lost; the process exits shortly.
+    Failed,
 }
 
 /// `GET /health`.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Health {
     pub status: HealthStatus,
+    /// Across machines (`rmlx serve --distributed`): every rank, its layers and its last
+    /// heartbeat. Absent in one process.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<RankHealth>,
+    /// Why the pipeline failed (with `failed`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// One rank of a pipeline in `/health`.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct RankHealth {
+    pub rank: usize,
+    /// Its address and port in the hostfile.
+    pub endpoint: String,
+    /// The decoder layers it holds, `[start, end)`.
+    pub layers: [usize; 2],
+    /// Milliseconds since its last heartbeat.
+    pub last_heartbeat_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, ToSchema)]

@@ -49,6 +49,10 @@ pub enum ApiError {
     /// server goes on, and a smaller request, or this one later, can succeed.
     #[error("{0}")]
     OutOfMemory(String),
+    /// The server cannot answer now (a pipeline rank was lost; the process is exiting for its
+    /// supervisor to restart it).
+    #[error("{0}")]
+    Unavailable(String),
     #[error("{0}")]
     Internal(String),
     /// An error the engine reported, and so already counted in its metrics; the server's own
@@ -97,6 +101,7 @@ impl ApiError {
             Self::Conflict(_) => "conflict",
             Self::NotImplemented(_) => "not_implemented",
             Self::OutOfMemory(_) => "out_of_memory",
+            Self::Unavailable(_) => "unavailable",
             Self::Internal(_) | Self::FromEngine(_) => "internal",
         }
     }
@@ -111,7 +116,7 @@ impl ApiError {
             Self::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
-            Self::OutOfMemory(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::OutOfMemory(_) | Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) | Self::FromEngine(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -132,6 +137,7 @@ impl ApiError {
             Self::Conflict(_) => ("invalid_request_error", Some("conflict")),
             Self::NotImplemented(_) => ("invalid_request_error", Some("not_implemented")),
             Self::OutOfMemory(_) => ("server_error", Some("out_of_memory")),
+            Self::Unavailable(_) => ("server_error", Some("unavailable")),
             Self::Internal(_) | Self::FromEngine(_) => ("server_error", None),
         }
     }
@@ -147,7 +153,7 @@ impl ApiError {
             Self::ModelNotFound(_) | Self::NotFound(_) => "not_found_error",
             Self::PayloadTooLarge(_) => "request_too_large",
             Self::QueueFull(_) => "rate_limit_error",
-            Self::OutOfMemory(_) => "overloaded_error",
+            Self::OutOfMemory(_) | Self::Unavailable(_) => "overloaded_error",
             Self::Internal(_) | Self::FromEngine(_) => "api_error",
         }
     }
@@ -228,6 +234,9 @@ impl From<EngineError> for ApiError {
                  smaller image or prompt, or retry)"
             )),
             EngineError::Sample(error) => Self::BadRequest(error.to_string()),
+            EngineError::Distributed(message) => Self::Unavailable(format!(
+                "the model runs across machines and {message}; the server is restarting"
+            )),
             // Rendering failures come from the messages (roles, shapes) the client sent.
             EngineError::Chat(error @ rmlx_engine::chat::ChatError::TemplateRender { .. }) => {
                 Self::BadRequest(error.to_string())

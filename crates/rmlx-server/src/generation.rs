@@ -171,6 +171,12 @@ fn forward(handle: RequestHandle, sender: mpsc::UnboundedSender<Event>) {
                 if sender.is_closed() {
                     return;
                 }
+                // A pipeline that lost a rank may leave the engine blocked on it: the request
+                // ends here, with the reason, before the process exits.
+                if let Some(reason) = rmlx_engine::distributed::health::failure() {
+                    let _ = sender.send(Event::Error(EngineError::Distributed(reason)));
+                    return;
+                }
             }
             Err(RecvTimeoutError::Disconnected) => {
                 let _ = sender.send(Event::Error(EngineError::EngineStopped));

@@ -19,20 +19,45 @@ use crate::{
     api::{
         CodexModel, CodexReasoningLevel, CodexTruncationPolicy, Deleted, Fits, Health,
         HealthStatus, ListObject, MemoryInfo, ModelList, ModelObject, ModelObjectType, ModelSource,
-        Quantization, Unloaded,
+        Quantization, RankHealth, Unloaded,
     },
     error::ApiError,
     registry::{canonical, read_config, ModelEntry, Source},
     AppState,
 };
 
-/// Always answers, even with --api-key set.
+/// Always answers, even with --api-key set; across machines it lists the ranks, and says 503
+/// once one was lost (the process then exits for its supervisor to restart it).
 #[utoipa::path(get, path = "/health", tag = "server", security(()),
-    responses((status = 200, description = "The server is up", body = Health)))]
-pub async fn health() -> Json<Health> {
-    Json(Health {
-        status: HealthStatus::Ok,
-    })
+    responses((status = 200, description = "The server is up", body = Health),
+        (status = 503, description = "A rank of the pipeline was lost", body = Health)))]
+pub async fn health() -> (axum::http::StatusCode, Json<Health>) {
+    use rmlx_engine::distributed::health;
+    let ranks = health::ranks()
+        .into_iter()
+        .map(|rank| RankHealth {
+            rank: rank.rank,
+            endpoint: rank.endpoint,
+            layers: rank.layers,
+            last_heartbeat_ms: rank.last_heartbeat_ms,
+        })
+        .collect();
+    let error = health::failure();
+    let (code, status) = match error {
+        Some(_) => (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            HealthStatus::Failed,
+        ),
+        None => (axum::http::StatusCode::OK, HealthStatus::Ok),
+    };
+    (
+        code,
+        Json(Health {
+            status,
+            ranks,
+            error,
+        }),
+    )
 }
 
 /// One `/v1/models` entry. `available` is the memory available now, read once per listing.

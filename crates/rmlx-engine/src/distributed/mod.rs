@@ -11,6 +11,7 @@
 //! ([`fingerprint`]) before anything is served.
 
 pub mod fingerprint;
+pub mod health;
 pub mod hostfile;
 pub mod pipeline;
 pub mod split;
@@ -220,7 +221,14 @@ impl Group {
         if status != 0 {
             return Err(failed("MLX refused the operation".into()));
         }
-        out.eval().map_err(|error| failed(error.to_string()))?;
+        // mlx-rs appends where in its own source the exception surfaced: not the user's concern.
+        out.eval().map_err(|error| {
+            let message = error.to_string();
+            failed(match message.find(" at /") {
+                Some(at) => message[..at].trim_matches('"').to_string(),
+                None => message,
+            })
+        })?;
         Ok(out)
     }
 

@@ -7,13 +7,16 @@
 //! send / recv around the layer loop); here embeddings and sampling stay on rank 0 only.
 
 use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
     ops::Range,
     sync::{Arc, Mutex},
+    time::{Duration, Instant},
 };
 
 use mlx_rs::{Array, Dtype};
 
-use super::{DistributedError, Group};
+use super::{DistributedError, Group, Hostfile};
 use crate::error::{EngineError, Result};
 
 /// Arrays one message may carry: the cache log and ids, the hidden state and its riders.
@@ -42,9 +45,84 @@ pub struct Forward {
     pub position: i32,
 }
 
+/// Plain TCP doorbells beside MLX's ring, one from each rank to the next (the last to rank 0):
+/// a rank rings before each message, and a rank waiting for one blocks on its bell (the kernel
+/// wakes it) instead of inside MLX's receive, which polls its socket and would keep a core busy
+/// for as long as a follower idles. Rank r listens at port + 2 × size + r of the hostfile.
+pub struct Bells {
+    next: Mutex<TcpStream>,
+    previous: Mutex<TcpStream>,
+    /// The ranks at either end: (previous, next).
+    peers: (usize, usize),
+}
+
+impl Bells {
+    pub fn connect(hostfile: &Hostfile, rank: usize, within: Duration) -> std::io::Result<Self> {
+        let size = hostfile.size();
+        let address = |r: usize| {
+            let port = hostfile.port as usize + 2 * size + r;
+            SocketAddr::from((hostfile.hosts[r].ip, port as u16))
+        };
+        let listener = TcpListener::bind(address(rank))?;
+        let started = Instant::now();
+        let next = loop {
+            match TcpStream::connect_timeout(&address((rank + 1) % size), Duration::from_secs(1)) {
+                Ok(stream) => break stream,
+                Err(error) if started.elapsed() > within => return Err(error),
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        };
+        listener.set_nonblocking(true)?;
+        let previous = loop {
+            match listener.accept() {
+                Ok((stream, _)) => break stream,
+                Err(error) if error.kind() != std::io::ErrorKind::WouldBlock => return Err(error),
+                Err(error) if started.elapsed() > within => return Err(error),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        previous.set_nonblocking(false)?;
+        for stream in [&next, &previous] {
+            stream.set_nodelay(true)?;
+        }
+        Ok(Self {
+            next: Mutex::new(next),
+            previous: Mutex::new(previous),
+            peers: ((rank + size - 1) % size, (rank + 1) % size),
+        })
+    }
+
+    fn ring(&self) -> Result<()> {
+        let mut next = self.next.lock().expect("not poisoned");
+        next.write_all(&[1])
+            .map_err(|error| bell_lost(self.peers.1, &error))
+    }
+
+    fn wait(&self) -> Result<()> {
+        let mut byte = [0u8; 1];
+        let mut previous = self.previous.lock().expect("not poisoned");
+        previous
+            .read_exact(&mut byte)
+            .map_err(|error| bell_lost(self.peers.0, &error))
+    }
+}
+
+fn bell_lost(rank: usize, error: &std::io::Error) -> EngineError {
+    let message = match error.kind() {
+        std::io::ErrorKind::UnexpectedEof
+        | std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::BrokenPipe => format!("rank {rank} is gone (its connection closed)"),
+        _ => format!("lost rank {rank}: {error}"),
+    };
+    super::health::fail(message.clone());
+    EngineError::Distributed(message)
+}
+
 /// This process's stage: which layers it computes, and its group.
 pub struct Stage {
     group: Arc<Group>,
+    /// Set where the ranks joined with doorbells (every real pipeline; see [`Bells`]).
+    bells: Option<Bells>,
     /// Each rank's layers, in rank order (contiguous, covering the model).
     layers: Vec<Range<usize>>,
     /// A follower's input arrays, received by its loop ([`Self::next`]) before the forward.
@@ -64,10 +142,17 @@ impl Stage {
         let empty = || Array::from_slice::<i32>(&[], &[0]);
         Self {
             group,
+            bells: None,
             layers,
             pending: Mutex::new(None),
             current: Mutex::new((empty(), empty(), true)),
         }
+    }
+
+    /// The stage with doorbells to wait on instead of MLX's polling receive.
+    pub fn with_bells(mut self, bells: Bells) -> Self {
+        self.bells = Some(bells);
+        self
     }
 
     /// Each rank's layers.
@@ -106,6 +191,7 @@ impl Stage {
     pub fn next(&self) -> Result<Option<Forward>> {
         let from = self.rank() - 1;
         let Some((kind, header, mut arrays)) = self.receive_from(from)? else {
+            super::health::stopping();
             if self.rank() + 1 < self.size() {
                 self.send_stop(self.rank() + 1)?;
             }
@@ -145,6 +231,7 @@ impl Stage {
 
     /// Rank 0, when its work is done: the followers leave their loops (and exit).
     pub fn stop_followers(&self) -> Result<()> {
+        super::health::stopping();
         match self.size() > 1 && self.is_first() {
             true => self.send_stop(1),
             false => Ok(()),
@@ -218,7 +305,17 @@ impl Stage {
         Ok(summed.as_slice::<i32>()[..values.len()].to_vec())
     }
 
+    /// Messages go only to the next rank (the last rank's to rank 0), so one bell serves all.
+    fn ring(&self, to: usize) -> Result<()> {
+        debug_assert_eq!(to, (self.rank() + 1) % self.size());
+        match &self.bells {
+            Some(bells) => bells.ring(),
+            None => Ok(()),
+        }
+    }
+
     fn send_stop(&self, to: usize) -> Result<()> {
+        self.ring(to)?;
         let mut header = vec![0i32; HEADER];
         header[0] = STOP;
         self.group
@@ -252,6 +349,7 @@ impl Stage {
             header[at + 1] = shape.len() as i32;
             header[at + 2..at + 2 + shape.len()].copy_from_slice(shape);
         }
+        self.ring(to)?;
         let group = &self.group;
         group
             .send(&Array::from_slice(&header, &[HEADER as i32]), to)
@@ -266,6 +364,9 @@ impl Stage {
     /// pipeline's stop.
     #[allow(clippy::type_complexity)]
     fn receive_from(&self, from: usize) -> Result<Option<(i32, Vec<i32>, Vec<Array>)>> {
+        if let Some(bells) = &self.bells {
+            bells.wait()?;
+        }
         let header = self
             .group
             .recv(&[HEADER as i32], Dtype::Int32, from)
@@ -298,7 +399,9 @@ impl Stage {
     }
 }
 
+/// A failed send or receive: a peer is gone, and the pipeline with it.
 fn distributed(error: DistributedError) -> EngineError {
+    super::health::fail(error.to_string());
     EngineError::Distributed(error.to_string())
 }
 

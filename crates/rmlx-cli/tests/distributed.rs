@@ -1,7 +1,12 @@
-//! The group of a cluster (issue 33 a), with the real binary: two `rmlx cluster check`
-//! processes on loopback form a ring over MLX's distributed layer, agree on versions and the
-//! model, and pass every collective; a rank whose peer never comes exits within its watchdog,
-//! naming the peer; ranks holding different models refuse to go on.
+//! A model across machines (issue 33), with the real binary and two processes on loopback:
+//! `rmlx cluster check` forms a ring over MLX's distributed layer, agrees on versions and the
+//! model, and passes every collective; a rank whose peer never comes exits within its
+//! watchdog, naming the peer; ranks holding different models refuse to go on. `rmlx generate`
+//! and `rmlx serve` split each family across two ranks and answer as one process does; the
+//! server batches, reuses prefixes and cancels across ranks; a follower killed or stopped
+//! mid-stream ends the stream with an error and every process exits.
+
+mod common;
 
 use std::{
     io::Read,
@@ -16,16 +21,19 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// Two consecutive free loopback ports (rank i listens on port + i).
+/// Six consecutive free loopback ports: two ranks' MLX ring (port + rank), heartbeats
+/// (port + 2 + rank) and doorbells (port + 4 + rank).
 fn free_ports() -> u16 {
-    for _ in 0..100 {
+    for _ in 0..200 {
         let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = first.local_addr().unwrap().port();
-        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+        if port < u16::MAX - 6
+            && (1..6).all(|i| std::net::TcpListener::bind(("127.0.0.1", port + i)).is_ok())
+        {
             return port;
         }
     }
-    panic!("no two consecutive free ports");
+    panic!("no six consecutive free ports");
 }
 
 fn hostfile(name: &str) -> (PathBuf, u16) {
@@ -73,18 +81,13 @@ fn finish(mut child: Child, limit: Duration) -> (Option<i32>, String, String) {
         std::thread::sleep(Duration::from_millis(50));
     };
     let (mut out, mut err) = (String::new(), String::new());
-    child
-        .stdout
-        .take()
-        .unwrap()
-        .read_to_string(&mut out)
-        .unwrap();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    // A server's stdout was taken to read its port.
+    if let Some(mut stdout) = child.stdout.take() {
+        let _ = stdout.read_to_string(&mut out);
+    }
+    if let Some(mut stderr) = child.stderr.take() {
+        let _ = stderr.read_to_string(&mut err);
+    }
     (status, out, err)
 }
 
@@ -288,4 +291,249 @@ fn two_ranks_generate_what_one_process_does() {
             assert_eq!(layers, serde_json::json!([split[0], split[0] + split[1]]));
         }
     }
+}
+
+
+/// `rmlx serve` of one fixture: alone, or as `rank` of `hostfile`.
+fn serve(model: &str, distributed: Option<(&Path, usize)>, extra: &[&str]) -> Child {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rmlx"));
+    command
+        .arg("serve")
+        .arg("--model")
+        .arg(fixture(model))
+        .args(["--port", "0", "--prefix-disk-gb", "0"])
+        .args(extra)
+        .env_remove("MLX_RANK")
+        .env_remove("MLX_HOSTFILE")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some((hostfile, rank)) = distributed {
+        command
+            .arg("--distributed")
+            .arg(hostfile)
+            .args(["--rank", &rank.to_string(), "--join-timeout", "60"]);
+    }
+    command.spawn().unwrap()
+}
+
+fn chat(port: u16, model: &str, text: &str) -> serde_json::Value {
+    let body = serde_json::json!({
+        "model": Path::new(model).file_name().unwrap().to_str().unwrap(),
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 8,
+        "temperature": 0,
+    });
+    let (status, reply) = common::http(port, "POST", "/v1/chat/completions", Some(&body.to_string()));
+    assert_eq!(status, 200, "{reply}");
+    reply
+}
+
+fn message(port: u16, model: &str, text: &str) -> String {
+    let body = serde_json::json!({
+        "model": Path::new(model).file_name().unwrap().to_str().unwrap(),
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 8,
+        "temperature": 0,
+    });
+    let (status, reply) = common::http(port, "POST", "/v1/messages", Some(&body.to_string()));
+    assert_eq!(status, 200, "{reply}");
+    reply["content"][0]["text"].as_str().unwrap().to_string()
+}
+
+fn content(reply: &serde_json::Value) -> String {
+    reply["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// A streamed chat request: its SSE `data:` lines as they come, through `on_line` (which
+/// returns false to stop reading: the connection is then dropped).
+fn stream(port: u16, model: &str, text: &str, mut on_line: impl FnMut(&str) -> bool) {
+    use std::io::{BufRead, Write};
+    let body = serde_json::json!({
+        "model": Path::new(model).file_name().unwrap().to_str().unwrap(),
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 3000,
+        "temperature": 0,
+        "stream": true,
+    })
+    .to_string();
+    let mut socket = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    write!(
+        socket,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    for line in std::io::BufReader::new(socket).lines() {
+        let Ok(line) = line else { return };
+        if line.starts_with("data:") && !on_line(&line) {
+            return;
+        }
+    }
+}
+
+/// Issue 33 (c): `rmlx serve` on two ranks answers as one process does through both APIs,
+/// batches concurrent requests, reuses a prefix, goes on after a client drops a stream
+/// mid-answer, lists both ranks in `/health`, and its follower exits when rank 0 stops. The
+/// Qwen3.6 fixture: recurrent layers (snapshots for the prefix cache), experts, rank 1 holding
+/// three of its four layers on copies of rank 0's caches.
+#[test]
+fn two_ranks_serve_what_one_process_does() {
+    let model = "releases/qwen3.6-35b-a3b";
+    let prompts = [
+        "Tell me about the sea",
+        "What is a river",
+        "Name three colours of the sky",
+    ];
+    let mut one = serve(model, None, &[]);
+    let port = common::listening_port(&mut one);
+    let alone: Vec<String> = prompts.iter().map(|p| content(&chat(port, model, p))).collect();
+    let alone_again = content(&chat(port, model, &format!("{} again", prompts[0])));
+    let alone_anthropic = message(port, model, prompts[1]);
+    let _ = one.kill();
+    let _ = one.wait();
+
+    let (hostfile, _) = hostfile("serve");
+    let follower = serve(model, Some((&hostfile, 1)), &[]);
+    let mut leader = serve(model, Some((&hostfile, 0)), &[]);
+    let port = common::listening_port(&mut leader);
+    let (status, health) = common::http(port, "GET", "/health", None);
+    assert_eq!(status, 200);
+    assert_eq!(health["ranks"][1]["layers"], serde_json::json!([1, 4]), "{health}");
+    // Three at once: one batch across both ranks.
+    let replies: Vec<serde_json::Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| scope.spawn(move || chat(port, model, p)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let texts: Vec<String> = replies.iter().map(content).collect();
+    assert_eq!(texts, alone);
+    assert!(
+        replies
+            .iter()
+            .any(|reply| reply["timings"]["batched_with"].as_u64() >= Some(2)),
+        "{replies:?}"
+    );
+    // A prefix the cache holds (the first turn's), and the other API.
+    assert_eq!(
+        content(&chat(port, model, &format!("{} again", prompts[0]))),
+        alone_again
+    );
+    assert_eq!(message(port, model, prompts[1]), alone_anthropic);
+    // A client that leaves mid-stream, while another request decodes beside it.
+    std::thread::scope(|scope| {
+        let dropped = scope.spawn(|| {
+            let mut seen = 0;
+            stream(port, model, "Write a long story", |_| {
+                seen += 1;
+                seen < 6
+            });
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(content(&chat(port, model, prompts[2])), alone[2]);
+        dropped.join().unwrap();
+    });
+    assert_eq!(content(&chat(port, model, prompts[0])), alone[0]);
+    let (status, health) = common::http(port, "GET", "/health", None);
+    assert_eq!((status, &health["status"]), (200, &serde_json::json!("ok")));
+    // Rank 0 stopping ends the follower's loop.
+    unsafe_signal(leader.id(), "TERM");
+    let (leader_status, _, leader_err) = finish(leader, Duration::from_secs(20));
+    let (follower_status, _, follower_err) = finish(follower, Duration::from_secs(20));
+    let _ = std::fs::remove_file(&hostfile);
+    assert_eq!(leader_status, Some(0), "{leader_err}");
+    assert_eq!(follower_status, Some(0), "{follower_err}");
+}
+
+/// Sends a signal by name through `kill` (the tests need no libc crate).
+fn unsafe_signal(pid: u32, signal: &str) {
+    let status = Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// Issue 33 (d): a follower that dies (killed) or hangs (stopped) mid-stream: the stream ends
+/// with an error event naming the lost rank, `/health` says 503, and rank 0 exits with status
+/// 4 within 10 s; a stopped follower, once continued, finds rank 0 gone and exits too.
+#[test]
+fn a_lost_follower_ends_the_stream_and_every_process_exits() {
+    let model = "releases/qwen3-4b";
+    for how in ["KILL", "STOP"] {
+        let (hostfile, _) = hostfile(&format!("lost-{how}"));
+        let follower = serve(model, Some((&hostfile, 1)), &["--warm-up", "off"]);
+        let mut leader = serve(model, Some((&hostfile, 0)), &["--warm-up", "off"]);
+        let port = common::listening_port(&mut leader);
+        let mut signalled = None;
+        let mut error = None;
+        stream(port, model, "Write a long story", |line| {
+            if line.contains("\"error\"") {
+                error = Some(line.to_string());
+                return false;
+            }
+            if signalled.is_none() && line.contains("\"content\"") {
+                unsafe_signal(follower.id(), how);
+                signalled = Some(Instant::now());
+            }
+            !line.contains("[DONE]")
+        });
+        let signalled = signalled.expect("the stream started");
+        let error = error.unwrap_or_else(|| panic!("{how}: the stream ended without an error"));
+        assert!(error.contains("rank 1"), "{how}: {error}");
+        assert!(error.contains("unavailable"), "{how}: {error}");
+        let (status, health) = common::http(port, "GET", "/health", None);
+        assert_eq!(status, 503, "{how}: {health}");
+        assert_eq!(health["status"], "failed");
+        let (leader_status, _, leader_err) = finish(leader, Duration::from_secs(10));
+        assert!(
+            signalled.elapsed() < Duration::from_secs(10),
+            "{how}: rank 0 took {:?}",
+            signalled.elapsed()
+        );
+        assert_eq!(leader_status, Some(4), "{how}: {leader_err}");
+        if how == "STOP" {
+            unsafe_signal(follower.id(), "CONT");
+        }
+        let (follower_status, _, follower_err) = finish(follower, Duration::from_secs(10));
+        if how == "STOP" {
+            assert!(
+                matches!(follower_status, Some(code) if code != 0),
+                "{follower_err}"
+            );
+        }
+        let _ = std::fs::remove_file(&hostfile);
+    }
+}
+
+/// Issue 33 (d): `rmlx serve --distributed` whose peer never comes exits within its join
+/// watchdog (5 s here), naming the peer it waited for.
+#[test]
+fn a_server_whose_peer_never_comes_exits_within_its_watchdog() {
+    let (hostfile, port) = hostfile("serve-alone");
+    let started = Instant::now();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rmlx"));
+    command
+        .arg("serve")
+        .arg("--model")
+        .arg(fixture("releases/qwen3-4b"))
+        .args(["--port", "0", "--distributed"])
+        .arg(&hostfile)
+        .args(["--rank", "0", "--join-timeout", "5"])
+        .env_remove("MLX_RANK")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let (status, _, err) = finish(command.spawn().unwrap(), Duration::from_secs(30));
+    let _ = std::fs::remove_file(&hostfile);
+    assert_eq!(status, Some(3), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(15));
+    assert!(err.contains(&format!("127.0.0.1:{}", port + 1)), "{err}");
 }

@@ -62,7 +62,13 @@ pub fn enable() {
 }
 
 pub fn enabled() -> bool {
-    MIRRORING.load(Ordering::Relaxed)
+    MIRRORING.load(Ordering::Relaxed) && !REPLAYING.with(std::cell::Cell::get)
+}
+
+thread_local! {
+    /// Set while [`Mirrors::apply`] runs: the copies it makes are not rank 0's to log (one
+    /// process plays both sides in the tests).
+    static REPLAYING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// The operations logged since the last call.
@@ -213,8 +219,15 @@ impl Mirrors {
         self.caches.is_empty()
     }
 
-    /// Applies rank 0's logged operations in order, with `kv_storage` for new caches' default.
+    /// Applies rank 0's logged operations in order.
     pub fn apply(&mut self, log: &[i32]) -> Result<()> {
+        REPLAYING.with(|replaying| replaying.set(true));
+        let applied = self.replay(log);
+        REPLAYING.with(|replaying| replaying.set(false));
+        applied
+    }
+
+    fn replay(&mut self, log: &[i32]) -> Result<()> {
         let bad = |what: &str| EngineError::Distributed(format!("cache log: {what}"));
         let mut reader = Reader { log, at: 0 };
         let mut word = |count: usize| reader.take(count).ok_or_else(|| bad("cut short"));

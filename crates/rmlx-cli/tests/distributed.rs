@@ -282,17 +282,21 @@ fn two_ranks_generate_what_one_process_does() {
             serde_json::json!([range.start, range.end]),
             "{model}"
         );
-        assert_eq!(
+        // At most what its layers' tensors take in the files (Gemma 4's KV-shared layers ship
+        // k / v projections nobody reads), and most of it.
+        let (loaded, planned) = (
             follower["weight_bytes"].as_u64().unwrap(),
             planned.1.of_rank(1, range),
-            "{model}: the follower loaded other ranks' tensors"
+        );
+        assert!(
+            loaded <= planned && loaded * 10 >= planned * 9,
+            "{model}: the follower loaded {loaded} bytes, its layers hold {planned}"
         );
         if let Some(split) = split {
             assert_eq!(layers, serde_json::json!([split[0], split[0] + split[1]]));
         }
     }
 }
-
 
 /// `rmlx serve` of one fixture: alone, or as `rank` of `hostfile`.
 fn serve(model: &str, distributed: Option<(&Path, usize)>, extra: &[&str]) -> Child {
@@ -308,10 +312,12 @@ fn serve(model: &str, distributed: Option<(&Path, usize)>, extra: &[&str]) -> Ch
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     if let Some((hostfile, rank)) = distributed {
-        command
-            .arg("--distributed")
-            .arg(hostfile)
-            .args(["--rank", &rank.to_string(), "--join-timeout", "60"]);
+        command.arg("--distributed").arg(hostfile).args([
+            "--rank",
+            &rank.to_string(),
+            "--join-timeout",
+            "60",
+        ]);
     }
     command.spawn().unwrap()
 }
@@ -323,12 +329,19 @@ fn chat(port: u16, model: &str, text: &str) -> serde_json::Value {
         "max_tokens": 8,
         "temperature": 0,
     });
-    let (status, reply) = common::http(port, "POST", "/v1/chat/completions", Some(&body.to_string()));
+    let (status, reply) = common::http(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        Some(&body.to_string()),
+    );
     assert_eq!(status, 200, "{reply}");
     reply
 }
 
-fn message(port: u16, model: &str, text: &str) -> String {
+/// The answer's content blocks (a thinking model's random weights may never leave its
+/// thinking: the whole block list is compared).
+fn message(port: u16, model: &str, text: &str) -> serde_json::Value {
     let body = serde_json::json!({
         "model": Path::new(model).file_name().unwrap().to_str().unwrap(),
         "messages": [{"role": "user", "content": text}],
@@ -337,14 +350,15 @@ fn message(port: u16, model: &str, text: &str) -> String {
     });
     let (status, reply) = common::http(port, "POST", "/v1/messages", Some(&body.to_string()));
     assert_eq!(status, 200, "{reply}");
-    reply["content"][0]["text"].as_str().unwrap().to_string()
+    reply["content"].clone()
 }
 
+/// The answer's text and reasoning (Qwen3.6's template opens with thinking).
 fn content(reply: &serde_json::Value) -> String {
-    reply["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap()
-        .to_string()
+    let message = &reply["choices"][0]["message"];
+    let text = format!("{}|{}", message["content"], message["reasoning_content"]);
+    assert!(text.len() > 12, "{reply}");
+    text
 }
 
 /// A streamed chat request: its SSE `data:` lines as they come, through `on_line` (which
@@ -393,7 +407,10 @@ fn two_ranks_serve_what_one_process_does() {
     ];
     let mut one = serve(model, None, &[]);
     let port = common::listening_port(&mut one);
-    let alone: Vec<String> = prompts.iter().map(|p| content(&chat(port, model, p))).collect();
+    let alone: Vec<String> = prompts
+        .iter()
+        .map(|p| content(&chat(port, model, p)))
+        .collect();
     let alone_again = content(&chat(port, model, &format!("{} again", prompts[0])));
     let alone_anthropic = message(port, model, prompts[1]);
     let _ = one.kill();
@@ -405,7 +422,11 @@ fn two_ranks_serve_what_one_process_does() {
     let port = common::listening_port(&mut leader);
     let (status, health) = common::http(port, "GET", "/health", None);
     assert_eq!(status, 200);
-    assert_eq!(health["ranks"][1]["layers"], serde_json::json!([1, 4]), "{health}");
+    assert_eq!(
+        health["ranks"][1]["layers"],
+        serde_json::json!([1, 4]),
+        "{health}"
+    );
     // Three at once: one batch across both ranks.
     let replies: Vec<serde_json::Value> = std::thread::scope(|scope| {
         let handles: Vec<_> = prompts

@@ -24,7 +24,7 @@ interface Sent {
 }
 
 /** A contract-shaped server with one download job that advances on every list. */
-function scriptedServer(options: { admin?: boolean; failDownload?: boolean } = {}) {
+function scriptedServer(options: { admin?: boolean; failDownload?: boolean; ranks?: boolean } = {}) {
   const admin = options.admin ?? true;
   const sent: Sent[] = [];
   let models = modelList.map((m) => ({ ...m }));
@@ -78,6 +78,14 @@ function scriptedServer(options: { admin?: boolean; failDownload?: boolean } = {
           read_bytes: 150_000_000 + Math.floor(polls / 2) * 40_000_000, read_ms: 90, written_bytes: 200_000_000 + polls * 20_000_000,
           evicted_files: 0, evicted_bytes: 0, writing_stopped: false,
         },
+        ...(options.ranks
+          ? {
+              ranks: [
+                { rank: 0, endpoint: '192.168.2.1:32323', layers: [0, 30] as [number, number], last_heartbeat_ms: null },
+                { rank: 1, endpoint: '192.168.2.2:32324', layers: [30, 64] as [number, number], last_heartbeat_ms: 180 + (polls % 4) * 90 },
+              ],
+            }
+          : {}),
       };
       return route.fulfill({ json: snapshot });
     }
@@ -271,7 +279,8 @@ describe('Models, Dashboard and Settings against a scripted server', () => {
 
   for (const colorScheme of ['light', 'dark'] as const) {
     it(`draws the dashboard and follows the newest request (${colorScheme})`, async () => {
-      const server = scriptedServer();
+      // Served across two machines: the dashboard lists them with their heartbeats.
+      const server = scriptedServer({ ranks: true });
       const now = Date.now();
       const itl = (n: number, base: number) => Array.from({ length: n }, (_, i) => base + ((i * 7) % 5) * 0.6);
       const entries: RecentRequest[] = Array.from({ length: 6 }, (_, i) => ({
@@ -314,6 +323,8 @@ describe('Models, Dashboard and Settings against a scripted server', () => {
       expect(drafted).toBeGreaterThan(kept);
       expect(await page.getByRole('img', { name: /^Speculative decoding: in this window \d+ drafted, \d+ kept \(\d+% acceptance\); since start/ }).count()).toBe(1);
       expect(await page.getByTestId('headline-drafts').innerText()).toMatch(/^\d+%\n?\d+ of \d+ drafted$/);
+      expect(await page.getByTestId('rank-0').innerText()).toMatch(/Rank 0\s+192\.168\.2\.1:32323\s+layers 0–29\s+serving here/);
+      expect(await page.getByTestId('rank-1').innerText()).toMatch(/Rank 1\s+192\.168\.2\.2:32324\s+layers 30–63\s+heartbeat 0\.\d s ago/);
       await page.screenshot({ path: path.join(artifactsDir, `dashboard-${colorScheme}.png`), fullPage: true });
       await page.context().close();
     });

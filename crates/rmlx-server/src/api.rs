@@ -837,6 +837,13 @@ pub struct CacheMetrics {
     pub error_counts: std::collections::BTreeMap<String, u64>,
     /// The disk prefix cache; null when it is off.
     pub disk_cache: Option<DiskCacheMetrics>,
+    /// Across machines (`rmlx serve --distributed`): every rank, its layers and its last
+    /// heartbeat (as `/health`). Absent in one process.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<RankHealth>,
+    /// Why the pipeline across machines failed (the server is exiting); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline_error: Option<String>,
 }
 
 /// The disk prefix cache (`--prefix-disk-gb`, `--prefix-disk-dir`).

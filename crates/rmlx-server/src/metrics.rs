@@ -127,6 +127,8 @@ pub fn cache_metrics(snapshot: &MetricsSnapshot) -> CacheMetrics {
             evicted_bytes: disk.evicted_bytes,
             writing_stopped: disk.stopped,
         }),
+        ranks: crate::models::rank_health(),
+        pipeline_error: rmlx_engine::distributed::health::failure(),
     }
 }
 

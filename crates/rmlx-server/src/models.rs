@@ -32,17 +32,8 @@ use crate::{
     responses((status = 200, description = "The server is up", body = Health),
         (status = 503, description = "A rank of the pipeline was lost", body = Health)))]
 pub async fn health() -> (axum::http::StatusCode, Json<Health>) {
-    use rmlx_engine::distributed::health;
-    let ranks = health::ranks()
-        .into_iter()
-        .map(|rank| RankHealth {
-            rank: rank.rank,
-            endpoint: rank.endpoint,
-            layers: rank.layers,
-            last_heartbeat_ms: rank.last_heartbeat_ms,
-        })
-        .collect();
-    let error = health::failure();
+    let ranks = rank_health();
+    let error = rmlx_engine::distributed::health::failure();
     let (code, status) = match error {
         Some(_) => (
             axum::http::StatusCode::SERVICE_UNAVAILABLE,
@@ -58,6 +49,19 @@ pub async fn health() -> (axum::http::StatusCode, Json<Health>) {
             error,
         }),
     )
+}
+
+/// The pipeline's ranks (`/health`, `/metrics/cache`); empty in one process.
+pub fn rank_health() -> Vec<RankHealth> {
+    rmlx_engine::distributed::health::ranks()
+        .into_iter()
+        .map(|rank| RankHealth {
+            rank: rank.rank,
+            endpoint: rank.endpoint,
+            layers: rank.layers,
+            last_heartbeat_ms: rank.last_heartbeat_ms,
+        })
+        .collect()
 }
 
 /// One `/v1/models` entry. `available` is the memory available now, read once per listing.

@@ -180,7 +180,22 @@ export interface MetricsSnapshot {
   active_memory_bytes?: number;
   peak_memory_bytes?: number;
   disk_cache?: DiskCacheMetrics | null;
+  /** `rmlx serve --distributed`: every machine of the pipeline (absent on one machine). */
+  ranks?: RankStatus[];
+  /** Why the pipeline across machines failed (the server is exiting). */
+  pipeline_error?: string;
   [key: string]: unknown;
+}
+
+/** One machine (rank) of a pipeline in `/metrics/cache` `ranks`. */
+export interface RankStatus {
+  rank: number;
+  /** Its address and port in the hostfile. */
+  endpoint: string;
+  /** The decoder layers it holds, `[start, end)`. */
+  layers: [number, number];
+  /** Milliseconds since its last heartbeat; null for the machine serving (it does not beat for itself). */
+  last_heartbeat_ms: number | null;
 }
 
 /** Stops a subscription. */

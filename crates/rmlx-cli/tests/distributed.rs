@@ -429,8 +429,15 @@ fn two_ranks_serve_what_one_process_does() {
     );
     // The dashboard's feed lists them too, the follower's heartbeat fresh.
     let (_, metrics) = common::http(port, "GET", "/metrics/cache", None);
-    assert_eq!(metrics["ranks"].as_array().map(Vec::len), Some(2), "{metrics}");
-    assert!(metrics["ranks"][1]["last_heartbeat_ms"].as_u64() < Some(3000), "{metrics}");
+    assert_eq!(
+        metrics["ranks"].as_array().map(Vec::len),
+        Some(2),
+        "{metrics}"
+    );
+    assert!(
+        metrics["ranks"][1]["last_heartbeat_ms"].as_u64() < Some(3000),
+        "{metrics}"
+    );
     // Three at once: one batch across both ranks.
     let replies: Vec<serde_json::Value> = std::thread::scope(|scope| {
         let handles: Vec<_> = prompts

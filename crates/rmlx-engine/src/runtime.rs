@@ -278,6 +278,30 @@ pub struct Serving {
     /// The model's draft head will be loaded (speculation on and the checkpoint ships one): its
     /// KV grows with the context beside the trunk's.
     pub draft_head: bool,
+    /// One rank of a pipeline across machines: only its layers' weights, KV and state count.
+    pub share: Option<StageShare>,
+}
+
+/// Which layers a pipeline rank holds, for what serving them takes there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StageShare {
+    pub rank: usize,
+    /// Its decoder layers, `start..end`.
+    pub start: usize,
+    pub end: usize,
+}
+
+impl StageShare {
+    pub fn of(part: &crate::models::Part) -> Option<Self> {
+        part.stage().map(|stage| {
+            let layers = stage.own_layers();
+            Self {
+                rank: stage.rank(),
+                start: layers.start,
+                end: layers.end,
+            }
+        })
+    }
 }
 
 /// What serving the model in `dir` as `serving` takes: [`memory_needed`] plus the KV cache
@@ -318,12 +342,26 @@ fn serving_costs(
     serving: &Serving,
 ) -> std::io::Result<(u64, u64)> {
     use crate::models::structure;
-    let weights = memory_needed(dir)?;
     let mut per_token = structure::kv_bytes_per_token_stored(config, serving.kv_bits);
     if serving.draft_head {
         per_token += structure::draft_head_kv_bytes_per_token(config, serving.kv_bits);
     }
-    let state = structure::fixed_state_bytes(config) * serving.rows.max(1) as u64;
+    let mut state = structure::fixed_state_bytes(config) * serving.rows.max(1) as u64;
+    let weights = match serving.share {
+        None => memory_needed(dir)?,
+        // A rank's own layers' weights (rank 0's also the rest), and its share of the layers'
+        // KV and state (layers of one kind hold alike; rounded up).
+        Some(share) => {
+            let bytes = crate::distributed::split::layer_bytes(dir, config)
+                .map_err(std::io::Error::other)?;
+            let layers = bytes.layers.len().max(1) as u64;
+            let own = (share.end - share.start) as u64;
+            per_token = (per_token * own).div_ceil(layers);
+            state = (state * own).div_ceil(layers);
+            let weights = bytes.of_rank(share.rank, share.start..share.end);
+            weights + weights / 10
+        }
+    };
     Ok((weights + state + serving.reserved, per_token))
 }
 
@@ -448,6 +486,56 @@ mod serving_tests {
             serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
                 .unwrap();
         (dir, config)
+    }
+
+    /// A pipeline rank counts its own layers: their weights (rank 0 also the embeddings and
+    /// output layer) and their share of the KV; the ranks' weights add up to the whole.
+    #[test]
+    fn a_rank_counts_its_own_layers() {
+        let (dir, config) = fixture();
+        let layers = config["num_hidden_layers"].as_u64().unwrap() as usize;
+        let at = |share: Option<StageShare>| {
+            let serving = Serving {
+                rows: 1,
+                max_ctx: Some(1000),
+                share,
+                ..Serving::default()
+            };
+            let needed = memory_needed_at(&dir, &config, &serving).unwrap();
+            let weights = memory_needed_at(
+                &dir,
+                &config,
+                &Serving {
+                    max_ctx: Some(0),
+                    ..serving
+                },
+            )
+            .unwrap();
+            (weights, needed - weights)
+        };
+        let half = layers / 2;
+        let (whole, whole_kv) = at(None);
+        let (first, first_kv) = at(Some(StageShare {
+            rank: 0,
+            start: 0,
+            end: half,
+        }));
+        let (second, second_kv) = at(Some(StageShare {
+            rank: 1,
+            start: half,
+            end: layers,
+        }));
+        assert!(
+            first < whole && second < whole && second < first,
+            "{first} {second} {whole}"
+        );
+        // The ranks' weights add up to the files' (less their headers: within 1 %).
+        assert!(
+            (first + second).abs_diff(whole) * 100 <= whole,
+            "{first} + {second} vs {whole}"
+        );
+        assert!(first_kv < whole_kv && first_kv + second_kv >= whole_kv);
+        assert!(first_kv + second_kv <= whole_kv + 2);
     }
 
     /// The largest context is what the memory left after the weights, the fixed state and the

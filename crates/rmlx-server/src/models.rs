@@ -167,8 +167,12 @@ fn serving(server: &crate::ServerConfig, draft_head: bool) -> rmlx_engine::runti
         kv_bits: server.kv_bits,
         reserved: server.prefix_cache_bytes.unwrap_or(0)
             + server.prefix_snapshot_bytes.unwrap_or(0),
-        // Loaded with speculation on (its KV then counts), unless drafting is off.
-        draft_head: draft_head && server.speculative != SpeculativeMode::Off,
+        // Loaded with speculation on (its KV then counts), unless drafting is off; never
+        // across ranks.
+        draft_head: draft_head
+            && server.speculative != SpeculativeMode::Off
+            && server.part.stage().is_none(),
+        share: rmlx_engine::runtime::StageShare::of(&server.part),
     }
 }
 

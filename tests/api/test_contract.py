@@ -63,7 +63,9 @@ def server(tmp_path):
         yield url
     finally:
         process.terminate()
-        assert process.wait(timeout=60) == 0, "the server did not exit cleanly on SIGTERM"
+        code = process.wait(timeout=60)
+        assert code == 0, (f"the server did not exit cleanly on SIGTERM (status {code}: "
+                           "a negative one is the signal that ended it)")
 
 
 def call(url, method, path, body=None):
@@ -186,4 +188,6 @@ def test_schemathesis_finds_nothing(tmp_path, seed):
             + failures_of(result.stdout))
     finally:
         process.terminate()
-        assert process.wait(timeout=60) == 0, "the server did not exit cleanly on SIGTERM"
+        code = process.wait(timeout=60)
+        assert code == 0, (f"the server did not exit cleanly on SIGTERM (status {code}: "
+                           "a negative one is the signal that ended it)")

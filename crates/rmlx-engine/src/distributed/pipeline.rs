@@ -445,6 +445,37 @@ impl Part {
         self.stage.as_ref().is_none_or(|stage| stage.is_first())
     }
 
+    /// `load()` where this process holds the ends (one process, or rank 0); None elsewhere.
+    pub fn ends<T>(&self, load: impl FnOnce() -> Result<T>) -> Result<Option<T>> {
+        self.has_ends().then(load).transpose()
+    }
+
+    /// Where this process does not hold the ends: their tensors under `prefixes`, dropped
+    /// unread (strict loading then finds nothing of theirs left over).
+    pub fn drop_ends(&self, store: &mut crate::weights::WeightStore, prefixes: &[&str]) {
+        if !self.has_ends() {
+            prefixes
+                .iter()
+                .for_each(|prefix| store.discard_prefix(prefix));
+        }
+    }
+
+    /// Layer `index`, whose tensors are under `prefix.`: `load(store)` where this process
+    /// computes it; elsewhere None, its tensors dropped unread.
+    pub fn layer<T>(
+        &self,
+        index: usize,
+        store: &mut crate::weights::WeightStore,
+        prefix: &str,
+        load: impl FnOnce(&mut crate::weights::WeightStore) -> Result<T>,
+    ) -> Result<Option<T>> {
+        if !self.has_layer(index) {
+            store.discard_prefix(&format!("{prefix}."));
+            return Ok(None);
+        }
+        load(store).map(Some)
+    }
+
     /// A follower's stage (it receives its input instead of embedding tokens).
     pub fn follower(&self) -> Option<&Stage> {
         self.stage.as_deref().filter(|stage| !stage.is_first())

@@ -359,40 +359,30 @@ impl Model {
         let rope = args.rope(dir)?;
         let quant = config.base.quantization.as_ref();
         // sanitize: a tied model ignores a stray lm_head, as mlx-lm does.
-        if args.tie_word_embeddings || !part.has_ends() {
+        if args.tie_word_embeddings {
             store.discard_prefix("lm_head.");
         }
-        if !part.has_ends() {
-            store.discard_prefix("model.embed_tokens.");
-            store.discard_prefix("model.norm.");
-        }
-        let embed_tokens = part
-            .has_ends()
-            .then(|| {
-                Embedding::load(
-                    store,
-                    quant,
-                    "model.embed_tokens",
-                    args.vocab_size,
-                    args.hidden_size,
-                )
-            })
-            .transpose()?;
+        part.drop_ends(store, &["model.embed_tokens.", "model.norm.", "lm_head."]);
+        let embed_tokens = part.ends(|| {
+            Embedding::load(
+                store,
+                quant,
+                "model.embed_tokens",
+                args.vocab_size,
+                args.hidden_size,
+            )
+        })?;
         let layers = (0..args.num_hidden_layers as usize)
             .map(|index| {
                 let prefix = format!("model.layers.{index}");
-                if !part.has_layer(index) {
-                    store.discard_prefix(&format!("{prefix}."));
-                    return Ok(None);
-                }
-                let ffn = mlp(store, &format!("{prefix}.mlp"), index)?;
-                TransformerBlock::load(store, quant, &prefix, &args, rope, ffn).map(Some)
+                part.layer(index, store, &prefix, |store| {
+                    let ffn = mlp(store, &format!("{prefix}.mlp"), index)?;
+                    TransformerBlock::load(store, quant, &prefix, &args, rope, ffn)
+                })
             })
             .collect::<Result<Vec<_>>>()?;
-        let norm = part
-            .has_ends()
-            .then(|| RmsNorm::load(store, "model.norm", args.hidden_size, args.rms_norm_eps))
-            .transpose()?;
+        let norm =
+            part.ends(|| RmsNorm::load(store, "model.norm", args.hidden_size, args.rms_norm_eps))?;
         let lm_head = if args.tie_word_embeddings || !part.has_ends() {
             None
         } else {

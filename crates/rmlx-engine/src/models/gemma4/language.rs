@@ -642,29 +642,25 @@ impl LanguageModel {
         // Config::validate has refused untied checkpoints (the logits use embed_tokens).
         let args = config.text_config.clone();
         let prefix = "language_model.model";
-        if !part.has_ends() {
-            for name in [
-                "embed_tokens.",
-                "embed_tokens_per_layer.",
-                "per_layer_model_projection.",
-                "per_layer_projection_norm.",
-                "norm.",
-            ] {
-                store.discard_prefix(&format!("{prefix}.{name}"));
-            }
-        }
-        let embed_tokens = part
-            .has_ends()
-            .then(|| {
-                Embedding::load(
-                    store,
-                    quant,
-                    &format!("{prefix}.embed_tokens"),
-                    args.vocab_size,
-                    args.hidden_size,
-                )
-            })
-            .transpose()?;
+        part.drop_ends(
+            store,
+            &[
+                "language_model.model.embed_tokens.",
+                "language_model.model.embed_tokens_per_layer.",
+                "language_model.model.per_layer_model_projection.",
+                "language_model.model.per_layer_projection_norm.",
+                "language_model.model.norm.",
+            ],
+        );
+        let embed_tokens = part.ends(|| {
+            Embedding::load(
+                store,
+                quant,
+                &format!("{prefix}.embed_tokens"),
+                args.vocab_size,
+                args.hidden_size,
+            )
+        })?;
         let per_layer = if args.hidden_size_per_layer_input > 0 && part.has_ends() {
             let width = args.hidden_size_per_layer_input;
             let total = args.num_hidden_layers * width;
@@ -698,24 +694,19 @@ impl LanguageModel {
         let layers = (0..args.num_hidden_layers as usize)
             .map(|i| {
                 let layer = format!("{prefix}.layers.{i}");
-                if !part.has_layer(i) {
-                    store.discard_prefix(&format!("{layer}."));
-                    return Ok(None);
-                }
-                DecoderLayer::load(store, quant, &layer, config, i, dir).map(Some)
+                part.layer(i, store, &layer, |store| {
+                    DecoderLayer::load(store, quant, &layer, config, i, dir)
+                })
             })
             .collect::<Result<Vec<_>>>()?;
-        let norm = part
-            .has_ends()
-            .then(|| {
-                RmsNorm::load(
-                    store,
-                    &format!("{prefix}.norm"),
-                    args.hidden_size,
-                    args.rms_norm_eps,
-                )
-            })
-            .transpose()?;
+        let norm = part.ends(|| {
+            RmsNorm::load(
+                store,
+                &format!("{prefix}.norm"),
+                args.hidden_size,
+                args.rms_norm_eps,
+            )
+        })?;
         let first_shared = config.first_kv_shared_layer();
         let kv_source = (0..layers.len())
             .map(|i| {

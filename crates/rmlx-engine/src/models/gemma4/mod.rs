@@ -43,14 +43,9 @@ impl Model {
         let quant = config.base.quantization.as_ref();
         // The tower and embedder stay dense in mlx-vlm's conversions (QAT fp4 included);
         // loading them dense makes a stray quantized tower a strict-loading error.
-        if !part.has_ends() {
-            store.discard_prefix("vision_tower.");
-            store.discard_prefix("embed_vision.");
-        }
+        part.drop_ends(store, &["vision_tower.", "embed_vision."]);
         let vision = part
-            .has_ends()
-            .then(|| VisionModel::load(store, &args.vision_config, args.text_config.hidden_size))
-            .transpose()?;
+            .ends(|| VisionModel::load(store, &args.vision_config, args.text_config.hidden_size))?;
         let language = TextModel::load(store, quant, &args, dir, part)?;
         Ok(Self {
             config: args,

@@ -504,46 +504,39 @@ impl LanguageModel {
     ) -> Result<Self> {
         let text = &config.text_config;
         let tied = config.tied();
-        if !part.has_ends() {
-            for name in ["embed_tokens.", "norm."] {
-                store.discard_prefix(&format!("language_model.model.{name}"));
-            }
-            store.discard_prefix("language_model.lm_head.");
-        }
-        let embed_tokens = part
-            .has_ends()
-            .then(|| {
-                Embedding::load(
-                    store,
-                    quant,
-                    "language_model.model.embed_tokens",
-                    text.vocab_size,
-                    text.hidden_size,
-                )
-            })
-            .transpose()?;
+        part.drop_ends(
+            store,
+            &[
+                "language_model.model.embed_tokens.",
+                "language_model.model.norm.",
+                "language_model.lm_head.",
+            ],
+        );
+        let embed_tokens = part.ends(|| {
+            Embedding::load(
+                store,
+                quant,
+                "language_model.model.embed_tokens",
+                text.vocab_size,
+                text.hidden_size,
+            )
+        })?;
         let layers = (0..text.num_hidden_layers as usize)
             .map(|index| {
                 let prefix = format!("language_model.model.layers.{index}");
-                if !part.has_layer(index) {
-                    store.discard_prefix(&format!("{prefix}."));
-                    return Ok(None);
-                }
-                DecoderLayer::load(store, quant, config, moe, &prefix, config.is_linear(index))
-                    .map(Some)
+                part.layer(index, store, &prefix, |store| {
+                    DecoderLayer::load(store, quant, config, moe, &prefix, config.is_linear(index))
+                })
             })
             .collect::<Result<Vec<_>>>()?;
-        let norm = part
-            .has_ends()
-            .then(|| {
-                RmsNorm::load(
-                    store,
-                    "language_model.model.norm",
-                    text.hidden_size,
-                    text.rms_norm_eps,
-                )
-            })
-            .transpose()?;
+        let norm = part.ends(|| {
+            RmsNorm::load(
+                store,
+                "language_model.model.norm",
+                text.hidden_size,
+                text.rms_norm_eps,
+            )
+        })?;
         let lm_head = if tied || !part.has_ends() {
             None
         } else {

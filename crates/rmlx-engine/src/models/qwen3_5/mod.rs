@@ -163,13 +163,8 @@ impl Model {
         sanitize(store, args.tied(), head_layers.is_some(), head_shift)?;
         // The converters never quantize the tower: loading it dense makes a quantized one a
         // strict-loading error rather than a silent mis-read.
-        if !part.has_ends() {
-            store.discard_prefix("vision_tower.");
-        }
-        let vision = part
-            .has_ends()
-            .then(|| VisionModel::load(store, "vision_tower", &args.vision_config))
-            .transpose()?;
+        part.drop_ends(store, &["vision_tower."]);
+        let vision = part.ends(|| VisionModel::load(store, "vision_tower", &args.vision_config))?;
         let language = TextModel::load(store, quant, &args, moe.as_ref(), rope, part)?;
         let head_quant = sidecar
             .as_ref()

@@ -364,46 +364,42 @@ impl LanguageModel {
     ) -> Result<Self> {
         let args = config.text_config.clone();
         let tied = config.tied();
-        if tied || !part.has_ends() {
+        if tied {
             store.discard_prefix("language_model.lm_head.");
         }
-        if !part.has_ends() {
-            store.discard_prefix("language_model.model.embed_tokens.");
-            store.discard_prefix("language_model.model.norm.");
-        }
-        let embed_tokens = part
-            .has_ends()
-            .then(|| {
-                Embedding::load(
-                    store,
-                    quant,
-                    "language_model.model.embed_tokens",
-                    args.vocab_size,
-                    args.hidden_size,
-                )
-            })
-            .transpose()?;
+        part.drop_ends(
+            store,
+            &[
+                "language_model.model.embed_tokens.",
+                "language_model.model.norm.",
+                "language_model.lm_head.",
+            ],
+        );
+        let embed_tokens = part.ends(|| {
+            Embedding::load(
+                store,
+                quant,
+                "language_model.model.embed_tokens",
+                args.vocab_size,
+                args.hidden_size,
+            )
+        })?;
         let layers = (0..args.num_hidden_layers as usize)
             .map(|i| {
                 let prefix = format!("language_model.model.layers.{i}");
-                if !part.has_layer(i) {
-                    store.discard_prefix(&format!("{prefix}."));
-                    return Ok(None);
-                }
-                DecoderLayer::load(store, quant, &prefix, &args, i).map(Some)
+                part.layer(i, store, &prefix, |store| {
+                    DecoderLayer::load(store, quant, &prefix, &args, i)
+                })
             })
             .collect::<Result<Vec<_>>>()?;
-        let norm = part
-            .has_ends()
-            .then(|| {
-                RmsNorm::load(
-                    store,
-                    "language_model.model.norm",
-                    args.hidden_size,
-                    args.rms_norm_eps,
-                )
-            })
-            .transpose()?;
+        let norm = part.ends(|| {
+            RmsNorm::load(
+                store,
+                "language_model.model.norm",
+                args.hidden_size,
+                args.rms_norm_eps,
+            )
+        })?;
         let lm_head = if tied || !part.has_ends() {
             None
         } else {

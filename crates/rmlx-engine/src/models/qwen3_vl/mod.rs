@@ -63,13 +63,8 @@ impl Model {
         }
         // The vision tower is never quantized by mlx-vlm's convert; loading it dense makes a
         // stray quantized tower a strict-loading error instead of a silent mis-read.
-        if !part.has_ends() {
-            store.discard_prefix("vision_tower.");
-        }
-        let vision = part
-            .has_ends()
-            .then(|| VisionModel::load(store, "vision_tower", &args.vision_config))
-            .transpose()?;
+        part.drop_ends(store, &["vision_tower."]);
+        let vision = part.ends(|| VisionModel::load(store, "vision_tower", &args.vision_config))?;
         let language = TextModel::load(store, quant, &args, rope, part)?;
         Ok(Self {
             config: args,

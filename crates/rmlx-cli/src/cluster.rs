@@ -58,6 +58,40 @@ pub fn rank(given: Option<usize>) -> anyhow::Result<usize> {
     }
 }
 
+/// `rmlx generate` / `rmlx serve` across machines.
+#[derive(clap::Args)]
+pub struct DistributedArgs {
+    /// Run the model across the machines of this hostfile, one process per rank
+    /// (docs/DISTRIBUTED.md): rank 0 answers (serves HTTP), the others compute their layers.
+    /// Across ranks speculative decoding drafts by prompt lookup only, and the disk prefix
+    /// cache is off.
+    #[arg(long, value_name = "HOSTFILE")]
+    pub distributed: Option<PathBuf>,
+    /// This process's rank in the hostfile [default: $MLX_RANK, as `mlx.launch` sets it].
+    #[arg(long, requires = "distributed")]
+    pub rank: Option<usize>,
+    /// With --distributed: seconds to wait for the other ranks to join (then exit status 3).
+    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    pub join_timeout: u64,
+}
+
+impl DistributedArgs {
+    /// This process's part of `model`: the whole of it, or (with --distributed) its stage,
+    /// after joining the group.
+    pub fn part(&self, model: &Path) -> anyhow::Result<rmlx_engine::models::Part> {
+        let stage = match &self.distributed {
+            Some(hostfile) => Some(join_pipeline(
+                hostfile,
+                self.rank,
+                model,
+                Duration::from_secs(self.join_timeout),
+            )?),
+            None => None,
+        };
+        Ok(rmlx_engine::models::Part { stage })
+    }
+}
+
 /// Joins the group `hostfile` describes to run `model` across it: every rank agrees on the
 /// rMLX and MLX versions and the model, and holds the layers of the plan (the hostfile's
 /// `split`, or one balanced by weight bytes).

@@ -129,17 +129,8 @@ struct GenerateArgs {
     /// Print exactly one JSON object (text, ids, usage, timings) instead of streaming.
     #[arg(long)]
     json: bool,
-    /// Run the model across the machines of this hostfile, one process per rank
-    /// (docs/DISTRIBUTED.md): rank 0 answers, the others compute their layers. Across ranks
-    /// speculative decoding drafts by prompt lookup only.
-    #[arg(long, value_name = "HOSTFILE")]
-    distributed: Option<PathBuf>,
-    /// This process's rank in the hostfile [default: $MLX_RANK].
-    #[arg(long, requires = "distributed")]
-    rank: Option<usize>,
-    /// With --distributed: seconds to wait for the other ranks to join (then exit status 3).
-    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
-    join_timeout: u64,
+    #[command(flatten)]
+    cluster: cluster::DistributedArgs,
 }
 
 /// `--speculative`'s default: the engine's.
@@ -205,23 +196,12 @@ fn check_model_dir(model: &Path) -> anyhow::Result<()> {
 
 fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     check_model_dir(&args.model)?;
-    let stage = match &args.distributed {
-        Some(hostfile) => Some(cluster::join_pipeline(
-            hostfile,
-            args.rank,
-            &args.model,
-            std::time::Duration::from_secs(args.join_timeout),
-        )?),
-        None => None,
-    };
-    let part = rmlx_engine::models::Part {
-        stage: stage.clone(),
-    };
+    let part = args.cluster.part(&args.model)?;
     if let Some(stage) = part.follower() {
         return follow_pipeline(&args.model, stage, &part, args.json);
     }
     // Rank 0 ends the followers' loops however its own work ends.
-    let _stop = stage.map(StopFollowers);
+    let _stop = part.stage.clone().map(StopFollowers);
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,

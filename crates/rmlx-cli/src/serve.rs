@@ -102,17 +102,8 @@ pub struct ServeArgs {
     /// the first request, build kernels as they come.
     #[arg(long, value_name = "on|off", default_value = "on", value_parser = ["on", "off"])]
     warm_up: String,
-    /// Serve the one --model across the machines of this hostfile, one process per rank
-    /// (docs/DISTRIBUTED.md): rank 0 serves HTTP, the others compute their layers. The disk
-    /// prefix cache is off across ranks, and speculative decoding drafts by prompt lookup.
-    #[arg(long, value_name = "HOSTFILE")]
-    distributed: Option<PathBuf>,
-    /// This process's rank in the hostfile [default: $MLX_RANK, as `mlx.launch` sets it].
-    #[arg(long, requires = "distributed")]
-    rank: Option<usize>,
-    /// With --distributed: seconds to wait for the other ranks to join (then exit status 3).
-    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
-    join_timeout: u64,
+    #[command(flatten)]
+    cluster: crate::cluster::DistributedArgs,
 }
 
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -122,19 +113,13 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     {
         anyhow::bail!("--prefix-disk-gb must be 0 (off) or a positive number of GB");
     }
-    let part = match &args.distributed {
-        Some(hostfile) => {
+    let part = match &args.cluster.distributed {
+        Some(_) => {
             let [model] = &args.models[..] else {
                 anyhow::bail!("--distributed serves exactly one --model, the one every rank holds");
             };
             crate::check_model_dir(model)?;
-            let stage = crate::cluster::join_pipeline(
-                hostfile,
-                args.rank,
-                model,
-                std::time::Duration::from_secs(args.join_timeout),
-            )?;
-            rmlx_engine::models::Part { stage: Some(stage) }
+            args.cluster.part(model)?
         }
         None => rmlx_engine::models::Part::default(),
     };

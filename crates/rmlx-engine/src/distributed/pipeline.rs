@@ -289,22 +289,6 @@ impl Stage {
         }
     }
 
-    /// Rank 0's `values` on every rank (the others pass zeros of the same length): one
-    /// all_sum of int32.
-    pub fn broadcast(&self, values: &[i32]) -> Result<Vec<i32>> {
-        // MLX's ring sums at least one element per rank on its fast path.
-        let len = values.len().max(self.size());
-        let mut mine = vec![0i32; len];
-        if self.is_first() {
-            mine[..values.len()].copy_from_slice(values);
-        }
-        let summed = self
-            .group
-            .all_sum(&Array::from_slice(&mine, &[len as i32]))
-            .map_err(distributed)?;
-        Ok(summed.as_slice::<i32>()[..values.len()].to_vec())
-    }
-
     /// Messages go only to the next rank (the last rank's to rank 0), so one bell serves all.
     fn ring(&self, to: usize) -> Result<()> {
         debug_assert_eq!(to, (self.rank() + 1) % self.size());
@@ -320,7 +304,7 @@ impl Stage {
         header[0] = STOP;
         self.group
             .send(&Array::from_slice(&header, &[HEADER as i32]), to)
-            .map_err(distributed)
+            .map_err(lost(to))
     }
 
     fn send_to(
@@ -353,9 +337,9 @@ impl Stage {
         let group = &self.group;
         group
             .send(&Array::from_slice(&header, &[HEADER as i32]), to)
-            .map_err(distributed)?;
+            .map_err(lost(to))?;
         for array in arrays.iter().filter(|array| array.size() > 0) {
-            group.send(array, to).map_err(distributed)?;
+            group.send(array, to).map_err(lost(to))?;
         }
         Ok(())
     }
@@ -370,7 +354,7 @@ impl Stage {
         let header = self
             .group
             .recv(&[HEADER as i32], Dtype::Int32, from)
-            .map_err(distributed)?;
+            .map_err(lost(from))?;
         let header = header.as_slice::<i32>().to_vec();
         let kind = header[0];
         if kind == STOP {
@@ -392,17 +376,20 @@ impl Stage {
                 if shape.contains(&0) {
                     return Ok(mlx_rs::ops::zeros_dtype(shape, dtype)?);
                 }
-                self.group.recv(shape, dtype, from).map_err(distributed)
+                self.group.recv(shape, dtype, from).map_err(lost(from))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Some((kind, header, arrays)))
     }
 }
 
-/// A failed send or receive: a peer is gone, and the pipeline with it.
-fn distributed(error: DistributedError) -> EngineError {
-    super::health::fail(error.to_string());
-    EngineError::Distributed(error.to_string())
+/// A failed send to or receive from rank `peer`: it is gone, and the pipeline with it.
+fn lost(peer: usize) -> impl Fn(DistributedError) -> EngineError {
+    move |error| {
+        let message = format!("rank {peer} was lost ({error})");
+        super::health::fail(message.clone());
+        EngineError::Distributed(message)
+    }
 }
 
 fn protocol(message: String) -> EngineError {

@@ -131,14 +131,14 @@ pub fn prefill_piece(
             match primed {
                 Some((head, next)) => head.prime(&input, Some(&features), next, caches)?,
                 None => {
-                    model.forward_with_images(&input, Some(&features), caches, Logits::Last)?;
+                    model.forward_with_images(&input, Some(&features), caches, Logits::None)?;
                 }
             }
         }
         _ => match primed {
             Some((head, next)) => head.prime(&input, None, next, caches)?,
             None => {
-                model.forward(&input, caches, Logits::Last)?;
+                model.forward(&input, caches, Logits::None)?;
             }
         },
     }

@@ -39,8 +39,8 @@ pub struct Forward {
     pub log: Vec<i32>,
     /// The ids of the caches this forward runs on, one per layer.
     pub ids: Vec<i32>,
-    /// Whether rank 0 wants only the last position back (`Logits::Last`).
-    pub last_only: bool,
+    /// What rank 0 wants back: every position, the last, or nothing (`Logits`).
+    pub logits: crate::models::Logits,
     /// Where the chunk starts (rank 0's first cache's offset), checked against the copies.
     pub position: i32,
 }
@@ -127,8 +127,8 @@ pub struct Stage {
     layers: Vec<Range<usize>>,
     /// A follower's input arrays, received by its loop ([`Self::next`]) before the forward.
     pending: Mutex<Option<Vec<Array>>>,
-    /// The running forward's log, ids and `last_only` (a follower passes them on).
-    current: Mutex<(Array, Array, bool)>,
+    /// The running forward's log, ids and what rank 0 wants back (a follower passes them on).
+    current: Mutex<(Array, Array, crate::models::Logits)>,
 }
 
 impl Stage {
@@ -145,7 +145,7 @@ impl Stage {
             bells: None,
             layers,
             pending: Mutex::new(None),
-            current: Mutex::new((empty(), empty(), true)),
+            current: Mutex::new((empty(), empty(), crate::models::Logits::Last)),
         }
     }
 
@@ -212,10 +212,10 @@ impl Stage {
         let forward = Forward {
             log: words(&log)?,
             ids: words(&ids)?,
-            last_only: header[2] != 0,
+            logits: logits_of(header[2]),
             position: header[3],
         };
-        *self.current.lock().expect("not poisoned") = (log, ids, forward.last_only);
+        *self.current.lock().expect("not poisoned") = (log, ids, forward.logits);
         *self.pending.lock().expect("not poisoned") = Some(rest);
         Ok(Some(forward))
     }
@@ -238,30 +238,34 @@ impl Stage {
         }
     }
 
-    /// After this rank's layers: on to the next rank, or (the last) back to rank 0 with only
-    /// the positions rank 0 asked for (`last_only` there). Rank 0 then receives the final
-    /// hidden state and gets it back; the others get None (they have no output layer).
+    /// After this rank's layers: on to the next rank, or (the last) back to rank 0 with the
+    /// positions rank 0 asked for (`logits` there; nothing for [`Logits::None`]). Rank 0 then
+    /// receives the final hidden state and gets it back; the others get None (they have no
+    /// output layer), and so does rank 0 when it asked for nothing.
     /// `position`: rank 0's cache offset before this chunk; `ids`: its caches' log ids.
+    ///
+    /// [`Logits::None`]: crate::models::Logits::None
     pub fn pass_on(
         &self,
         h: &Array,
         riders: &[Array],
-        last_only: bool,
+        logits: crate::models::Logits,
         position: i32,
         ids: &[i32],
     ) -> Result<Option<Array>> {
+        use crate::models::Logits;
         let size = self.size();
         if size == 1 {
             return Ok(Some(h.clone()));
         }
         let rank = self.rank();
-        let (log, ids, last_only) = match rank {
+        let (log, ids, logits) = match rank {
             0 => {
                 let log = crate::cache_mirror::take_log();
                 (
                     Array::from_slice(&log, &[log.len() as i32]),
                     Array::from_slice(ids, &[ids.len() as i32]),
-                    last_only,
+                    logits,
                 )
             }
             _ => self.current.lock().expect("not poisoned").clone(),
@@ -269,16 +273,16 @@ impl Stage {
         if rank + 1 < size {
             let mut arrays = vec![log, ids, h.clone()];
             arrays.extend(riders.iter().cloned());
-            self.send_to(FORWARD, &arrays, rank + 1, last_only, position)?;
-        } else {
+            self.send_to(FORWARD, &arrays, rank + 1, logits, position)?;
+        } else if logits != Logits::None {
             let len = h.shape()[1];
-            let h = match last_only && len > 1 {
+            let h = match logits == Logits::Last && len > 1 {
                 true => mlx_rs::ops::indexing::IndexOp::index(h, (.., (len - 1)..)),
                 false => h.clone(),
             };
-            self.send_to(BACK, &[h], 0, last_only, position)?;
+            self.send_to(BACK, &[h], 0, logits, position)?;
         }
-        if rank != 0 {
+        if rank != 0 || logits == Logits::None {
             return Ok(None);
         }
         match self.receive_from(size - 1)? {
@@ -312,7 +316,7 @@ impl Stage {
         kind: i32,
         arrays: &[Array],
         to: usize,
-        last_only: bool,
+        logits: crate::models::Logits,
         position: i32,
     ) -> Result<()> {
         if arrays.len() > MAX_ARRAYS {
@@ -321,7 +325,7 @@ impl Stage {
         let mut header = vec![0i32; HEADER];
         header[0] = kind;
         header[1] = arrays.len() as i32;
-        header[2] = last_only as i32;
+        header[2] = logits_code(logits);
         header[3] = position;
         for (index, array) in arrays.iter().enumerate() {
             let shape = array.shape();
@@ -380,6 +384,25 @@ impl Stage {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Some((kind, header, arrays)))
+    }
+}
+
+/// How a message's header says what rank 0 wants back.
+fn logits_code(logits: crate::models::Logits) -> i32 {
+    use crate::models::Logits;
+    match logits {
+        Logits::All => 0,
+        Logits::Last => 1,
+        Logits::None => 2,
+    }
+}
+
+fn logits_of(code: i32) -> crate::models::Logits {
+    use crate::models::Logits;
+    match code {
+        0 => Logits::All,
+        2 => Logits::None,
+        _ => Logits::Last,
     }
 }
 
@@ -501,11 +524,7 @@ pub fn follow(model: &dyn crate::models::LanguageModel, stage: &Stage) -> Result
                 forward.position
             )));
         }
-        let logits = match forward.last_only {
-            true => crate::models::Logits::Last,
-            false => crate::models::Logits::All,
-        };
-        model.forward(&placeholder, &mut caches, logits)?;
+        model.forward(&placeholder, &mut caches, forward.logits)?;
         crate::runtime::eval(caches.iter().flat_map(|cache| cache.state()))?;
         mirrors.put_back(&forward.ids, caches);
         forwards += 1;

@@ -234,7 +234,7 @@ impl Prefill {
                 match primed {
                     Some((head, next)) => head.prime(&input, None, next, caches)?,
                     None => {
-                        model.forward(&input, caches, Logits::Last)?;
+                        model.forward(&input, caches, Logits::None)?;
                     }
                 }
             }
@@ -404,7 +404,7 @@ pub fn step_together(
         // token, so it is the prompt's).
         Some(head) => head.prime(&input, None, &ids(1), trunk)?,
         None => {
-            model.forward(&input, trunk, Logits::Last)?;
+            model.forward(&input, trunk, Logits::None)?;
         }
     }
     if let Some(draft) = model.draft_model() {

@@ -23,11 +23,15 @@ use crate::{
     weights::WeightStore,
 };
 
-/// Which positions to project to logits: all (teacher forcing, tests) or the last (generation).
+/// Which positions to project to logits: all (teacher forcing, tests), the last (generation),
+/// or none: a prefill piece whose logits nobody reads, only its caches (one process builds the
+/// last position's lazily and never evaluates them; across ranks the last rank sends nothing
+/// back, so rank 0 goes on to the next piece while the others compute this one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
     All,
     Last,
+    None,
 }
 
 pub trait LanguageModel {
@@ -320,7 +324,7 @@ pub(crate) fn stage_output(
     start: &ChunkStart,
 ) -> Result<Option<Array>> {
     match part.stage() {
-        Some(stage) => stage.pass_on(&h, riders, logits == Logits::Last, start.0, &start.1),
+        Some(stage) => stage.pass_on(&h, riders, logits, start.0, &start.1),
         None => Ok(Some(h)),
     }
 }

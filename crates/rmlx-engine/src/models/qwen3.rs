@@ -425,7 +425,7 @@ impl LanguageModel for Model {
         let Some(mut h) = stage_output(&self.part, h, &[], logits, &start)? else {
             return no_logits();
         };
-        if logits == Logits::Last && h.shape()[1] > 1 {
+        if logits != Logits::All && h.shape()[1] > 1 {
             let last = h.shape()[1] - 1;
             h = h.index((.., last..));
         }

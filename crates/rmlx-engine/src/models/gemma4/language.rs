@@ -887,7 +887,7 @@ impl LanguageModel {
             return crate::distributed::pipeline::no_logits();
         };
         let len = h.shape()[1];
-        if logits == Logits::Last && len > 1 {
+        if logits != Logits::All && len > 1 {
             h = h.index((.., (len - 1)..));
         }
         let h = held(&self.norm, "the final norm")?.forward(&h)?;

@@ -586,7 +586,7 @@ impl LanguageModel {
         let Some(mut h) = stage_output(&self.part, h, riders, logits, start)? else {
             return crate::distributed::pipeline::no_logits();
         };
-        if logits == Logits::Last && h.shape()[1] > 1 {
+        if logits != Logits::All && h.shape()[1] > 1 {
             let last = h.shape()[1] - 1;
             h = h.index((.., last..));
         }

@@ -374,7 +374,7 @@ impl DraftHead for Model {
         let rotary =
             RotaryAngles::for_chunk(&rows, caches, &self.language.rope, self.language.rotary_dim)?;
         let hidden = self.language.trunk(chunk.h, &rotary, caches)?;
-        let scored = if logits == Logits::Last && hidden.shape()[1] > 1 {
+        let scored = if logits != Logits::All && hidden.shape()[1] > 1 {
             let last = hidden.shape()[1] - 1;
             mlx_rs::ops::indexing::IndexOp::index(&hidden, (.., last..))
         } else {

@@ -23,10 +23,18 @@ use crate::error::{EngineError, Result};
 const MAX_ARRAYS: usize = 5;
 /// Dimensions per array in a message's header.
 const MAX_DIMS: usize = 4;
-/// Words before the arrays' shapes: kind, array count, `last_only`, the chunk's position.
+/// Words before the arrays' entries: kind, array count, the logits wanted, the chunk's
+/// position.
 const PREAMBLE: usize = 4;
-/// A message's header: the preamble, then per array its dtype, rank and dimensions.
-const HEADER: usize = PREAMBLE + MAX_ARRAYS * (2 + MAX_DIMS);
+/// An array's entry: dtype, rank, dimensions, and where in the header its words are (-1: sent
+/// on its own after the header).
+const ENTRY: usize = 3 + MAX_DIMS;
+/// Words at the header's end for small int32 arrays (the cache log and ids, rotary rows of a
+/// decode step): carried in the header, each saves a send and a receive.
+const INLINE: usize = 512;
+/// A message's header: the preamble, the arrays' entries, the inline words.
+const HEADER: usize = PREAMBLE + MAX_ARRAYS * ENTRY + INLINE;
+const INLINE_AT: usize = PREAMBLE + MAX_ARRAYS * ENTRY;
 /// The header's first word: a forward's input (rank to next rank), the last rank's output
 /// (back to rank 0), or the end of the pipeline's work.
 const FORWARD: i32 = 0x524d_4c58; // "RMLX"
@@ -327,22 +335,34 @@ impl Stage {
         header[1] = arrays.len() as i32;
         header[2] = logits_code(logits);
         header[3] = position;
+        let mut inlined = 0;
+        let mut separate = Vec::new();
         for (index, array) in arrays.iter().enumerate() {
             let shape = array.shape();
             if shape.len() > MAX_DIMS {
                 return Err(protocol(format!("an array of {} dimensions", shape.len())));
             }
-            let at = PREAMBLE + index * (2 + MAX_DIMS);
+            let at = PREAMBLE + index * ENTRY;
             header[at] = u32::from(array.dtype()) as i32;
             header[at + 1] = shape.len() as i32;
             header[at + 2..at + 2 + shape.len()].copy_from_slice(shape);
+            header[at + 2 + MAX_DIMS] = -1;
+            let size = array.size();
+            if size > 0 && array.dtype() == Dtype::Int32 && inlined + size <= INLINE {
+                let start = INLINE_AT + inlined;
+                header[start..start + size].copy_from_slice(array.as_slice::<i32>());
+                header[at + 2 + MAX_DIMS] = inlined as i32;
+                inlined += size;
+            } else if size > 0 {
+                separate.push(array);
+            }
         }
         self.ring(to)?;
         let group = &self.group;
         group
             .send(&Array::from_slice(&header, &[HEADER as i32]), to)
             .map_err(lost(to))?;
-        for array in arrays.iter().filter(|array| array.size() > 0) {
+        for array in separate {
             group.send(array, to).map_err(lost(to))?;
         }
         Ok(())
@@ -372,7 +392,7 @@ impl Stage {
         }
         let arrays = (0..count as usize)
             .map(|index| {
-                let at = PREAMBLE + index * (2 + MAX_DIMS);
+                let at = PREAMBLE + index * ENTRY;
                 let dtype = Dtype::try_from(header[at] as u32)
                     .map_err(|_| protocol(format!("unknown dtype {}", header[at])))?;
                 let ndim = (header[at + 1].clamp(0, MAX_DIMS as i32)) as usize;
@@ -380,7 +400,15 @@ impl Stage {
                 if shape.contains(&0) {
                     return Ok(mlx_rs::ops::zeros_dtype(shape, dtype)?);
                 }
-                self.group.recv(shape, dtype, from).map_err(lost(from))
+                let size: usize = shape.iter().map(|&dim| dim.max(0) as usize).product();
+                match usize::try_from(header[at + 2 + MAX_DIMS]) {
+                    Ok(start) if start + size <= INLINE => {
+                        let words = &header[INLINE_AT + start..INLINE_AT + start + size];
+                        Ok(Array::from_slice(words, shape))
+                    }
+                    Ok(_) => Err(protocol(format!("rank {from} inlined past the header"))),
+                    Err(_) => self.group.recv(shape, dtype, from).map_err(lost(from)),
+                }
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Some((kind, header, arrays)))

@@ -196,7 +196,7 @@ fn generate(model: &str, extra: &[&str]) -> Command {
         .arg("generate")
         .arg("--model")
         .arg(fixture(model))
-        .args(["--max-tokens", "10", "--temperature", "0", "--json"])
+        .args(["--temperature", "0", "--json"])
         .args(extra)
         .env_remove("MLX_RANK")
         .env_remove("MLX_HOSTFILE")
@@ -233,7 +233,12 @@ fn two_ranks_generate_what_one_process_does() {
         ),
     ];
     for (model, extra, split) in cases {
-        let mut args = vec!["--prompt", "Tell me about the sea and the sky"];
+        let mut args = vec![
+            "--prompt",
+            "Tell me about the sea and the sky",
+            "--max-tokens",
+            "10",
+        ];
         args.extend(extra.iter().copied());
         let one = answer(generate(model, &args).spawn().unwrap(), model);
         let (hostfile, port) = hostfile("generate");
@@ -568,4 +573,53 @@ fn a_server_whose_peer_never_comes_exits_within_its_watchdog() {
     assert_eq!(status, Some(3), "{err}");
     assert!(started.elapsed() < Duration::from_secs(15));
     assert!(err.contains(&format!("127.0.0.1:{}", port + 1)), "{err}");
+}
+
+/// Drafts rolled back across ranks: prompt lookup drafts where the answer repeats, the model
+/// rejects some, and every rank's caches go back by rank 0's log (`keep_written`); the two
+/// ranks' greedy answer and drafts are the one process's.
+#[test]
+fn two_ranks_roll_back_rejected_drafts_as_one_process_does() {
+    let model = "releases/qwen3-4b";
+    let args = [
+        "--prompt",
+        "hello there, tell me",
+        "--max-tokens",
+        "30",
+        "--speculative",
+        "lookup",
+    ];
+    let one = answer(generate(model, &args).spawn().unwrap(), "one process");
+    let (drafted, kept) = (
+        one["timings"]["draft_tokens"].as_u64().unwrap(),
+        one["timings"]["accepted_tokens"].as_u64().unwrap(),
+    );
+    assert!(
+        drafted > kept,
+        "drafts {drafted}, kept {kept}: none rejected"
+    );
+    let (hostfile, _) = hostfile("rollback");
+    let ranks = [0, 1].map(|rank| {
+        let mut command = generate(model, &args);
+        command.arg("--distributed").arg(&hostfile).args([
+            "--rank",
+            &rank.to_string(),
+            "--join-timeout",
+            "60",
+        ]);
+        command.spawn().unwrap()
+    });
+    let [leader, follower] = ranks;
+    let leader = answer(leader, "rank 0");
+    let _ = answer(follower, "rank 1");
+    let _ = std::fs::remove_file(&hostfile);
+    assert_eq!(leader["token_ids"], one["token_ids"]);
+    assert_eq!(
+        leader["timings"]["draft_tokens"],
+        one["timings"]["draft_tokens"]
+    );
+    assert_eq!(
+        leader["timings"]["accepted_tokens"],
+        one["timings"]["accepted_tokens"]
+    );
 }

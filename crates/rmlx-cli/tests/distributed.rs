@@ -205,6 +205,39 @@ fn generate(model: &str, extra: &[&str]) -> Command {
     command
 }
 
+/// `rmlx generate` of `model` with `args` on both ranks of a fresh two-rank hostfile (with
+/// its `split`, if given): rank 0's answer and rank 1's report.
+fn generate_on_two_ranks(
+    model: &str,
+    args: &[&str],
+    split: Option<[usize; 2]>,
+) -> (serde_json::Value, serde_json::Value) {
+    let (hostfile, port) = hostfile("generate");
+    if let Some(split) = split {
+        let text = serde_json::json!({
+            "backend": "ring",
+            "port": port,
+            "hosts": [{"ip": "127.0.0.1"}, {"ip": "127.0.0.1"}],
+            "split": split,
+        });
+        std::fs::write(&hostfile, text.to_string()).unwrap();
+    }
+    let [leader, follower] = [0, 1].map(|rank| {
+        let mut command = generate(model, args);
+        command.arg("--distributed").arg(&hostfile).args([
+            "--rank",
+            &rank.to_string(),
+            "--join-timeout",
+            "60",
+        ]);
+        command.spawn().unwrap()
+    });
+    let leader = answer(leader, &format!("{model} rank 0"));
+    let follower = answer(follower, &format!("{model} rank 1"));
+    let _ = std::fs::remove_file(&hostfile);
+    (leader, follower)
+}
+
 fn answer(child: Child, what: &str) -> serde_json::Value {
     let (status, out, err) = finish(child, Duration::from_secs(120));
     assert_eq!(status, Some(0), "{what}: {err}");
@@ -241,30 +274,7 @@ fn two_ranks_generate_what_one_process_does() {
         ];
         args.extend(extra.iter().copied());
         let one = answer(generate(model, &args).spawn().unwrap(), model);
-        let (hostfile, port) = hostfile("generate");
-        if let Some(split) = split {
-            let text = serde_json::json!({
-                "backend": "ring",
-                "port": port,
-                "hosts": [{"ip": "127.0.0.1"}, {"ip": "127.0.0.1"}],
-                "split": split,
-            });
-            std::fs::write(&hostfile, text.to_string()).unwrap();
-        }
-        let ranks = [0, 1].map(|rank| {
-            let mut command = generate(model, &args);
-            command.arg("--distributed").arg(&hostfile).args([
-                "--rank",
-                &rank.to_string(),
-                "--join-timeout",
-                "60",
-            ]);
-            command.spawn().unwrap()
-        });
-        let [leader, follower] = ranks;
-        let leader = answer(leader, &format!("{model} rank 0"));
-        let follower = answer(follower, &format!("{model} rank 1"));
-        let _ = std::fs::remove_file(&hostfile);
+        let (leader, follower) = generate_on_two_ranks(model, &args, split);
         assert_eq!(leader["token_ids"], one["token_ids"], "{model}");
         assert_eq!(leader["text"], one["text"], "{model}");
         assert_eq!(one["token_ids"].as_array().unwrap().len(), 10, "{model}");
@@ -598,21 +608,7 @@ fn two_ranks_roll_back_rejected_drafts_as_one_process_does() {
         drafted > kept,
         "drafts {drafted}, kept {kept}: none rejected"
     );
-    let (hostfile, _) = hostfile("rollback");
-    let ranks = [0, 1].map(|rank| {
-        let mut command = generate(model, &args);
-        command.arg("--distributed").arg(&hostfile).args([
-            "--rank",
-            &rank.to_string(),
-            "--join-timeout",
-            "60",
-        ]);
-        command.spawn().unwrap()
-    });
-    let [leader, follower] = ranks;
-    let leader = answer(leader, "rank 0");
-    let _ = answer(follower, "rank 1");
-    let _ = std::fs::remove_file(&hostfile);
+    let (leader, _) = generate_on_two_ranks(model, &args, None);
     assert_eq!(leader["token_ids"], one["token_ids"]);
     assert_eq!(
         leader["timings"]["draft_tokens"],

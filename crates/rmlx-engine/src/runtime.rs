@@ -292,6 +292,19 @@ pub struct StageShare {
 }
 
 impl StageShare {
+    /// What loading this rank's part needs (its weights, from the safetensors headers, plus a
+    /// tenth as [`memory_needed`] adds), and the model's layer count.
+    fn weights(
+        &self,
+        dir: &std::path::Path,
+        config: &serde_json::Value,
+    ) -> std::io::Result<(u64, u64)> {
+        let bytes =
+            crate::distributed::split::layer_bytes(dir, config).map_err(std::io::Error::other)?;
+        let weights = bytes.of_rank(self.rank, self.start..self.end);
+        Ok((weights + weights / 10, bytes.layers.len().max(1) as u64))
+    }
+
     pub fn of(part: &crate::models::Part) -> Option<Self> {
         part.stage().map(|stage| {
             let layers = stage.own_layers();
@@ -352,14 +365,11 @@ fn serving_costs(
         // A rank's own layers' weights (rank 0's also the rest), and its share of the layers'
         // KV and state (layers of one kind hold alike; rounded up).
         Some(share) => {
-            let bytes = crate::distributed::split::layer_bytes(dir, config)
-                .map_err(std::io::Error::other)?;
-            let layers = bytes.layers.len().max(1) as u64;
+            let (weights, layers) = share.weights(dir, config)?;
             let own = (share.end - share.start) as u64;
             per_token = (per_token * own).div_ceil(layers);
             state = (state * own).div_ceil(layers);
-            let weights = bytes.of_rank(share.rank, share.start..share.end);
-            weights + weights / 10
+            weights
         }
     };
     Ok((weights + state + serving.reserved, per_token))
@@ -425,16 +435,13 @@ pub fn memory_needed_for(
     dir: &std::path::Path,
     part: &crate::models::Part,
 ) -> std::io::Result<u64> {
-    let Some(stage) = part.stage() else {
+    let Some(share) = StageShare::of(part) else {
         return memory_needed(dir);
     };
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)
             .map_err(std::io::Error::other)?;
-    let bytes = crate::distributed::split::layer_bytes(dir, &config)
-        .map_err(std::io::Error::other)?
-        .of_rank(stage.rank(), stage.own_layers());
-    Ok(bytes + bytes / 10)
+    Ok(share.weights(dir, &config)?.0)
 }
 
 #[cfg(target_os = "macos")]

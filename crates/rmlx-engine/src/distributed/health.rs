@@ -27,6 +27,9 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
 
 const PING_EVERY: Duration = Duration::from_millis(500);
 
+/// The heartbeat's block of ports in the hostfile (`Hostfile::rmlx_address`).
+const HEARTBEAT: usize = 1;
+
 /// One rank as `/health` shows it.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct RankStatus {
@@ -97,12 +100,6 @@ fn seen(rank: usize) {
     }
 }
 
-/// The heartbeat's address of `rank`: its hostfile address at port + size + rank.
-fn address(hostfile: &Hostfile, rank: usize) -> SocketAddr {
-    let port = hostfile.port as usize + hostfile.size() + rank;
-    SocketAddr::from((hostfile.hosts[rank].ip, port as u16))
-}
-
 /// Starts this rank's heartbeat threads: rank 0 pings each follower, a follower answers rank
 /// 0. `layers` is every rank's plan; `grace` the silence that counts as a lost peer. Waits at
 /// most `connect_within` for the followers' listeners (they start theirs first thing).
@@ -130,13 +127,13 @@ pub fn start(
     }
     if rank == 0 {
         for follower in 1..hostfile.size() {
-            let stream = connect(address(hostfile, follower), connect_within)?;
+            let stream = connect(hostfile.rmlx_address(follower, HEARTBEAT), connect_within)?;
             let endpoint = hostfile.endpoint(follower);
             std::thread::spawn(move || ping(stream, follower, endpoint, grace));
         }
         return Ok(());
     }
-    let listener = TcpListener::bind(address(hostfile, rank))?;
+    let listener = TcpListener::bind(hostfile.rmlx_address(rank, HEARTBEAT))?;
     let leader = hostfile.endpoint(0);
     std::thread::spawn(move || answer(listener, leader, grace));
     Ok(())

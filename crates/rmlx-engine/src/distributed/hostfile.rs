@@ -171,6 +171,13 @@ impl Hostfile {
         format!("{}:{}", self.hosts[rank].ip, self.port as usize + rank)
     }
 
+    /// Rank `rank`'s address for one of rMLX's own links beside MLX's: block 1 the heartbeat
+    /// (port + size + rank), block 2 the doorbell (port + 2 × size + rank).
+    pub fn rmlx_address(&self, rank: usize, block: usize) -> std::net::SocketAddr {
+        let port = self.port as usize + block * self.size() + rank;
+        std::net::SocketAddr::from((self.hosts[rank].ip, port as u16))
+    }
+
     /// The ring's hostfile as MLX reads it (`MLX_HOSTFILE`): one list of `ip:port` per rank.
     pub fn ring_json(&self) -> String {
         let ranks: Vec<Vec<String>> = (0..self.size())

@@ -8,7 +8,7 @@
 
 use std::{
     io::{Read, Write},
-    net::{SocketAddr, TcpListener, TcpStream},
+    net::{TcpListener, TcpStream},
     ops::Range,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -67,10 +67,8 @@ pub struct Bells {
 impl Bells {
     pub fn connect(hostfile: &Hostfile, rank: usize, within: Duration) -> std::io::Result<Self> {
         let size = hostfile.size();
-        let address = |r: usize| {
-            let port = hostfile.port as usize + 2 * size + r;
-            SocketAddr::from((hostfile.hosts[r].ip, port as u16))
-        };
+        // The doorbells' block of ports (the heartbeat's is 1).
+        let address = |r: usize| hostfile.rmlx_address(r, 2);
         let listener = TcpListener::bind(address(rank))?;
         let started = Instant::now();
         let next = loop {
@@ -163,21 +161,12 @@ impl Stage {
         self
     }
 
-    /// Each rank's layers.
-    pub fn layers(&self) -> &[Range<usize>] {
-        &self.layers
-    }
-
     pub fn rank(&self) -> usize {
         self.group.rank()
     }
 
     pub fn size(&self) -> usize {
         self.group.size()
-    }
-
-    pub fn group(&self) -> &Group {
-        &self.group
     }
 
     /// Rank 0 holds everything outside the layers: embeddings, vision tower, norm, output.
@@ -470,10 +459,6 @@ impl std::fmt::Debug for Part {
 }
 
 impl Part {
-    pub fn whole() -> Self {
-        Self::default()
-    }
-
     pub fn has_layer(&self, layer: usize) -> bool {
         self.stage.as_ref().is_none_or(|stage| stage.owns(layer))
     }

@@ -36,10 +36,16 @@ fn free_ports() -> u16 {
     panic!("no six consecutive free ports");
 }
 
+/// A fresh hostfile for two ranks on loopback. Its name is unique within the test binary too:
+/// tests run in parallel threads of one process and each removes its own file when done.
 fn hostfile(name: &str) -> (PathBuf, u16) {
+    static MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let port = free_ports();
-    let path =
-        std::env::temp_dir().join(format!("rmlx-cluster-{name}-{}.json", std::process::id()));
+    let serial = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = std::env::temp_dir().join(format!(
+        "rmlx-cluster-{name}-{}-{serial}.json",
+        std::process::id()
+    ));
     let text = serde_json::json!({
         "backend": "ring",
         "port": port,

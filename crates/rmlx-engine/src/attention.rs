@@ -9,7 +9,7 @@ use mlx_rs::{
     fast::{self, ScaledDotProductAttentionMask},
     ops,
     ops::indexing::IndexOp,
-    Array,
+    Array, Dtype,
 };
 
 use crate::{
@@ -57,6 +57,8 @@ pub(crate) fn cached_mask(cache: &KvCache, len: i32, start: i32) -> Result<Mask>
 
 /// Appends this step's `keys` / `values` to `cache` and attends `queries` `[B, heads, L, dim]`
 /// to everything it holds, under [`cached_mask`] (see [`attend_fetched`] for a quantized cache).
+/// A short step (a speculative verify) on CUDA attends over the cache's whole buffer instead
+/// (see [`reads_whole_buffer`]).
 pub(crate) fn attend_update(
     queries: &Array,
     keys: &Array,
@@ -64,9 +66,59 @@ pub(crate) fn attend_update(
     scale: f32,
     cache: &mut KvCache,
 ) -> Result<Array> {
-    let fetched = cache.update_and_fetch_stored(keys, values)?;
-    let mask = cached_mask(cache, queries.shape()[2], 0)?;
-    attend_fetched(queries, &fetched, scale, &mask)
+    let whole = reads_whole_buffer(queries);
+    attend_update_over(queries, keys, values, scale, cache, whole)
+}
+
+fn attend_update_over(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    cache: &mut KvCache,
+    whole_buffer: bool,
+) -> Result<Array> {
+    let len = queries.shape()[2];
+    if !whole_buffer {
+        let fetched = cache.update_and_fetch_stored(keys, values)?;
+        let mask = cached_mask(cache, len, 0)?;
+        return attend_fetched(queries, &fetched, scale, &mask);
+    }
+    let fetched = cache.update_and_fetch_buffer(keys, values)?;
+    let (start, end, through) = (cache.base(), cache.offset(), cache.capacity());
+    let mask = cache.rows_mask_through(start, end, through, len, None)?;
+    attend_fetched(queries, &fetched, scale, &Mask::Array(mask))
+}
+
+/// The longest step [`reads_whole_buffer`] applies to: verify steps and short prompt tails
+/// (a mask of `len` × buffer columns per row stays small).
+const SHORT_STEP: i32 = 32;
+
+/// Whether a step of 2..=[`SHORT_STEP`] queries attends over its cache's whole buffer, the
+/// columns past the written ones masked, rather than over exactly the written ones. MLX 0.32.2's
+/// CUDA backend (`supports_sdpa_cudnn`) runs attention of two or more fp16 / bf16 queries at
+/// head_dim <= 128 through cuDNN, which builds a graph for each exact (query, key) shape: every
+/// speculative step at a new cache length built one (verify steps of 69-72 ms against 9-23 ms
+/// plain on the H100, session 23). Over the whole buffer the key length changes only when the
+/// buffer grows ([`crate::cache::GROWTH_STEP`]). Elsewhere (Metal, the CPU, other head sizes)
+/// kernels do not depend on lengths and the exact columns are read. `RMLX_ATTEND_WHOLE_BUFFER`
+/// = 1 / 0 forces it on / off (A/B runs; tests on this CPU).
+fn reads_whole_buffer(queries: &Array) -> bool {
+    let shape = queries.shape();
+    let (len, dim) = (shape[2], shape[3]);
+    if !(2..=SHORT_STEP).contains(&len) {
+        return false;
+    }
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| {
+        std::env::var("RMLX_ATTEND_WHOLE_BUFFER")
+            .ok()
+            .map(|value| value.trim() == "1")
+    });
+    forced.unwrap_or_else(|| {
+        let half = matches!(queries.dtype(), Dtype::Float16 | Dtype::Bfloat16);
+        half && dim <= 128 && dim % 8 == 0 && crate::runtime::on_cuda_gpu()
+    })
 }
 
 /// Attention over keys and values as a cache stores them. Dense: the fused SDPA. Quantized:
@@ -242,6 +294,53 @@ mod tests {
                 .item_exact::<f32>();
             assert!(diff < 1e-5, "len {len}, tile {tile}: {diff}");
         }
+    }
+
+    /// A short step over the whole buffer (what CUDA runs, see [`reads_whole_buffer`]) equals
+    /// the same step over exactly the written columns: alone, after a rolled-back step left
+    /// stale columns past the end, in a left-padded batch and in a ragged one.
+    #[test]
+    fn a_short_step_over_the_whole_buffer_equals_the_written_columns() {
+        let (heads, kv_heads, dim) = (4, 2, 16);
+        let step = |cache: &mut KvCache, len: i32, seed: u64, whole: bool| {
+            let rows = cache.batch_size().max(1) as i32;
+            let q = randn(&[rows, heads, len, dim], seed);
+            let k = randn(&[rows, kv_heads, len, dim], seed + 1);
+            let v = randn(&[rows, kv_heads, len, dim], seed + 2);
+            attend_update_over(&q, &k, &v, 0.25, cache, whole).unwrap()
+        };
+        let compare = |cache: &KvCache, len: i32, seed: u64, what: &str| {
+            let (mut exact, mut whole) = (cache.clone(), cache.clone());
+            let want = step(&mut exact, len, seed, false);
+            let got = step(&mut whole, len, seed, true);
+            assert_eq!(got.shape(), want.shape(), "{what}");
+            let diff = ops::abs(ops::subtract(&got, &want).unwrap())
+                .unwrap()
+                .max(None)
+                .unwrap()
+                .item_exact::<f32>();
+            assert!(diff < 1e-5, "{what}: {diff}");
+            // The buffer read is longer than what was written: the masked columns mattered.
+            assert!(whole.capacity() > whole.offset(), "{what}");
+        };
+        let mut alone = KvCache::new(4096);
+        step(&mut alone, 300, 10, false);
+        compare(&alone, 3, 20, "alone");
+        step(&mut alone, 4, 30, false);
+        alone.truncate(301); // a rejected draft's columns stay in the buffer
+        compare(&alone, 2, 40, "after a rollback");
+
+        let mut batch = KvCache::new(4096);
+        step(&mut batch, 40, 50, false);
+        let mut longer = KvCache::new(4096);
+        step(&mut longer, 70, 60, false);
+        batch.join(&longer).unwrap();
+        assert!(batch.is_padded());
+        compare(&batch, 3, 70, "padded batch");
+        step(&mut batch, 3, 80, false);
+        batch.keep_written(3, &[1, 3]).unwrap();
+        assert!(batch.is_ragged());
+        compare(&batch, 4, 90, "ragged batch");
     }
 
     #[test]

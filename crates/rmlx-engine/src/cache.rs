@@ -451,11 +451,24 @@ impl KvCache {
     /// a row's query at its column q sees its own columns from its first token through q, and
     /// with a `window` only the last `window` of them. Built on device from paddings and ends.
     pub fn rows_mask(&self, start: i32, end: i32, len: i32, window: Option<i32>) -> Result<Array> {
+        self.rows_mask_through(start, end, end, len, window)
+    }
+
+    /// [`Self::rows_mask`] over columns `start..through` (`through` >= `end`): the columns at
+    /// and past `end` are no query's.
+    pub fn rows_mask_through(
+        &self,
+        start: i32,
+        end: i32,
+        through: i32,
+        len: i32,
+        window: Option<i32>,
+    ) -> Result<Array> {
         let (pads, lags) = match &self.rows {
             Some(rows) => (rows.left_padding.clone(), rows.lags.clone()),
             None => (vec![0], vec![0]),
         };
-        let key: RowsMaskKey = (pads.clone(), lags.clone(), start, end, len, window);
+        let key: RowsMaskKey = (pads.clone(), lags.clone(), start, end, through, len, window);
         if let Some(mask) = STEP_ARRAYS.with(|memo| {
             memo.borrow()
                 .rows_masks
@@ -466,13 +479,13 @@ impl KvCache {
             return Ok(mask);
         }
         let batch = pads.len() as i32;
-        let keys = end - start;
+        let keys = through - start;
         // Row b's query t sits at column end - lag_b - len + t.
         let firsts: Vec<i32> = lags.iter().map(|lag| end - lag - len).collect();
         let firsts = Array::from_slice(&firsts, &[batch, 1, 1, 1]);
         let steps = ops::arange::<_, i32>(0, len, None)?.reshape(&[1, 1, len, 1])?;
         let queries = ops::add(&firsts, &steps)?;
-        let columns = ops::arange::<_, i32>(start, end, None)?.reshape(&[1, 1, 1, keys])?;
+        let columns = ops::arange::<_, i32>(start, through, None)?.reshape(&[1, 1, 1, keys])?;
         let pads = Array::from_slice(&pads, &[batch, 1, 1, 1]);
         let mut visible =
             ops::logical_and(ops::ge(&columns, &pads)?, ops::le(&columns, &queries)?)?;
@@ -991,6 +1004,21 @@ impl KvCache {
     /// Appends `[B, heads, L, dim]` keys/values (quantized first when the cache stores them
     /// so) and returns every stored column as stored.
     pub fn update_and_fetch_stored(&mut self, keys: &Array, values: &Array) -> Result<Fetched> {
+        let stop = self.update_stored(keys, values)?;
+        Ok(self.fetched(Some(stop)))
+    }
+
+    /// Like [`Self::update_and_fetch_stored`], but returns the whole buffer: columns
+    /// `base()..capacity()`, the ones past `offset()` not written yet (or left by a rolled-back
+    /// step), for a caller that masks them (see `attention::attend_update`).
+    pub fn update_and_fetch_buffer(&mut self, keys: &Array, values: &Array) -> Result<Fetched> {
+        self.update_stored(keys, values)?;
+        Ok(self.fetched(None))
+    }
+
+    /// Writes `keys` / `values` after the stored columns; returns the written columns' end
+    /// within the buffer.
+    fn update_stored(&mut self, keys: &Array, values: &Array) -> Result<i32> {
         let new = keys.shape()[2];
         let end = self.offset + new;
         if end > self.max_ctx {
@@ -1042,15 +1070,21 @@ impl KvCache {
                 .collect::<Result<Vec<_>>>()?,
         };
         self.offset = end;
-        let fetched: Vec<Array> = stored
+        self.parts = stored;
+        Ok(stop)
+    }
+
+    /// The stored parts through buffer column `stop` (all of them: `None`).
+    fn fetched(&self, stop: Option<i32>) -> Fetched {
+        let fetched: Vec<Array> = self
+            .parts
             .iter()
-            .map(|part| match stop == part.shape()[2] {
-                true => part.clone(),
-                false => part.index((.., .., ..stop, ..)),
+            .map(|part| match stop.filter(|&stop| stop != part.shape()[2]) {
+                None => part.clone(),
+                Some(stop) => part.index((.., .., ..stop, ..)),
             })
             .collect();
-        self.parts = stored;
-        Ok(match (self.storage, <[Array; 6]>::try_from(fetched)) {
+        match (self.storage, <[Array; 6]>::try_from(fetched)) {
             (KvStorage::Quantized { bits, group_size }, Ok([kw, ks, kb, vw, vs, vb])) => {
                 Fetched::Quantized {
                     keys: [kw, ks, kb],
@@ -1065,7 +1099,7 @@ impl KvCache {
                 Fetched::Dense { keys, values }
             }
             _ => unreachable!("a cache holds two dense or six quantized parts"),
-        })
+        }
     }
 
     /// A windowed cache lets go of the positions no later query can see (the next growth
@@ -1131,8 +1165,8 @@ struct StepArrays {
     rows_masks: Vec<(RowsMaskKey, Array)>,
 }
 
-/// (left paddings, lags, first column, end column, queries, window).
-type RowsMaskKey = (Vec<i32>, Vec<i32>, i32, i32, i32, Option<i32>);
+/// (left paddings, lags, first column, end column, last column + 1, queries, window).
+type RowsMaskKey = (Vec<i32>, Vec<i32>, i32, i32, i32, i32, Option<i32>);
 
 thread_local! {
     static STEP_ARRAYS: std::cell::RefCell<StepArrays> = std::cell::RefCell::default();

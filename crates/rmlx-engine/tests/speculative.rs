@@ -143,6 +143,34 @@ fn batched_rows_with_mixed_proposers_equal_their_solo_runs() {
     check_batch("releases/gemma-4-e2b-it", 80, 24);
 }
 
+/// The solo and batch checks again with every short step (verify steps, short prompts)
+/// attending over its cache's whole buffer, the unwritten and rolled-back columns masked, as
+/// MLX CUDA runs them (`attention::reads_whole_buffer`): in a child process of this test
+/// binary, since `RMLX_ATTEND_WHOLE_BUFFER` is read once per process.
+#[test]
+fn short_steps_over_the_whole_buffer_stay_exact() {
+    if std::env::var_os("RMLX_ATTEND_WHOLE_BUFFER").is_some() {
+        return; // the child: its parent asked for the other tests
+    }
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "qwen3_kv_and_moe_solo",
+            "qwen3_5_gated_deltanet_solo",
+            "batched_rows_with_mixed_proposers_equal_their_solo_runs",
+        ])
+        .env("RMLX_ATTEND_WHOLE_BUFFER", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains("3 passed"), "{stdout}");
+}
+
 /// One host synchronisation per speculative step: a run's decode evaluations, less those of
 /// a run that only prefilled, equal its steps.
 #[test]

@@ -670,6 +670,8 @@ pub struct ModelObject {
     /// server would hold it (KV bits, sliding windows, `--max-batch` rows' fixed state, explicit
     /// prefix-cache budgets); 0 when not even the weights fit; null when the memory is unknown.
     pub max_context_fits: Option<u64>,
+    /// Seconds its last load took (reading and evaluating the weights); null until it loaded.
+    pub load_seconds: Option<f64>,
     /// Seconds its last warm-up took (the kernels a first burst of requests needs, built right
     /// after loading: `rmlx serve --warm-up`); null until one has run.
     pub warm_up_seconds: Option<f64>,

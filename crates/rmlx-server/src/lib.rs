@@ -365,11 +365,13 @@ pub async fn serve(config: ServerConfig) -> anyhow::Result<()> {
             let warmed = engine.warm_up(&model);
             drop(hold);
             match warmed {
+                // The model is resident now: its info is at hand, nothing loads again.
                 Ok(done) => eprintln!(
-                    "rmlx serve: {} loaded and warmed up in {:.1} s (warm-up {:.1} s: {} requests, \
-                     batches up to {} rows{})",
+                    "rmlx serve: {} loaded and warmed up in {:.1} s (load {:.1} s, warm-up {:.1} s: \
+                     {} requests, batches up to {} rows{})",
                     model.display(),
                     started.elapsed().as_secs_f64(),
+                    engine.model_info(&model).map_or(0.0, |info| info.load_seconds),
                     done.seconds,
                     done.requests,
                     done.max_batch,

@@ -117,6 +117,7 @@ fn model_object(
             .ok()
             .map(|fits| fits.unwrap_or(0))
         }),
+        load_seconds: info.as_ref().map(|info| info.load_seconds),
         warm_up_seconds: state
             .engine
             .warmed_up(&entry.path)

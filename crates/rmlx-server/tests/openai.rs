@@ -59,8 +59,11 @@ async fn health_models_retrieve_load_unload() {
         (json!(false), json!(false))
     );
     assert_eq!(
-        model["warm_up_seconds"],
-        Value::Null,
+        (
+            model["load_seconds"].clone(),
+            model["warm_up_seconds"].clone()
+        ),
+        (Value::Null, Value::Null),
         "not loaded, not warmed up"
     );
 
@@ -72,6 +75,11 @@ async fn health_models_retrieve_load_unload() {
     // Loading warms the model up (the default `warm_up`): its time is reported.
     assert!(
         load.json()["warm_up_seconds"].as_f64().unwrap() > 0.0,
+        "{}",
+        load.text
+    );
+    assert!(
+        load.json()["load_seconds"].as_f64().unwrap() > 0.0,
         "{}",
         load.text
     );

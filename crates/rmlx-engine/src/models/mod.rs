@@ -267,6 +267,9 @@ pub struct ModelInfo {
     pub draft_head_loaded: bool,
     /// The separate draft model paired with this one (`--draft-model`), if any.
     pub draft_model: Option<PathBuf>,
+    /// Seconds its load took: config, weights read and evaluated (what a first request waits
+    /// for before any warm-up).
+    pub load_seconds: f64,
 }
 
 /// A model ready to run, with its facts.
@@ -368,6 +371,7 @@ pub fn load_model(dir: &Path) -> Result<LoadedModel> {
 /// Reads config.json, builds the family's model strictly from the weights (every parameter
 /// filled, nothing left over) and evaluates the weights once so the file reads happen here.
 pub fn load_model_with(dir: &Path, options: LoadOptions) -> Result<LoadedModel> {
+    let started = std::time::Instant::now();
     let part = options.part.clone();
     let config = ConfigFile::read(dir)?;
     let model_type = config.base.model_type.clone();
@@ -435,6 +439,7 @@ pub fn load_model_with(dir: &Path, options: LoadOptions) -> Result<LoadedModel> 
         draft_head: ships_draft_head,
         draft_head_loaded: model.draft_head().is_some(),
         draft_model: None,
+        load_seconds: started.elapsed().as_secs_f64(),
     };
     Ok(LoadedModel { model, info })
 }

@@ -55,6 +55,10 @@
 #   stream).
 # MODE=prefill (step 2 instead; issue 32 f): the bf16 Qwen3-4B shape, prompts of L_TOKENS ("8192 32768
 #   65536") against mlx-lm (bench.py: prefill tok/s, MLX peak), L_RUNS (2), L_CHUNK (2048).
+# MODE=serve_ab (step 2 instead; issue 32): single-stream decode through `rmlx serve` against
+#   mlx-lm's server per arm of AB_ARMS ("auto exact off", see the mode) on C_MODELS; AB_RUNS (3).
+# MODE=pipeline (step 2 instead; issue 33 e): pipeline_overhead.py, two ranks on this GPU
+#   against one process (PIPE_KIND bf16, PIPE_RUNS 3, PIPE_TOKENS 128).
 # MODE=profile (step 2 instead): probe_ops.py (per-op costs of MLX CUDA at the decode shapes),
 #   the same two checkpoints, `rmlx bench --step-profile` at 1 and P_STREAMS (8) streams (bf16 also
 #   with MLX_DISABLE_COMPILE=1 RMLX_WEIGHTS_ON_DEVICE=0), then concurrency.py and bench.py on bf16.
@@ -387,6 +391,57 @@ if [[ $MODE == profile ]]; then
     --json-out "$OUT/h200-single-bf16.json"
   step "done"
   exit 0
+fi
+
+if [[ $MODE == serve_ab ]]; then
+  # Issue 32: single-stream decode through `rmlx serve` against mlx-lm's server (bench.py
+  # --rmlx-via serve, each arm its own ratio) on the Qwen3-4B shapes of C_MODELS ("bf16 4bit"),
+  # per arm of AB_ARMS ("auto exact off"): auto = the default (`auto` speculation; short steps
+  # over the cache's whole buffer on CUDA), exact = auto with RMLX_ATTEND_WHOLE_BUFFER=0 (verify
+  # steps over exactly the written columns, cuDNN graphs per cache length, before 7d2c4d3),
+  # off = RMLX_SPECULATIVE=off. Each server's step profile is in serve-KIND-ARM.log.
+  step "models qwen3 4b"
+  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$TIKTOKEN" \
+    > /tmp/q3-paths || exit 1
+  rc=0
+  for kind in ${C_MODELS:-bf16 4bit}; do
+    for arm in ${AB_ARMS:-auto exact off}; do
+      case $arm in
+        auto) arm_env=(RMLX_PROFILE_ARM=auto) ;;
+        exact) arm_env=(RMLX_ATTEND_WHOLE_BUFFER=0) ;;
+        off) arm_env=(RMLX_SPECULATIVE=off) ;;
+        *) echo "unknown arm $arm"; rc=1; continue ;;
+      esac
+      left=$(( LIMIT - SECONDS ))
+      (( left > 45 )) || { echo "no time left for $kind $arm"; rc=1; break 2; }
+      step "single stream $kind $arm"
+      env "${arm_env[@]}" RMLX_STEP_PROFILE=1 RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" \
+        python3 scripts/bench/bench.py --model "$BENCH/qwen3-4b-shape-$kind" --rmlx /tmp/rmlx/rmlx \
+        --reference mlx-lm --rmlx-via serve --device gpu --prompt-tokens "${C_PROMPT:-512}" \
+        --gen-tokens "${C_TOKENS:-128}" --runs "${AB_RUNS:-3}" --server-log "$OUT/serve-$kind-$arm.log" \
+        --json-out "$OUT/ab-$kind-$arm.json" || rc=1
+      grep -A8 "decode steps" "$OUT/serve-$kind-$arm.log"
+    done
+  done
+  step "done ($rc)"
+  exit $rc
+fi
+
+if [[ $MODE == pipeline ]]; then
+  # Issue 33 (e): a two-rank pipeline (ring over loopback, both ranks on this one GPU with the
+  # CUDA backend) against one process, `rmlx generate` on the bf16 Qwen3-4B shape: TTFT and
+  # decode tok/s, the per-token overhead (overhead only: two ranks share one GPU).
+  step "models qwen3 4b"
+  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$TIKTOKEN" \
+    > /tmp/q3-paths || exit 1
+  left=$(( LIMIT - SECONDS ))
+  step "pipeline overhead"
+  RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/pipeline_overhead.py \
+    --rmlx /tmp/rmlx/rmlx --model "$BENCH/qwen3-4b-shape-${PIPE_KIND:-bf16}" --runs "${PIPE_RUNS:-3}" \
+    --tokens "${PIPE_TOKENS:-128}" --json-out "$OUT/pipeline-overhead.json"
+  rc=$?
+  step "done ($rc)"
+  exit $rc
 fi
 
 if [[ $MODE == prefill ]]; then

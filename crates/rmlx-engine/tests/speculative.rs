@@ -196,6 +196,41 @@ fn a_speculative_step_waits_on_the_device_once() {
     assert_eq!(evals - prefill_only, 4);
 }
 
+/// Prompt lookup reads a row's newest token before queuing its next step (a wait on the device)
+/// only where a draft is possible: where the token before the newest occurred earlier in the
+/// conversation (every match spans both). Elsewhere the step stays queued ahead of the read, as
+/// plain decode's is: on a GPU a wait adds the step's build time to every step (the Qwen3.6
+/// shape's serve decode under `auto` at 0.69x mlx-vlm, H100 session 23).
+#[test]
+fn lookup_waits_for_the_newest_token_only_where_a_draft_is_possible() {
+    let dir = "releases/qwen3-0.6b";
+    let solo = Solo::open(dir);
+    let prompt = text_ids(24, 5, 10, 900);
+    let max_tokens = 40;
+    let plain = solo.run(&prompt, &params(max_tokens, None));
+    let all: Vec<u32> = prompt.iter().chain(&plain.token_ids).copied().collect();
+    // The step that computes token p feeds token p - 1; it may draft where token p - 2
+    // occurred before.
+    let possible = (prompt.len() + 1..all.len())
+        .filter(|&p| all[..p - 2].contains(&all[p - 2]))
+        .count();
+    assert!(possible * 2 < max_tokens, "{possible} of {max_tokens}");
+    for mode in [SpeculativeMode::Lookup, SpeculativeMode::Auto] {
+        let mut lookup = params(max_tokens, None);
+        lookup.logprobs = None;
+        lookup.speculative.mode = Some(mode);
+        let before = rmlx_engine::generate::draft_reads();
+        let speculative = solo.run(&prompt, &lookup);
+        let reads = rmlx_engine::generate::draft_reads() - before;
+        assert_eq!(speculative.token_ids, plain.token_ids, "{mode:?}");
+        assert!(
+            reads <= possible,
+            "{mode:?}: {reads} reads, {possible} possible"
+        );
+        eprintln!("{mode:?}: {reads} reads, {possible} possible");
+    }
+}
+
 /// Prompt lookup on a prompt that repeats itself: exact on every family, and drafts are kept
 /// at lookup's fixed depth (the tiny random models repeat their own output more than the
 /// prompt; `auto` may switch off before a repeat, and the Qwen3.5 fixture's

@@ -29,6 +29,7 @@ pub use params::{
 pub use prefill::{step_together, Prefill, GROUP_TOKENS};
 pub use sequence::{CachedSequence, Sequence};
 pub use solo::{generate, generate_reusing};
+pub use verify::draft_reads;
 
 fn as_input(ids: &[u32]) -> Array {
     let ids: Vec<i32> = ids.iter().map(|&id| id as i32).collect();

@@ -257,6 +257,14 @@ impl Sequence {
         depth.min(self.max_new - self.queued - 1)
     }
 
+    /// Whether this row's proposer may draft once its unread tokens are read: where it cannot
+    /// (prompt lookup with nothing to find), the step stays queued ahead of the host's read.
+    pub(super) fn may_draft(&self) -> bool {
+        self.proposer
+            .as_ref()
+            .is_some_and(|proposer| proposer.may_draft_after(&self.history, self.unread.len()))
+    }
+
     /// At most `max` drafts for the next step, every unread token read first (the caller's
     /// job: the proposer continues the last one).
     pub(super) fn propose(&mut self, max: usize) -> Vec<u32> {

@@ -48,6 +48,16 @@ impl Drafts {
     }
 }
 
+thread_local! {
+    static DRAFT_READS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Times a row's unread tokens were read on this thread so that its host proposer could draft
+/// (each a wait on the device before the next step is queued; tests count them).
+pub fn draft_reads() -> usize {
+    DRAFT_READS.with(std::cell::Cell::get)
+}
+
 /// Drafts for every row that speculates, or None when no row drafts anything (the step is
 /// then a plain one). A drafting row's unread tokens are read first: its proposer needs its
 /// last token, and the draft head needs the tokens after its pending hidden states.
@@ -78,8 +88,14 @@ pub(super) fn drafts<R: DecodeRow>(
     }
     for (b, row) in rows.iter_mut().enumerate() {
         let depth = depths[b];
-        if depth == 0 {
+        // Reading a row's newest token waits for the device, which then idles while the next
+        // step is built (on a GPU, a launch-bound step's build time added to every step): not
+        // for a row whose proposer cannot draft after it anyway.
+        if depth == 0 || !row.sequence().may_draft() {
             continue;
+        }
+        if !row.sequence().unread.is_empty() {
+            DRAFT_READS.with(|reads| reads.set(reads.get() + 1));
         }
         read_all(row, tokenizer, kv_bytes, 0)?;
         let sequence = row.sequence();

@@ -165,6 +165,15 @@ impl Proposer {
         self.is_head() || self.is_draft_model()
     }
 
+    /// Whether drafts are possible once the `unknown` newest tokens after `known` are read
+    /// (prompt lookup can rule some histories out; other proposers are asked anyway).
+    pub(crate) fn may_draft_after(&self, known: &[u32], unknown: usize) -> bool {
+        match self {
+            Self::Lookup(_) => lookup::PromptLookup::may_match(known, unknown),
+            Self::Given(_) | Self::Head | Self::DraftModel => true,
+        }
+    }
+
     pub(crate) fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
         let mut draft = match self {
             Self::Lookup(lookup) => lookup.propose(history, max),

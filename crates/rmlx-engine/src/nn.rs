@@ -255,6 +255,17 @@ impl Projections {
                 }
             }
         };
+        // Read now, each part straight into the whole: left to the load's one evaluation at the
+        // end, MLX reads parts of several layers ahead of their concatenations (a test load of
+        // 8 layers held ~5 layers' parts at once).
+        match &linear {
+            Linear::Dense { weight_t, .. } => crate::runtime::eval([weight_t])?,
+            Linear::Quantized { packed, .. } => crate::runtime::eval(
+                [&packed.weight, &packed.scales]
+                    .into_iter()
+                    .chain(packed.biases.as_ref()),
+            )?,
+        }
         let splits = out_dims[..out_dims.len() - 1]
             .iter()
             .scan(0, |end, &out| {

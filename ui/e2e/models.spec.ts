@@ -125,6 +125,7 @@ describe.skipIf(skipReason !== null)('the Models view against rmlx serve and the
     await page.getByRole('button', { name: `Unload ${id}` }).waitFor();
     // Loading warms the model up (`rmlx serve --warm-up on`, the default): the row says how long.
     expect(await row.locator('[data-testid=warm-up]').innerText()).toMatch(/^warmed up in \d+(\.\d)? s$/);
+    expect(await row.locator('[data-testid=load-time]').innerText()).toMatch(/^loaded in \d+(\.\d)? s$/);
     await page.screenshot({ path: path.join(artifactsDir, 'models-real-moe.png'), fullPage: true });
     await page.context().close();
   });

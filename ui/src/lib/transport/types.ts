@@ -81,6 +81,8 @@ export interface ModelInfo {
   parameters?: number;
   /** The release structure the server recognised, e.g. "gemma4, MoE 128 experts top-8, k_eq_v". */
   structure?: string;
+  /** Seconds its last load took (reading the weights), or null before it loaded. */
+  load_seconds?: number | null;
   /** Seconds its last warm-up took (kernels built right after loading), or null before one ran. */
   warm_up_seconds?: number | null;
 }

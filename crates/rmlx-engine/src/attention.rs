@@ -267,6 +267,14 @@ mod tests {
     use super::*;
     use mlx_rs::random;
 
+    fn max_diff(a: &Array, b: &Array) -> f32 {
+        ops::abs(ops::subtract(a, b).unwrap())
+            .unwrap()
+            .max(None)
+            .unwrap()
+            .item_exact::<f32>()
+    }
+
     fn randn(shape: &[i32], seed: u64) -> Array {
         let key = random::key(seed).unwrap();
         random::normal::<f32>(shape, None, None, &key).unwrap()
@@ -287,11 +295,7 @@ mod tests {
             };
             let tiled = vision_attention(&q, &k, &v, scale, config).unwrap();
             assert_eq!(tiled.shape(), whole.shape());
-            let diff = ops::abs(ops::subtract(&tiled, &whole).unwrap())
-                .unwrap()
-                .max(None)
-                .unwrap()
-                .item_exact::<f32>();
+            let diff = max_diff(&tiled, &whole);
             assert!(diff < 1e-5, "len {len}, tile {tile}: {diff}");
         }
     }
@@ -314,11 +318,7 @@ mod tests {
             let want = step(&mut exact, len, seed, false);
             let got = step(&mut whole, len, seed, true);
             assert_eq!(got.shape(), want.shape(), "{what}");
-            let diff = ops::abs(ops::subtract(&got, &want).unwrap())
-                .unwrap()
-                .max(None)
-                .unwrap()
-                .item_exact::<f32>();
+            let diff = max_diff(&got, &want);
             assert!(diff < 1e-5, "{what}: {diff}");
             // The buffer read is longer than what was written: the masked columns mattered.
             assert!(whole.capacity() > whole.offset(), "{what}");

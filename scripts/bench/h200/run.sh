@@ -92,6 +92,13 @@ spec_model() {
     > "/tmp/q$which-path" || return 1
   tail -1 "/tmp/q$which-path"
 }
+# The random Qwen3-4B-shaped bf16 and 4-bit checkpoints (make_qwen3_bench_model.py), made on the
+# GPU once per machine (a later call finds them).
+qwen3_models() {
+  step "models qwen3 4b"
+  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$TIKTOKEN" \
+    > /tmp/q3-paths
+}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 # Stage a: copy the first carry folder out of the tree and unpack it.
@@ -281,9 +288,7 @@ fi
 if [[ $MODE == memory ]]; then
   # Issue 32 (b): what `rmlx serve` holds on the card after one ~32k-token prompt on the bf16
   # Qwen3-4B shape, against MLX's peak plus the prefix cache (memory_after_prompt.py).
-  step "models qwen3 4b"
-  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$TIKTOKEN" \
-    > /tmp/q3-paths || exit 1
+  qwen3_models || exit 1
   step "memory after a long prompt"
   left=$(( LIMIT - SECONDS ))
   RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/memory_after_prompt.py \
@@ -358,9 +363,7 @@ if [[ $MODE == profile ]]; then
   # compile and the device copy of the weights off, then the engines side by side.
   step "probe ops"
   timeout 120 python3 scripts/bench/h200/probe_ops.py --json-out "$OUT/probe-ops.json"
-  step "models qwen3 4b"
-  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$TIKTOKEN" \
-    > /tmp/q3-paths || exit 1
+  qwen3_models || exit 1
   profile() {  # label model streams env...
     local label=$1 model=$2 streams=$3; shift 3
     local left=$(( LIMIT - SECONDS ))
@@ -400,9 +403,7 @@ if [[ $MODE == serve_ab ]]; then
   # over the cache's whole buffer on CUDA), exact = auto with RMLX_ATTEND_WHOLE_BUFFER=0 (verify
   # steps over exactly the written columns, cuDNN graphs per cache length, before 7d2c4d3),
   # off = RMLX_SPECULATIVE=off. Each server's step profile is in serve-KIND-ARM.log.
-  step "models qwen3 4b"
-  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$TIKTOKEN" \
-    > /tmp/q3-paths || exit 1
+  qwen3_models || exit 1
   rc=0
   for kind in ${C_MODELS:-bf16 4bit}; do
     for arm in ${AB_ARMS:-auto exact off}; do
@@ -431,9 +432,7 @@ if [[ $MODE == pipeline ]]; then
   # Issue 33 (e): a two-rank pipeline (ring over loopback, both ranks on this one GPU with the
   # CUDA backend) against one process, `rmlx generate` on the bf16 Qwen3-4B shape: TTFT and
   # decode tok/s, the per-token overhead (overhead only: two ranks share one GPU).
-  step "models qwen3 4b"
-  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$TIKTOKEN" \
-    > /tmp/q3-paths || exit 1
+  qwen3_models || exit 1
   left=$(( LIMIT - SECONDS ))
   step "pipeline overhead"
   RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" python3 scripts/bench/pipeline_overhead.py \
@@ -449,9 +448,7 @@ if [[ $MODE == prefill ]]; then
   # peak memory at each of L_TOKENS (one `rmlx bench` process per run, mlx-lm in-process, both
   # warmed at the shape, runs interleaved). Qwen3-4B's config says 40,960 positions (rmlx refuses
   # longer prompts); a sibling folder with the same weights says 131,072 for the 64k row.
-  step "models qwen3 4b"
-  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$TIKTOKEN" \
-    > /tmp/q3-paths || exit 1
+  qwen3_models || exit 1
   long=$BENCH/qwen3-4b-shape-bf16-131k
   if [[ ! -f $long/config.json ]]; then
     mkdir -p "$long"
@@ -474,9 +471,7 @@ if [[ $MODE == prefill ]]; then
 fi
 
 if [[ $MODE == concurrency ]]; then
-  step "models qwen3 4b"
-  python3 scripts/bench/h200/make_qwen3_bench_model.py --device gpu --out "$BENCH" --tiktoken "$TIKTOKEN" \
-    > /tmp/q3-paths || exit 1
+  qwen3_models || exit 1
   rc=0
   # C_OPS_BUFFER="100 400": single-stream decode at each MLX_MAX_OPS_PER_BUFFER (ops per CUDA
   # graph MLX captures; its sm90 default is 100), before the tables.

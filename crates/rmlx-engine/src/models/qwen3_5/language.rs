@@ -18,7 +18,10 @@ use crate::{
     models::{
         batch_and_len, held,
         qwen3::Mlp,
-        qwen3_vl::{config::Rope, language::RotaryAngles},
+        qwen3_vl::{
+            config::Rope,
+            language::{load_embeddings, RotaryAngles},
+        },
         stage_output,
         switch::{combine, GluActivation, SoftmaxTopK, SwitchGlu, SwitchLinear},
         ChunkStart, Logits, Part,
@@ -504,23 +507,7 @@ impl LanguageModel {
     ) -> Result<Self> {
         let text = &config.text_config;
         let tied = config.tied();
-        part.drop_ends(
-            store,
-            &[
-                "language_model.model.embed_tokens.",
-                "language_model.model.norm.",
-                "language_model.lm_head.",
-            ],
-        );
-        let embed_tokens = part.ends(|| {
-            Embedding::load(
-                store,
-                quant,
-                "language_model.model.embed_tokens",
-                text.vocab_size,
-                text.hidden_size,
-            )
-        })?;
+        let embed_tokens = load_embeddings(store, quant, &part, text.vocab_size, text.hidden_size)?;
         let layers = (0..text.num_hidden_layers as usize)
             .map(|index| {
                 let prefix = format!("language_model.model.layers.{index}");

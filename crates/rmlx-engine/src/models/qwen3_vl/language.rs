@@ -367,23 +367,7 @@ impl LanguageModel {
         if tied {
             store.discard_prefix("language_model.lm_head.");
         }
-        part.drop_ends(
-            store,
-            &[
-                "language_model.model.embed_tokens.",
-                "language_model.model.norm.",
-                "language_model.lm_head.",
-            ],
-        );
-        let embed_tokens = part.ends(|| {
-            Embedding::load(
-                store,
-                quant,
-                "language_model.model.embed_tokens",
-                args.vocab_size,
-                args.hidden_size,
-            )
-        })?;
+        let embed_tokens = load_embeddings(store, quant, &part, args.vocab_size, args.hidden_size)?;
         let layers = (0..args.num_hidden_layers as usize)
             .map(|i| {
                 let prefix = format!("language_model.model.layers.{i}");
@@ -488,4 +472,33 @@ impl LanguageModel {
             None => self.embed()?.as_linear(&h),
         }
     }
+}
+
+/// The text model's embeddings under `language_model.` (Qwen3-VL, Qwen3.5 / 3.6) where this
+/// process holds a pipeline's ends; elsewhere they, the final norm and the output layer are
+/// dropped unread.
+pub(crate) fn load_embeddings(
+    store: &mut WeightStore,
+    quant: Option<&QuantizationConfig>,
+    part: &Part,
+    vocab: i32,
+    hidden: i32,
+) -> Result<Option<Embedding>> {
+    part.drop_ends(
+        store,
+        &[
+            "language_model.model.embed_tokens.",
+            "language_model.model.norm.",
+            "language_model.lm_head.",
+        ],
+    );
+    part.ends(|| {
+        Embedding::load(
+            store,
+            quant,
+            "language_model.model.embed_tokens",
+            vocab,
+            hidden,
+        )
+    })
 }

@@ -917,9 +917,13 @@ fn prompts_prefill_together_only_within_one_context() {
             .collect();
         drop(alone);
         let engine = without_prefix_cache(4);
+        // Both wait until both are queued (a busy machine could otherwise start the first
+        // before the second arrives, and this test is about what fits, not about timing).
+        let hold = engine.hold_for_warm_up();
         let handles: Vec<_> = (0..2)
             .map(|i| engine.submit(request(words, i)).unwrap())
             .collect();
+        drop(hold);
         let answers: Vec<Completion> = handles.into_iter().map(|h| h.wait().unwrap()).collect();
         let prompt = answers[0].prompt_tokens;
         for (index, (solo, answer)) in solo.iter().zip(&answers).enumerate() {

@@ -302,12 +302,19 @@ mod tests {
 
     /// A short step over the whole buffer (what CUDA runs, see [`reads_whole_buffer`]) equals
     /// the same step over exactly the written columns: alone, after a rolled-back step left
-    /// stale columns past the end, in a left-padded batch and in a ragged one.
+    /// stale columns past the end, in a left-padded batch and in a ragged one, and over an
+    /// 8-bit cache (dequantized whole, its unwritten columns included).
     #[test]
     fn a_short_step_over_the_whole_buffer_equals_the_written_columns() {
-        let (heads, kv_heads, dim) = (4, 2, 16);
+        let (heads, kv_heads) = (4, 2);
+        // Heads of 32 and more are quantized (narrower ones stay dense).
+        let dim = |cache: &KvCache| match cache.storage() {
+            crate::cache::KvStorage::Dense => 16,
+            crate::cache::KvStorage::Quantized { .. } => 64,
+        };
         let step = |cache: &mut KvCache, len: i32, seed: u64, whole: bool| {
             let rows = cache.batch_size().max(1) as i32;
+            let dim = dim(cache);
             let q = randn(&[rows, heads, len, dim], seed);
             let k = randn(&[rows, kv_heads, len, dim], seed + 1);
             let v = randn(&[rows, kv_heads, len, dim], seed + 2);
@@ -341,6 +348,15 @@ mod tests {
         batch.keep_written(3, &[1, 3]).unwrap();
         assert!(batch.is_ragged());
         compare(&batch, 4, 90, "ragged batch");
+
+        let mut eight_bit = KvCache::new(4096);
+        eight_bit.set_storage(crate::cache::KvStorage::quantized(8).unwrap());
+        step(&mut eight_bit, 100, 100, false);
+        assert!(matches!(
+            eight_bit.storage(),
+            crate::cache::KvStorage::Quantized { bits: 8, .. }
+        ));
+        compare(&eight_bit, 3, 110, "8-bit cache");
     }
 
     #[test]

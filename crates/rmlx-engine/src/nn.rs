@@ -240,7 +240,7 @@ impl Projections {
                         })
                         .collect::<Result<Vec<_>>>()
                 })?;
-                let whole = store.derived(ops::concatenate(&parts, 0)?)?;
+                let whole = store.derived_now(ops::concatenate(&parts, 0)?)?;
                 Linear::Dense {
                     weight_t: store.view(ops::transpose(&whole)?),
                     bias: None,
@@ -258,7 +258,7 @@ impl Projections {
                     |pick: fn(&QuantWeights) -> Option<&Array>| -> Result<Option<Array>> {
                         let arrays: Option<Vec<&Array>> = parts.iter().map(pick).collect();
                         arrays
-                            .map(|arrays| store.derived(ops::concatenate(&arrays, 0)?))
+                            .map(|arrays| store.derived_now(ops::concatenate(&arrays, 0)?))
                             .transpose()
                     };
                 let weight = joined(|part| Some(&part.weight))?.expect("every part has weights");
@@ -275,17 +275,6 @@ impl Projections {
                 }
             }
         };
-        // Read now, each part straight into the whole: left to the load's one evaluation at the
-        // end, MLX reads parts of several layers ahead of their concatenations (a test load of
-        // 8 layers held ~5 layers' parts at once).
-        match &linear {
-            Linear::Dense { weight_t, .. } => crate::runtime::eval([weight_t])?,
-            Linear::Quantized { packed, .. } => crate::runtime::eval(
-                [&packed.weight, &packed.scales]
-                    .into_iter()
-                    .chain(packed.biases.as_ref()),
-            )?,
-        }
         let splits = out_dims[..out_dims.len() - 1]
             .iter()
             .scan(0, |end, &out| {

@@ -8,7 +8,10 @@
 
 mod common;
 
-use std::sync::{atomic::AtomicBool, Arc};
+use std::sync::{
+    atomic::{AtomicBool, AtomicUsize, Ordering},
+    Arc,
+};
 
 use common::{
     adversary::{drafter, Adversary, Solo, MAX_DRAFT},
@@ -167,6 +170,54 @@ fn constrained_greedy_rows_speculate_exactly() {
     let text: serde_json::Value = serde_json::from_str(&plain.text).expect("a JSON answer");
     assert!(text.is_object(), "{text}");
     check_exact(&solo, &prompt, params, "json schema");
+}
+
+/// A sampled row whose every draft the grammar refuses: each round is left with no draft to
+/// check (the rejection rule over no drafts once killed the server with a SIGFPE in MLX's
+/// scan); the answers still follow the grammar and no draft is kept.
+#[test]
+fn constrained_sampled_rows_survive_refused_drafts() {
+    let solo = Solo::open("qwen3-tiny");
+    let prompt = text_ids(16, 3, 10, 900);
+    let kinds = ["cat", "dog", "axolotl"];
+    let vocab = solo.loaded.model.vocab_size() as u32;
+    // A token the grammar never allows in an answer from `kinds`: one holding a brace.
+    let refused = (0..vocab)
+        .find(|&id| {
+            solo.tokenizer
+                .decode(&[id], false)
+                .is_ok_and(|text| text.contains('{'))
+        })
+        .expect("a token with a brace");
+    let rounds = Arc::new(AtomicUsize::new(0));
+    let counted = rounds.clone();
+    let refused_drafts = Drafter(Arc::new(move |_: &[u32], max: usize| {
+        counted.fetch_add(1, Ordering::Relaxed);
+        vec![refused; max]
+    }));
+    let mut params = with_drafter(
+        GenerateParams {
+            max_tokens: 12,
+            sampling: SamplingParams {
+                temperature: 1.0,
+                ..SamplingParams::default()
+            },
+            ..GenerateParams::default()
+        },
+        Some(refused_drafts),
+    );
+    params.response_format = ResponseFormat::json_schema(json!({"enum": kinds}), true);
+    for seed in 0..6 {
+        params.sampling.seed = Some(seed);
+        let answer = solo.run(&prompt, &params);
+        let text: serde_json::Value = serde_json::from_str(&answer.text).expect("a JSON answer");
+        assert!(kinds.iter().any(|kind| text == *kind), "{text}");
+        assert_eq!(answer.timings.accepted_tokens, 0, "seed {seed}");
+    }
+    assert!(
+        rounds.load(Ordering::Relaxed) > 0,
+        "no speculative round ran"
+    );
 }
 
 const SEEDS: u64 = 600;

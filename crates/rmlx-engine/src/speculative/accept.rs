@@ -65,8 +65,12 @@ pub fn rejection_rule(
         }
         None => ops::lt(&uniform, &p_draft)?,
     };
-    // Drafts are kept up to the first rejection.
-    let kept = ops::cumprod(keep.as_dtype(Dtype::Int32)?, 1, None, None)?.sum_axis(1, false)?;
+    // Drafts are kept up to the first rejection. With no drafts (a grammar refused the first)
+    // nothing is scanned: MLX's CPU scan divides by the axis' length, a SIGFPE at 0.
+    let kept = match drafted {
+        0 => ops::zeros_dtype(&[rows], Dtype::Int32)?,
+        _ => ops::cumprod(keep.as_dtype(Dtype::Int32)?, 1, None, None)?.sum_axis(1, false)?,
+    };
     let residual = match q {
         Some(q) => ops::maximum(ops::subtract(&checked, q)?, Array::from_f32(0.0))?,
         None => {
@@ -228,6 +232,23 @@ mod tests {
             .unwrap()
             .reshape(&[ROUNDS, 1])
             .unwrap()
+    }
+
+    /// A round left with no drafts (the grammar refused the first) draws from p alone.
+    #[test]
+    fn a_round_without_drafts_draws_from_the_target() {
+        let (p0, _, _) = distributions();
+        let p = broadcast(&p0, &[&p0]);
+        let drafts = ops::zeros_dtype(&[ROUNDS, 0], Dtype::Int32).unwrap();
+        let empty_q = ops::zeros_dtype(&[ROUNDS, 0, p0.len() as i32], Dtype::Float32).unwrap();
+        for q in [None, Some(&empty_q)] {
+            let settled = rejection_rule(&p, &drafts, q, [&key(4), &key(5)]).unwrap();
+            assert!(host_i32(&settled.kept).iter().all(|&k| k == 0));
+            let rounds = emitted(&settled, &[], 1);
+            assert!(rounds.iter().all(|r| r.len() == 1));
+            let first = fits(&counts(rounds.iter().map(|r| r[0]), p0.len()), &p0);
+            assert!(first > LEVEL, "p-value {first}");
+        }
     }
 
     #[test]

@@ -278,6 +278,12 @@ pub fn quantized_matmul(
         if status != 0 {
             return Err(spec.mlx_error("quantized_matmul"));
         }
+        // MLX 0.32.2's CPU kernel divides by the row count: zero rows would be a SIGFPE that
+        // ends the process at evaluation. The (lazy) product only lends its shape and dtype.
+        if out.size() == 0 {
+            return mlx_rs::ops::zeros_dtype(out.shape(), out.dtype())
+                .map_err(|_| spec.mlx_error("quantized_matmul"));
+        }
         Ok(out)
     }
 }
@@ -365,4 +371,31 @@ pub(crate) unsafe fn take_vector(vector: mlx_sys::mlx_vector_array) -> Vec<Array
     }
     mlx_sys::mlx_vector_array_free(vector);
     arrays
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// No rows in, no rows out, without evaluating MLX's kernel (whose division by the row
+    /// count would end the test process with a SIGFPE).
+    #[test]
+    fn a_quantized_matmul_of_no_rows_is_empty() {
+        let spec = QuantSpec::defaults(QuantMode::Affine);
+        let w = mlx_rs::random::normal::<f32>(&[96, 128], None, None, None).unwrap();
+        let q = quantize(&w, spec).unwrap();
+        for rows in [&[0, 128][..], &[1, 0, 128]] {
+            let x = mlx_rs::ops::zeros::<f32>(rows).unwrap();
+            let out =
+                quantized_matmul(&x, &q.weight, &q.scales, q.biases.as_ref(), true, spec).unwrap();
+            out.eval().unwrap();
+            assert_eq!(out.shape()[out.ndim() - 1], 96);
+            assert_eq!(out.size(), 0);
+        }
+        // The same call with a row computes.
+        let x = mlx_rs::ops::ones::<f32>(&[1, 128]).unwrap();
+        let out =
+            quantized_matmul(&x, &q.weight, &q.scales, q.biases.as_ref(), true, spec).unwrap();
+        assert_eq!(out.shape(), &[1, 96]);
+    }
 }

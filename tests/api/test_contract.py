@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -56,16 +57,25 @@ def start_server(tmp: Path):
     return server, line.strip().rsplit(" ", 1)[-1]
 
 
+def stop_server(process):
+    """SIGTERM, then a clean exit; a server that had already died says by which signal."""
+    died = process.poll()
+    process.terminate()
+    code = process.wait(timeout=60)
+    if died is not None:
+        cause = signal.Signals(-died).name if died < 0 else f"exit status {died}"
+        pytest.fail(f"the server died during the test ({cause}); schemathesis' output above "
+                    "lists the requests it sent last")
+    assert code == 0, f"the server did not exit cleanly on SIGTERM (status {code})"
+
+
 @pytest.fixture
 def server(tmp_path):
     process, url = start_server(tmp_path)
     try:
         yield url
     finally:
-        process.terminate()
-        code = process.wait(timeout=60)
-        assert code == 0, (f"the server did not exit cleanly on SIGTERM (status {code}: "
-                           "a negative one is the signal that ended it)")
+        stop_server(process)
 
 
 def call(url, method, path, body=None):
@@ -187,7 +197,4 @@ def test_schemathesis_finds_nothing(tmp_path, seed):
             f"schemathesis (seed {seed}, phases {phases}) found failures:\n\n"
             + failures_of(result.stdout))
     finally:
-        process.terminate()
-        code = process.wait(timeout=60)
-        assert code == 0, (f"the server did not exit cleanly on SIGTERM (status {code}: "
-                           "a negative one is the signal that ended it)")
+        stop_server(process)

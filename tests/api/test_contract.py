@@ -38,7 +38,7 @@ SERVED = "qwen3-tiny"  # the --model fixture
 LOCAL = "local/qwen3-tiny"  # the copy in --models-dir (deletable)
 
 
-def start_server(tmp: Path):
+def start_server(tmp: Path, max_ctx: int = 256):
     models = tmp / "models"
     shutil.copytree(ROOT / "tests/fixtures/qwen3-tiny", models / LOCAL)
     empty_cache = tmp / "hf-cache"
@@ -47,7 +47,7 @@ def start_server(tmp: Path):
     server = subprocess.Popen(
         [binary, "serve", "--model", str(ROOT / "tests/fixtures/qwen3-tiny"), "--models-dir",
          str(models), "--hf-cache", str(empty_cache), "--hub-url", os.environ["RMLX_TEST_HUB"],
-         "--port", "0", "--no-ui", "--max-ctx", "256",
+         "--port", "0", "--no-ui", "--max-ctx", str(max_ctx),
          # Every documented route answers, the disk cache's too.
          "--prefix-disk-dir", str(tmp / "disk-cache"), "--prefix-disk-gb", "1"],
         stdout=subprocess.PIPE, stderr=sys.stderr, text=True,

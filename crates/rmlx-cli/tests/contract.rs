@@ -1,7 +1,8 @@
 //! The OpenAPI contract against this build's `rmlx serve` on loopback: tests/api/test_contract.py
 //! (the served document equals docs/openapi.yaml, every documented method and path is routed,
-//! and schemathesis finds nothing). The imitation hub for the download routes runs here, in this
-//! process. Without `.venv-sdk` the test says how to get it and passes, so `cargo test` stays
+//! and schemathesis finds nothing) and tests/api/test_mixed_traffic.py (400 random requests of
+//! four clients at once, every one answered, constrained answers valid). The imitation hub for
+//! the download routes runs here, in this process. Without `.venv-sdk` the test says how to get it and passes, so `cargo test` stays
 //! offline; with `RMLX_REQUIRE_SDK=1` a missing venv fails instead.
 
 mod common;

@@ -2,8 +2,9 @@
 //! (the served document equals docs/openapi.yaml, every documented method and path is routed,
 //! and schemathesis finds nothing) and tests/api/test_mixed_traffic.py (400 random requests of
 //! four clients at once, every one answered, constrained answers valid). The imitation hub for
-//! the download routes runs here, in this process. Without `.venv-sdk` the test says how to get it and passes, so `cargo test` stays
-//! offline; with `RMLX_REQUIRE_SDK=1` a missing venv fails instead.
+//! the download routes runs here, in this process. Without `.venv-sdk` the test says how to get
+//! it and passes, so `cargo test` stays offline; with `RMLX_REQUIRE_SDK=1` a missing venv fails
+//! instead.
 
 mod common;
 

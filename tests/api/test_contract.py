@@ -38,7 +38,8 @@ SERVED = "qwen3-tiny"  # the --model fixture
 LOCAL = "local/qwen3-tiny"  # the copy in --models-dir (deletable)
 
 
-def start_server(tmp: Path, max_ctx: int = 256):
+def start_server(tmp: Path, max_ctx: int = 256, also: tuple = ()):
+    """`rmlx serve` on the fixture and its deletable copy (`also`: more model folders)."""
     models = tmp / "models"
     shutil.copytree(ROOT / "tests/fixtures/qwen3-tiny", models / LOCAL)
     empty_cache = tmp / "hf-cache"
@@ -49,7 +50,8 @@ def start_server(tmp: Path, max_ctx: int = 256):
          str(models), "--hf-cache", str(empty_cache), "--hub-url", os.environ["RMLX_TEST_HUB"],
          "--port", "0", "--no-ui", "--max-ctx", str(max_ctx),
          # Every documented route answers, the disk cache's too.
-         "--prefix-disk-dir", str(tmp / "disk-cache"), "--prefix-disk-gb", "1"],
+         "--prefix-disk-dir", str(tmp / "disk-cache"), "--prefix-disk-gb", "1",
+         *[arg for folder in also for arg in ("--model", str(folder))]],
         stdout=subprocess.PIPE, stderr=sys.stderr, text=True,
     )
     line = server.stdout.readline()  # "rmlx serve: listening on http://127.0.0.1:PORT"

@@ -1,6 +1,7 @@
 """Mixed traffic against a real `rmlx serve`, speculative decoding on as it is served by default.
 
-Four clients send 100 seeded random requests each, at once, across /v1/chat/completions,
+For the tiny Qwen3 (prompt lookup drafts) and the Qwen3.6-35B-A3B release fixture (Gated DeltaNet,
+MoE, its MTP head drafts), four clients send 100 seeded random requests each, at once, across /v1/chat/completions,
 /v1/messages and /v1/completions, combining what agents and SDKs send: grammars (json_schema,
 json_object, forced tool calls), greedy and sampled decoding with filters and penalties,
 log-probs, stop strings, streaming, logit bias, and prompts whose words repeat (so prompt lookup
@@ -20,7 +21,9 @@ import urllib.request
 
 import jsonschema_rs
 
-from test_contract import LOCAL, start_server, stop_server
+import pytest
+
+from test_contract import LOCAL, ROOT, start_server, stop_server
 
 CLIENTS, REQUESTS = 4, 100
 WORDS = "the cat sat on the mat and the dog ran to the cat then the cat sat again on the mat".split()
@@ -40,8 +43,8 @@ TOOLS = [
 
 
 class Client:
-    def __init__(self, seed):
-        self.rng = random.Random(seed)
+    def __init__(self, seed, model):
+        self.rng, self.model = random.Random(seed), model
 
     def text(self):
         return " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(1, 40)))
@@ -61,7 +64,7 @@ class Client:
         messages = [{"role": "user", "content": self.text()}]
         if rng.random() < 0.4:
             messages += [{"role": "assistant", "content": self.text()}, {"role": "user", "content": self.text()}]
-        body = self.sampling({"model": LOCAL, "messages": messages, "max_tokens": rng.randint(1, 24),
+        body = self.sampling({"model": self.model, "messages": messages, "max_tokens": rng.randint(1, 24),
                               "enable_thinking": rng.random() < 0.3})
         if rng.random() < 0.2:
             body["min_p"] = rng.choice([0, 0.1, 0.9])
@@ -94,7 +97,7 @@ class Client:
 
     def messages(self):
         rng = self.rng
-        body = self.sampling({"model": LOCAL, "max_tokens": rng.randint(1, 24),
+        body = self.sampling({"model": self.model, "max_tokens": rng.randint(1, 24),
                               "messages": [{"role": "user", "content": self.text()}]})
         if rng.random() < 0.4:
             body["tools"] = [{"name": tool["function"]["name"], "input_schema": tool["function"]["parameters"]}
@@ -106,7 +109,7 @@ class Client:
 
     def completions(self):
         rng = self.rng
-        body = self.sampling({"model": LOCAL, "prompt": self.text(), "max_tokens": rng.randint(1, 24)})
+        body = self.sampling({"model": self.model, "prompt": self.text(), "max_tokens": rng.randint(1, 24)})
         if rng.random() < 0.3:
             body["logprobs"] = rng.randint(0, 5)
         if rng.random() < 0.3:
@@ -151,12 +154,14 @@ def check_answer(path, body, answer):
     return False
 
 
-def test_mixed_traffic_is_answered_and_constrained(tmp_path):
-    process, url = start_server(tmp_path, max_ctx=2048)
+@pytest.mark.parametrize("model", [LOCAL, "qwen3.6-35b-a3b"])
+def test_mixed_traffic_is_answered_and_constrained(tmp_path, model):
+    also = [ROOT / "tests/fixtures/releases" / model] if model != LOCAL else []
+    process, url = start_server(tmp_path, max_ctx=2048, also=also)
     failures, checked, lock = [], [0], threading.Lock()
 
     def client(seed):
-        requests = Client(seed)
+        requests = Client(seed, model)
         for _ in range(REQUESTS):
             path, body = requests.next_request()
             request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
@@ -185,7 +190,7 @@ def test_mixed_traffic_is_answered_and_constrained(tmp_path):
         for thread in threads:
             thread.join()
         assert not failures, f"{len(failures)} of {CLIENTS * REQUESTS} requests failed:\n" + "\n".join(failures[:10])
-        print(f"mixed traffic: {CLIENTS * REQUESTS} requests answered, {checked[0]} constrained answers checked")
+        print(f"mixed traffic on {model}: {CLIENTS * REQUESTS} requests answered, {checked[0]} constrained answers checked")
         assert checked[0] >= 10, "too few constrained answers finished to check the grammars"
     finally:
         stop_server(process)

@@ -7,7 +7,7 @@
 use std::{sync::mpsc::RecvTimeoutError, time::Duration};
 
 use rmlx_engine::{
-    constrain::ReasoningBudget,
+    constrain::{ReasoningBudget, ResponseFormat},
     engine::{Event, Request, RequestHandle},
     generate::{Completion, TokenLogprob},
     EngineError,
@@ -225,10 +225,22 @@ impl PromptInfo {
             open: THINK_OPEN.into(),
             close: THINK_CLOSE.into(),
             starts_open: self.in_reasoning,
-            // As the templates write a closed think block.
-            forced: format!("\n{THINK_CLOSE}\n\n"),
+            forced: closed_think(),
         })
     }
+
+    /// The assistant prefill a constrained answer (`response_format`, `text.format`) starts
+    /// with: where the template opened `<think>`, that block closed empty, so the grammar holds
+    /// the answer the client parses rather than reasoning that never ends (as for a forced
+    /// call). None for text or where no think block is open.
+    pub fn close_for_format(&self, format: &ResponseFormat) -> Option<String> {
+        (self.in_reasoning && !format.is_text()).then(closed_think)
+    }
+}
+
+/// How the templates write the end of a think block (an empty one when thinking is off).
+fn closed_think() -> String {
+    format!("\n{THINK_CLOSE}\n\n")
 }
 
 /// Renders the prompt (with `prefill` after it) to see whether it ends inside an open `<think>`,

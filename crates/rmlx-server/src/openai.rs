@@ -331,10 +331,15 @@ pub async fn chat_completions(
             let prefill = forced.prefill("", info.in_reasoning, info.tool_format);
             (forced.parser(info.tool_format), Some(prefill))
         }
-        None => (
-            OutputParser::for_tools(info.in_reasoning, info.tool_format, parts.tools.as_ref()),
-            None,
-        ),
+        None => {
+            let closed = info.close_for_format(&params.response_format);
+            let in_reasoning = info.in_reasoning && closed.is_none();
+            let tools = parts.tools.as_ref();
+            (
+                OutputParser::for_tools(in_reasoning, info.tool_format, tools),
+                closed,
+            )
+        }
     };
     let (id, created) = (new_id("chatcmpl-"), unix_now());
     let engine_request = Request {

@@ -415,15 +415,16 @@ pub async fn create(
         }
         None => {
             params.tool_grammars = triggered_grammars(&prepared.grammars, info.tool_format);
-            let effort = request.reasoning.as_ref().and_then(|r| r.effort.as_deref());
-            params.reasoning_budget = info.reasoning_budget(reasoning_budget(effort));
+            // A text.format answer closes the think block first: no reasoning to budget.
+            let closed = info.close_for_format(&params.response_format);
+            if closed.is_none() {
+                let effort = request.reasoning.as_ref().and_then(|r| r.effort.as_deref());
+                params.reasoning_budget = info.reasoning_budget(reasoning_budget(effort));
+            }
+            let in_reasoning = info.in_reasoning && closed.is_none();
             (
-                OutputParser::for_tools(
-                    info.in_reasoning,
-                    info.tool_format,
-                    prepared.tools.as_ref(),
-                ),
-                None,
+                OutputParser::for_tools(in_reasoning, info.tool_format, prepared.tools.as_ref()),
+                closed,
             )
         }
     };

@@ -501,6 +501,39 @@ async fn legacy_completions() {
     );
 }
 
+/// A `response_format` answer on a template that opens `<think>` (Qwen3.6 with thinking on):
+/// the block is closed first (as for a forced call), so `content` holds the constrained JSON and
+/// no reasoning comes back; streamed as whole.
+#[tokio::test]
+async fn response_format_closes_an_open_think_block_first() {
+    let qwen36 = "qwen3.6-35b-a3b";
+    let config = rmlx_server::ServerConfig {
+        models: vec![fixture().join("../releases").join(qwen36)],
+        ..config()
+    };
+    let (app, _) = router(config);
+    // Schemas random weights finish within the tokens (a string key might never close).
+    let booleans = json!({"type": "array", "items": {"type": "boolean"}, "maxItems": 2});
+    for schema in [json!({"enum": ["cat", "dog"]}), booleans] {
+        let body = json!({"model": qwen36, "max_tokens": 48, "temperature": 0,
+            "enable_thinking": true, "messages": [{"role": "user", "content": "A pet?"}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "pet", "schema": schema}}});
+        let answer = post(&app, "/v1/chat/completions", &body).await;
+        assert_eq!(answer.status, StatusCode::OK, "{}", answer.text);
+        let answer = answer.json();
+        let message = &answer["choices"][0]["message"];
+        assert_eq!(answer["choices"][0]["finish_reason"], "stop", "{answer}");
+        let value: Value = serde_json::from_str(message["content"].as_str().unwrap())
+            .unwrap_or_else(|error| panic!("{error}: {answer}"));
+        match schema.get("enum") {
+            Some(kinds) => assert!(kinds.as_array().unwrap().contains(&value), "{value}"),
+            None => assert!(value.as_array().is_some_and(|v| v.len() <= 2), "{value}"),
+        }
+        assert!(message.get("reasoning_content").is_none(), "{answer}");
+    }
+}
+
 /// Agents send system messages mid-conversation (Claude Code's reminders, Codex's developer
 /// turns): they fold into the turn beside them, so Qwen3.6's template (which raises on a system
 /// message after the first) answers, and each turn's prompt still starts the next one's.

@@ -540,6 +540,36 @@ fn qwen36() -> (axum::Router, rmlx_server::AppState) {
     })
 }
 
+/// A `text.format` answer where the template opened `<think>`: the block is closed first (as
+/// for a forced call), so the grammar holds the message the client parses, not reasoning that
+/// never ends.
+#[tokio::test]
+async fn text_format_closes_an_open_think_block_first() {
+    let (app, _) = qwen36();
+    let schema = json!({"enum": ["red", "green"]});
+    let request = json!({"model": QWEN36, "input": "Pick a colour.", "max_output_tokens": 24,
+        "temperature": 0, "reasoning": {"effort": "high"},
+        "text": {"format": {"type": "json_schema", "name": "colour", "schema": schema}}});
+    let whole = respond(&app, &request).await;
+    assert_eq!(whole["status"], "completed", "{whole}");
+    let message = whole["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|item| item["type"] == "message")
+        .unwrap_or_else(|| panic!("no message: {whole}"));
+    let text = message["content"][0]["text"].as_str().unwrap();
+    let value: Value = serde_json::from_str(text).unwrap();
+    assert!(
+        ["red", "green"].contains(&value.as_str().unwrap()),
+        "{text}"
+    );
+    assert_eq!(
+        whole["usage"]["output_tokens_details"]["reasoning_tokens"],
+        0
+    );
+}
+
 #[tokio::test]
 async fn reasoning_items_stream_their_text_and_summary_and_come_back_as_past_reasoning() {
     let (app, _) = qwen36();

@@ -923,6 +923,10 @@ fn prompts_prefill_together_only_within_one_context() {
         let handles: Vec<_> = (0..2)
             .map(|i| engine.submit(request(words, i)).unwrap())
             .collect();
+        // A query answered while the hold lasts (it goes ahead of held requests) arrives after
+        // both: once it is answered, the engine has both queued. Without it the engine could
+        // see the hold end before the second had reached it, and admit the first alone.
+        engine.model_info(&request(words, 0).model).unwrap();
         drop(hold);
         let answers: Vec<Completion> = handles.into_iter().map(|h| h.wait().unwrap()).collect();
         let prompt = answers[0].prompt_tokens;

@@ -501,17 +501,24 @@ async fn legacy_completions() {
     );
 }
 
-/// A `response_format` answer on a template that opens `<think>` (Qwen3.6 with thinking on):
-/// the block is closed first (as for a forced call), so `content` holds the constrained JSON and
-/// no reasoning comes back; streamed as whole.
-#[tokio::test]
-async fn response_format_closes_an_open_think_block_first() {
-    let qwen36 = "qwen3.6-35b-a3b";
+/// A release structure whose template opens the think block (and raises on a system message
+/// after the first).
+const QWEN36: &str = "qwen3.6-35b-a3b";
+
+fn qwen36_app() -> axum::Router {
     let config = rmlx_server::ServerConfig {
-        models: vec![fixture().join("../releases").join(qwen36)],
+        models: vec![fixture().join("../releases").join(QWEN36)],
         ..config()
     };
-    let (app, _) = router(config);
+    router(config).0
+}
+
+/// A `response_format` answer on a template that opens `<think>` (Qwen3.6 with thinking on):
+/// the block is closed first (as for a forced call), so `content` holds the constrained JSON and
+/// no reasoning comes back.
+#[tokio::test]
+async fn response_format_closes_an_open_think_block_first() {
+    let (qwen36, app) = (QWEN36, qwen36_app());
     // Schemas random weights finish within the tokens (a string key might never close).
     let booleans = json!({"type": "array", "items": {"type": "boolean"}, "maxItems": 2});
     for schema in [json!({"enum": ["cat", "dog"]}), booleans] {
@@ -539,12 +546,7 @@ async fn response_format_closes_an_open_think_block_first() {
 /// message after the first) answers, and each turn's prompt still starts the next one's.
 #[tokio::test]
 async fn system_messages_mid_conversation_stay_in_place() {
-    let qwen36 = "qwen3.6-35b-a3b";
-    let config = rmlx_server::ServerConfig {
-        models: vec![fixture().join("../releases").join(qwen36)],
-        ..config()
-    };
-    let (app, _) = router(config);
+    let (qwen36, app) = (QWEN36, qwen36_app());
     let turn = |messages: Value| json!({"model": qwen36, "messages": messages, "max_tokens": 2, "temperature": 0});
     let first = json!([
         {"role": "system", "content": "You are an agent."},

@@ -30,7 +30,7 @@ use serde_json::{json, Value};
 
 use crate::{
     error::ApiError,
-    parse::{OutputParser, ToolFormat, THINK_CLOSE, TOOL_OPEN},
+    parse::{OutputParser, ToolFormat, TOOL_OPEN},
     responses::input::CustomGrammar,
     xml_calls::{raw_input_opening, FUNCTION_OPEN, RAW_INPUT_CLOSING},
 };
@@ -173,9 +173,7 @@ impl ForcedCall {
     pub fn prefill(&self, before: &str, in_reasoning: bool, format: ToolFormat) -> String {
         let mut prefill = before.to_string();
         if in_reasoning {
-            prefill.push('\n');
-            prefill.push_str(THINK_CLOSE);
-            prefill.push_str("\n\n");
+            prefill.push_str(&crate::generation::closed_think());
         } else if !prefill.is_empty() && !prefill.ends_with('\n') {
             prefill.push('\n');
         }

@@ -239,7 +239,7 @@ impl PromptInfo {
 }
 
 /// How the templates write the end of a think block (an empty one when thinking is off).
-fn closed_think() -> String {
+pub(crate) fn closed_think() -> String {
     format!("\n{THINK_CLOSE}\n\n")
 }
 

@@ -417,6 +417,39 @@ impl KvCache {
         }
     }
 
+    /// Each row's rope delta (see [`Self::rope_delta`]).
+    pub fn row_rope_deltas(&self) -> Vec<i32> {
+        match &self.rows {
+            Some(rows) => rows.rope_deltas.clone(),
+            None => vec![self.rope_delta],
+        }
+    }
+
+    /// Sets each row's rope delta after a batch chunk with images (one per row, recorded in
+    /// each row's history at its own offset). One process only: a pipeline's mirror logs
+    /// single-sequence deltas, and it takes image prompts one at a time.
+    pub fn set_row_rope_deltas(&mut self, deltas: &[i32]) {
+        let offsets = self.row_offsets();
+        match &mut self.rows {
+            Some(rows) => {
+                for (b, &delta) in deltas.iter().enumerate().take(rows.rope_deltas.len()) {
+                    rows.rope_deltas[b] = delta;
+                    rows.rope_histories[b].push((offsets[b], delta));
+                }
+                // One row left: its own fields agree with it (as `keep_rows` leaves them).
+                if let ([delta], [history]) = (&rows.rope_deltas[..], &rows.rope_histories[..]) {
+                    self.rope_delta = *delta;
+                    self.rope_history = history.clone();
+                }
+            }
+            None => {
+                if let Some(&delta) = deltas.first() {
+                    self.set_rope_delta(delta);
+                }
+            }
+        }
+    }
+
     /// The `offset` of `fast::rope` for the next tokens.
     pub fn rope_offset(&self) -> RopeOffset {
         if !self.is_padded() && !self.is_ragged() {

@@ -34,6 +34,67 @@ pub struct ImagePrefill {
     pub started: Option<std::time::Instant>,
 }
 
+impl ImagePrefill {
+    /// The features of the image blocks that lie within `piece` (None: it holds none). A
+    /// piece never cuts a block ([`plan_chunks`]).
+    pub fn features_within(&self, piece: Range<usize>) -> Option<VisionFeatures> {
+        let inside: Vec<usize> = (0..self.blocks.len())
+            .filter(|&i| self.blocks[i].start >= piece.start && self.blocks[i].end <= piece.end)
+            .collect();
+        let (&first, &last) = (inside.first()?, inside.last()?);
+        // Feature rows of image i start at row_starts[i]; the encoded ones at `first_image`.
+        let mut row_starts = vec![0usize];
+        for span in &self.spans {
+            row_starts.push(row_starts.last().unwrap() + span.len());
+        }
+        let base = row_starts[self.first_image];
+        let rows = (row_starts[first] - base) as i32..(row_starts[last + 1] - base) as i32;
+        let (first, last) = (first - self.first_image, last - self.first_image);
+        Some(VisionFeatures {
+            embeds: self.features.embeds.index(rows.clone()),
+            deepstack: self
+                .features
+                .deepstack
+                .iter()
+                .map(|layer| layer.index(rows.clone()))
+                .collect(),
+            grid_thw: self.features.grid_thw[first..=last].to_vec(),
+        })
+    }
+
+    /// The image block that a step taking `start..end` of a prompt would cut, if any.
+    pub fn block_cut_at(&self, start: usize, end: usize) -> Option<Range<usize>> {
+        self.blocks
+            .iter()
+            .find(|block| block.start < end && end < block.end && block.end > start)
+            .cloned()
+    }
+}
+
+/// The features of a batch chunk: each row's (None for a row without images), joined in row
+/// order as the models' batch forward takes them (`ImageScatter` over the rows' ids).
+pub fn join_features(rows: Vec<Option<VisionFeatures>>) -> Result<Option<VisionFeatures>> {
+    let present: Vec<VisionFeatures> = rows.into_iter().flatten().collect();
+    let Some(first) = present.first() else {
+        return Ok(None);
+    };
+    if present.len() == 1 {
+        return Ok(present.into_iter().next());
+    }
+    let embeds: Vec<&Array> = present.iter().map(|f| &f.embeds).collect();
+    let deepstack = (0..first.deepstack.len())
+        .map(|layer| {
+            let parts: Vec<&Array> = present.iter().map(|f| &f.deepstack[layer]).collect();
+            Ok(mlx_rs::ops::concatenate(&parts, 0)?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Some(VisionFeatures {
+        embeds: mlx_rs::ops::concatenate(&embeds, 0)?,
+        deepstack,
+        grid_thw: present.iter().flat_map(|f| f.grid_thw.clone()).collect(),
+    }))
+}
+
 /// Chunks of at most `chunk` positions covering `range`, except that a boundary that would
 /// cut an image span moves back to the span's start (or, when the span starts the chunk, on
 /// to its end: an image larger than a chunk goes in whole). A chunk also ends where an image
@@ -102,40 +163,16 @@ pub fn prefill_piece(
     piece: Range<usize>,
     caches: &mut [KvCache],
 ) -> Result<()> {
-    // Feature rows of image i start at row_starts[i].
-    let mut row_starts = vec![0usize];
-    for span in &images.spans {
-        row_starts.push(row_starts.last().unwrap() + span.len());
-    }
-    let inside: Vec<usize> = (0..images.blocks.len())
-        .filter(|&i| images.blocks[i].start >= piece.start && images.blocks[i].end <= piece.end)
-        .collect();
     let ids: Vec<i32> = prompt[piece.clone()].iter().map(|&id| id as i32).collect();
     let input = Array::from_slice(&ids, &[1, ids.len() as i32]);
-    match (inside.first(), inside.last()) {
-        (Some(&first), Some(&last)) => {
-            // Features start at the first image that was encoded.
-            let base = row_starts[images.first_image];
-            let rows = (row_starts[first] - base) as i32..(row_starts[last + 1] - base) as i32;
-            let (first, last) = (first - images.first_image, last - images.first_image);
-            let features = VisionFeatures {
-                embeds: images.features.embeds.index(rows.clone()),
-                deepstack: images
-                    .features
-                    .deepstack
-                    .iter()
-                    .map(|layer| layer.index(rows.clone()))
-                    .collect(),
-                grid_thw: images.features.grid_thw[first..=last].to_vec(),
-            };
-            match primed {
-                Some((head, next)) => head.prime(&input, Some(&features), next, caches)?,
-                None => {
-                    model.forward_with_images(&input, Some(&features), caches, Logits::None)?;
-                }
+    match images.features_within(piece) {
+        Some(features) => match primed {
+            Some((head, next)) => head.prime(&input, Some(&features), next, caches)?,
+            None => {
+                model.forward_with_images(&input, Some(&features), caches, Logits::None)?;
             }
-        }
-        _ => match primed {
+        },
+        None => match primed {
             Some((head, next)) => head.prime(&input, None, next, caches)?,
             None => {
                 model.forward(&input, caches, Logits::None)?;

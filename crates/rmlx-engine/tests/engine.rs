@@ -623,8 +623,7 @@ fn batched_requests_equal_their_solo_runs_in_every_family() {
                 .collect();
             let widest = batched.iter().map(|c| c.batched_with).max().unwrap();
             assert!(widest >= 3, "{dir}: at most {widest} rows decoded together");
-            // The text prompts, sent at once, prefilled as rows of one forward (`group.rs`);
-            // the picture's prompt prefills alone.
+            // The prompts, sent at once, prefilled as rows of one forward (`group.rs`).
             let together = batched
                 .iter()
                 .map(|c| c.timings.prefilled_with)
@@ -823,6 +822,135 @@ fn prompts_prefilled_together_equal_their_solo_runs() {
             for (messages, answer) in conversations.iter_mut().zip(&together) {
                 messages.push(serde_json::json!({"role": "assistant", "content": answer.text}));
                 messages.push(serde_json::json!({"role": "user", "content": text(10, 3)}));
+            }
+        }
+    }
+}
+
+/// Prompts with images prefill together: image blocks of one length go through one forward
+/// (each row its own features, rotary positions and, on Gemma 4, its spans attending both
+/// ways), a block of another length goes alone, text around them groups. Every answer equals
+/// its solo run; so does a second turn whose new pictures join rows with different cached
+/// prefixes and rope deltas.
+#[test]
+fn prompts_with_images_prefilled_together_equal_their_solo_runs() {
+    let first: [(&str, Option<&str>); 4] = [
+        ("Describe this picture", Some("gradient_64x48.png")),
+        (
+            "What is in it, in a few words?",
+            Some("gradient_64x48_mirror.png"),
+        ),
+        ("Hi there, no picture in this one at all", None),
+        ("And this one?", Some("noise_80x100.png")),
+    ];
+    let user = |text: &str, image: bool| match image {
+        true => serde_json::json!({"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": text}]}),
+        false => serde_json::json!({"role": "user", "content": text}),
+    };
+    let request = |dir: &str, messages: &[serde_json::Value], images: &[&str], id: String| {
+        let mut request = batch_request(dir, "", None, 5);
+        request.prompt = Prompt::Chat {
+            messages: messages.to_vec(),
+            options: rmlx_engine::chat::TemplateOptions {
+                add_generation_prompt: true,
+                ..Default::default()
+            },
+        };
+        request.images = images
+            .iter()
+            .map(|name| {
+                image::open(fixture("vision-images").join(name))
+                    .unwrap()
+                    .to_rgb8()
+            })
+            .collect();
+        request.request_id = Some(id);
+        request
+    };
+    for dir in [
+        "qwen3-vl-tiny",
+        "gemma4-tiny",
+        "releases/qwen3.5-0.8b",
+        "releases/qwen3.6-35b-a3b",
+    ] {
+        let alone = without_prefix_cache(1);
+        let engine = Engine::start(16).unwrap();
+        let mut conversations: Vec<(Vec<serde_json::Value>, Vec<&str>)> = first
+            .iter()
+            .map(|(text, image)| {
+                (
+                    vec![user(text, image.is_some())],
+                    image.iter().copied().collect(),
+                )
+            })
+            .collect();
+        for round in ["turn 1", "turn 2"] {
+            let solo: Vec<Completion> = conversations
+                .iter()
+                .enumerate()
+                .map(|(i, (messages, images))| {
+                    let request = request(dir, messages, images, format!("solo {round} {i}"));
+                    alone.submit(request).unwrap().wait().unwrap()
+                })
+                .collect();
+            // All four queued before any starts (see the hold in
+            // `prompts_prefill_together_only_within_one_context`).
+            let hold = engine.hold_for_warm_up();
+            let handles: Vec<_> = conversations
+                .iter()
+                .enumerate()
+                .map(|(i, (messages, images))| {
+                    let request = request(dir, messages, images, format!("{round} {i}"));
+                    engine.submit(request).unwrap()
+                })
+                .collect();
+            engine.model_info(&fixture(dir)).unwrap();
+            drop(hold);
+            let together: Vec<Completion> =
+                handles.into_iter().map(|h| h.wait().unwrap()).collect();
+            let with: Vec<usize> = together
+                .iter()
+                .map(|c| c.timings.images_prefilled_with)
+                .collect();
+            for (index, (solo, together)) in solo.iter().zip(&together).enumerate() {
+                let what = format!("{dir} {round} #{index} (images prefilled with {with:?})");
+                assert_same_answer(&what, solo, together, 1e-4);
+                assert_eq!(
+                    solo.timings.images_prefilled_with.min(1),
+                    with[index].min(1)
+                );
+            }
+            match round {
+                // The two pictures of one size went in together, none with the text-only
+                // prompt; the larger picture alone where its block is longer (Qwen's count
+                // follows the size; Gemma 4 gives these small pictures one count).
+                "turn 1" => assert!(
+                    with[0] >= 2
+                        && with[1] >= 2
+                        && with[2] == 0
+                        && (with[3] == 1) == dir.contains("qwen"),
+                    "{dir} {round}: images prefilled with {with:?}"
+                ),
+                // Every row's new picture has one size: they went in together, after prefixes
+                // of different lengths (the text before them stepped apart where it differed).
+                _ => {
+                    assert!(
+                        with.iter().all(|&rows| rows >= 2),
+                        "{dir} {round}: images prefilled with {with:?}"
+                    );
+                    assert!(
+                        together.iter().all(|c| c.cached_tokens > 0),
+                        "{dir}: nothing cached"
+                    );
+                }
+            }
+            let errors = engine.metrics().error_counts;
+            assert!(errors.is_empty(), "{dir} {round}: {errors:?}");
+            for ((messages, images), answer) in conversations.iter_mut().zip(&together) {
+                messages.push(serde_json::json!({"role": "assistant", "content": answer.text}));
+                messages.push(user("And now this picture?", true));
+                images.push("gradient_64x48_mirror.png");
             }
         }
     }

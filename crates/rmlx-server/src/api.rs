@@ -51,6 +51,9 @@ pub struct Timings {
     /// The most prompts prefilled in one forward with this one (1: alone; 0: its whole
     /// prompt came from the prefix cache).
     pub prefilled_with: usize,
+    /// The most prompts whose image blocks went through one forward with this one's (0: no
+    /// image prefilled; 1: alone).
+    pub images_prefilled_with: usize,
     /// Tokens speculative decoding drafted for this answer (`rmlx serve --speculative`).
     pub draft_tokens: usize,
     /// Drafted tokens the model agreed with: each saved a decode step.
@@ -81,6 +84,7 @@ impl Timings {
             total_ms: finite(t.total_ms),
             batched_with: completion.batched_with,
             prefilled_with: t.prefilled_with,
+            images_prefilled_with: t.images_prefilled_with,
             draft_tokens: t.draft_tokens,
             accepted_tokens: t.accepted_tokens,
             drafted_at: t.drafted_at.clone(),

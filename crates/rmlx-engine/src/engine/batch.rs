@@ -67,7 +67,14 @@ impl EngineThread {
     pub(super) fn prefill_step(&mut self) {
         self.leave_group_cancelled();
         self.end_cancelled_prefills();
-        if !self.group_step() {
+        // An image block that left a group goes first, so the group takes its prompt back soon.
+        if let Some(at) = self
+            .admitting
+            .iter()
+            .position(|admission| admission.prefill.steps_alone())
+        {
+            self.solo_prefill_step_of(at);
+        } else if !self.group_step() {
             self.solo_prefill_step();
         }
         self.join_prefilled();
@@ -89,13 +96,17 @@ impl EngineThread {
 
     /// One piece of the first prompt still prefilling, alone.
     fn solo_prefill_step(&mut self) {
-        let Some(at) = self
+        if let Some(at) = self
             .admitting
             .iter()
             .position(|admission| !admission.prefill.is_done())
-        else {
-            return;
-        };
+        {
+            self.solo_prefill_step_of(at);
+        }
+    }
+
+    /// One piece of the prompt at `at` in the queue, alone.
+    fn solo_prefill_step_of(&mut self, at: usize) {
         let mut admission = self.admitting.remove(at);
         injected_panic(admission.ticket.panic_at, Step::Prefill);
         let Some(resident) = self.models.get(&admission.key) else {

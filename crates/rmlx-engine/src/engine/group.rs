@@ -82,9 +82,26 @@ impl EngineThread {
             // never for whole prompts.
             let chunk = prefills.iter().map(|p| p.chunk()).min().unwrap_or(1);
             let tokens = (chunk * prefills.len()).min(generate::GROUP_TOKENS.max(chunk));
-            generate::step_together(model, &mut prefills, &mut group.caches, tokens)
+            match generate::group_len(&prefills, tokens) {
+                Ok(len) => Some(generate::step_together(
+                    model,
+                    &mut prefills,
+                    &mut group.caches,
+                    len,
+                )),
+                Err(alone) => {
+                    alone.into_iter().for_each(|at| prefills[at].go_alone());
+                    None
+                }
+            }
         };
         self.grouping = false;
+        // Members whose image block goes alone leave (the rest step next time).
+        let Some(stepped) = stepped else {
+            let group = self.group.take().expect("looked at above");
+            self.leave_group(group, |member| member.prefill.steps_alone());
+            return true;
+        };
         let group = self.group.take().expect("looked at above");
         if let Err(error) = stepped {
             for member in group.members {

@@ -26,7 +26,7 @@ pub use params::{
     effective_context, Completion, Delta, FinishReason, GenerateParams, Timings, TokenLogprob,
     TopLogprob, DEFAULT_PREFILL_CHUNK, MAX_TOP_LOGPROBS,
 };
-pub use prefill::{step_together, Prefill, GROUP_TOKENS};
+pub use prefill::{group_len, step_together, Prefill, GROUP_TOKENS};
 pub use sequence::{CachedSequence, Sequence};
 pub use solo::{generate, generate_reusing};
 pub use verify::draft_reads;

@@ -111,6 +111,10 @@ pub struct Timings {
     /// the prefix cache held the whole prompt).
     #[serde(default)]
     pub prefilled_with: usize,
+    /// The most prompts in the forward that took this prompt's image blocks, itself included
+    /// (0: no image was prefilled; 1: its images went alone).
+    #[serde(default)]
+    pub images_prefilled_with: usize,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]

@@ -9,7 +9,7 @@ use crate::{
     chat::{ChatTokenizer, StopMatcher, StreamDecoder},
     constrain::{self, Grammars},
     error::{EngineError, Result},
-    models::{LanguageModel, Logits},
+    models::{LanguageModel, Logits, VisionFeatures},
     multimodal::{self, ImagePrefill},
     prefix_cache::Reuse,
     sample::Sampler,
@@ -42,6 +42,14 @@ pub struct Prefill {
     started: Instant,
     /// The most prompts prefilled in one forward with this one (see [`step_together`]).
     prefilled_with: usize,
+    /// The most prompts in a forward that took its image blocks (see `Timings`).
+    images_prefilled_with: usize,
+    /// Whether its image pieces may be a row of a group's forward (the model takes image
+    /// chunks in a batch).
+    images_group: bool,
+    /// Its next piece is an image block that could not be taken whole beside a group's
+    /// (see [`group_len`]): it runs alone before the prompt may group again.
+    alone_next: bool,
 }
 
 impl Prefill {
@@ -133,9 +141,14 @@ impl Prefill {
             pieces: pieces.into(),
             cuts,
             snapshots: Vec::new(),
+            images_group: model
+                .as_vision()
+                .is_some_and(|vision| vision.groups_images()),
             images,
             started,
             prefilled_with: 0,
+            images_prefilled_with: 0,
+            alone_next: false,
         })
     }
 
@@ -166,10 +179,44 @@ impl Prefill {
         &self.caches
     }
 
-    /// Whether its next piece may run as a row of a group's forward ([`step_together`]): text
-    /// only (image pieces place features row by row).
+    /// Whether its next piece may run as a row of a group's forward ([`step_together`]):
+    /// text, or images where the model takes image chunks in a batch.
     pub fn groups(&self) -> bool {
-        self.images.is_none() && !self.pieces.is_empty()
+        !self.pieces.is_empty() && !self.alone_next && (self.images.is_none() || self.images_group)
+    }
+
+    /// Whether its next piece must run alone (it left a group for it, see [`group_len`]).
+    pub fn steps_alone(&self) -> bool {
+        self.alone_next && !self.pieces.is_empty()
+    }
+
+    /// Its next piece runs alone (see [`group_len`]). Where text comes before the piece's image
+    /// block, only that text does: the block then begins its next piece, where blocks of one
+    /// length go in together.
+    pub fn go_alone(&mut self) {
+        self.alone_next = true;
+        let Some(front) = self.pieces.front().cloned() else {
+            return;
+        };
+        let block = self.images.as_ref().and_then(|images| {
+            images
+                .blocks
+                .iter()
+                .find(|block| block.start > front.start && block.end <= front.end)
+                .cloned()
+        });
+        if let Some(block) = block {
+            self.pieces.pop_front();
+            self.pieces.push_front(block.start..front.end);
+            self.pieces.push_front(front.start..block.start);
+        }
+    }
+
+    /// The image block a step taking its next `len` positions would cut.
+    fn block_cut_by(&self, len: usize) -> Option<std::ops::Range<usize>> {
+        let front = self.pieces.front()?;
+        let end = front.start + len.min(front.len());
+        self.images.as_ref()?.block_cut_at(front.start, end)
     }
 
     /// Its caches, taken out while they are a row of a group's (see [`step_together`]).
@@ -211,6 +258,7 @@ impl Prefill {
         let Some(piece) = self.pieces.pop_front() else {
             return Ok(());
         };
+        self.alone_next = false;
         // The draft head pairs each position with the token after it: the prompt's, since a
         // piece never ends at the last prompt token (the first decode step feeds it).
         let primed = model.draft_head().map(|head| {
@@ -246,6 +294,11 @@ impl Prefill {
         }
         crate::runtime::eval(self.caches.iter().flat_map(|cache| cache.state()))?;
         self.prefilled_with = self.prefilled_with.max(1);
+        if let Some(images) = &self.images {
+            if images.features_within(piece.clone()).is_some() {
+                self.images_prefilled_with = self.images_prefilled_with.max(1);
+            }
+        }
         // A long piece's activations are not reused at their size (see clear_buffer_cache);
         // a short turn's few buffers stay for the decode steps after it.
         if piece.len() >= LONG_PIECE {
@@ -331,6 +384,7 @@ impl Prefill {
             logprobs: params.logprobs.map(|_| Vec::new()),
             timings: Timings {
                 prefilled_with: self.prefilled_with,
+                images_prefilled_with: self.images_prefilled_with,
                 ..Timings::default()
             },
             started: self.started,
@@ -361,29 +415,103 @@ impl Prefill {
     }
 }
 
+/// How many positions every member of a group takes in its next step: the shortest next
+/// piece, within `tokens` for the whole step, shortened to the text before any image block it
+/// would cut. Blocks that begin members' pieces go in whole (a block is never split: its
+/// positions and, on Gemma 4, its attention both ways need it whole): the most common length
+/// among them, when it fits the step. `Err` names the members that cannot take that length (a
+/// block of another length, a shorter piece, a block of theirs it would cut): each steps its
+/// next piece alone ([`Prefill::go_alone`]) and then groups again.
+pub fn group_len(
+    members: &[&mut Prefill],
+    tokens: usize,
+) -> std::result::Result<usize, Vec<usize>> {
+    let rows = members.len().max(1);
+    let front = |member: &Prefill| member.pieces.front().cloned().unwrap_or(0..0);
+    let shortest = members
+        .iter()
+        .map(|member| front(member).len())
+        .min()
+        .unwrap_or(1)
+        .max(1);
+    let mut len = shortest.min((tokens / rows).max(1));
+    // Each pass only shortens `len`, so this ends.
+    loop {
+        let shorter = members
+            .iter()
+            .filter_map(|member| {
+                let before = member.block_cut_by(len)?.start - front(member).start;
+                (before > 0).then_some(before)
+            })
+            .min();
+        match shorter {
+            Some(before) if before < len => len = before,
+            _ => break,
+        }
+    }
+    let starting: Vec<usize> = members
+        .iter()
+        .filter_map(|member| member.block_cut_by(len).map(|block| block.len()))
+        .collect();
+    if starting.is_empty() {
+        return Ok(len);
+    }
+    // The most common length of the blocks that begin pieces (the shortest of equals).
+    let whole = starting
+        .iter()
+        .copied()
+        .max_by_key(|&length| {
+            let count = starting.iter().filter(|&&other| other == length).count();
+            (count, std::cmp::Reverse(length))
+        })
+        .unwrap_or(len);
+    let alone: Vec<usize> = (0..members.len())
+        .filter(|&at| {
+            let member = &members[at];
+            let starts_other = member
+                .block_cut_by(len)
+                .is_some_and(|block| block.len() != whole);
+            starts_other || front(member).len() < whole || member.block_cut_by(whole).is_some()
+        })
+        .collect();
+    match alone.is_empty() && whole * rows <= tokens {
+        true => Ok(whole),
+        // Over the step's budget: the blocks go alone.
+        false if alone.is_empty() => Err((0..members.len())
+            .filter(|&at| members[at].block_cut_by(len).is_some())
+            .collect()),
+        false => Err(alone),
+    }
+}
+
 /// Prompts prefilled together: the next piece of every member as one row of a single forward
 /// over `caches`, their caches joined (row `b` is `members[b]`'s; see [`Prefill::groups`]).
-/// Every row takes the same number of tokens, so no row is padded: the shortest next piece
-/// among the members, within `tokens` for the whole step. A member whose piece ends at one of its snapshot points gets its
-/// row copied out as the snapshot. Prompts that each prefilled alone would cost a forward
-/// each (weights read again, kernels launched again), with a decode step between them.
+/// Every row takes the same number of tokens, `len` from [`group_len`], so no row is padded;
+/// rows holding image blocks take their features (in row order). A member whose piece ends at
+/// one of its snapshot points gets its row copied out as the snapshot. Prompts that each
+/// prefilled alone would cost a forward each (weights read again, kernels launched again),
+/// with a decode step between them.
 pub fn step_together(
     model: &dyn LanguageModel,
     members: &mut [&mut Prefill],
     caches: &mut [KvCache],
-    tokens: usize,
+    len: usize,
 ) -> Result<()> {
     let rows = members.len();
-    let len = members
-        .iter()
-        .filter_map(|member| member.pieces.front().map(|piece| piece.len()))
-        .min()
-        .ok_or_else(|| EngineError::InvalidRequest("a group member has nothing to prefill".into()))?
-        .min((tokens / rows).max(1));
+    if len == 0 || members.iter().any(|member| member.pieces.is_empty()) {
+        return Err(EngineError::InvalidRequest(
+            "a group member has nothing to prefill".into(),
+        ));
+    }
     let ranges: Vec<std::ops::Range<usize>> = members
         .iter_mut()
         .map(|member| member.take_front(len))
         .collect();
+    if ranges.iter().any(|range| range.len() != len) {
+        return Err(EngineError::Internal(
+            "a group step's rows took different lengths".into(),
+        ));
+    }
     let ids = |shift: usize| -> Array {
         let ids: Vec<i32> = members
             .iter()
@@ -396,14 +524,27 @@ pub fn step_together(
             .collect();
         Array::from_slice(&ids, &[rows as i32, len as i32])
     };
+    let row_features: Vec<Option<VisionFeatures>> = members
+        .iter()
+        .zip(&ranges)
+        .map(|(member, range)| member.images.as_ref()?.features_within(range.clone()))
+        .collect();
+    let with_images: Vec<bool> = row_features.iter().map(Option::is_some).collect();
+    let features = multimodal::join_features(row_features)?;
     let input = ids(0);
     let own = crate::models::draft_model::own_caches(model, caches.len());
     let (trunk, draft_caches) = caches.split_at_mut(own);
-    match model.draft_head() {
+    match (model.draft_head(), &features) {
         // Each position paired with the token after it (a piece never ends at the last prompt
         // token, so it is the prompt's).
-        Some(head) => head.prime(&input, None, &ids(1), trunk)?,
-        None => {
+        (Some(head), _) => head.prime(&input, features.as_ref(), &ids(1), trunk)?,
+        (None, Some(features)) => {
+            let vision = model.as_vision().ok_or_else(|| {
+                EngineError::InvalidRequest("this model has no vision: send text only".into())
+            })?;
+            vision.forward_with_images(&input, Some(features), trunk, Logits::None)?;
+        }
+        (None, None) => {
             model.forward(&input, trunk, Logits::None)?;
         }
     }
@@ -416,6 +557,10 @@ pub fn step_together(
     }
     for (row, (member, range)) in members.iter_mut().zip(&ranges).enumerate() {
         member.prefilled_with = member.prefilled_with.max(rows);
+        if with_images[row] {
+            let together = with_images.iter().filter(|&&held| held).count();
+            member.images_prefilled_with = member.images_prefilled_with.max(together);
+        }
         if member.cuts.contains(&range.end) {
             member.snapshots.push(CachedSequence {
                 tokens: member.prompt_ids[..range.end].to_vec(),

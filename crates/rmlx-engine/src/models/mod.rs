@@ -174,19 +174,52 @@ pub trait VisionLanguageModel: LanguageModel {
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array>;
+
+    /// Whether `forward_with_images` takes a batch of rows (prompts with images prefilled
+    /// together); a pipeline's ranks take image prompts one at a time.
+    fn groups_images(&self) -> bool {
+        false
+    }
 }
 
-/// The prompt ids on the host (they are small; image features never leave the device).
-pub(crate) fn host_ids(inputs: &Array) -> Result<Vec<u32>> {
+/// The prompt ids on the host, one list per batch row (they are small; image features never
+/// leave the device).
+pub(crate) fn host_ids(inputs: &Array) -> Result<Vec<Vec<u32>>> {
     let shape = inputs.shape();
-    if shape.len() != 2 || shape[0] != 1 {
+    if shape.len() != 2 || shape[0] < 1 {
         return Err(EngineError::InvalidRequest(format!(
-            "image prompts run one sequence at a time, got ids of shape {shape:?}"
+            "image prompts take ids shaped [rows, length], got {shape:?}"
         )));
     }
     let ids = inputs.as_type::<u32>()?;
     ids.eval()?;
-    Ok(ids.as_slice::<u32>().to_vec())
+    let len = shape[1].max(1) as usize;
+    Ok(ids
+        .as_slice::<u32>()
+        .chunks(len)
+        .map(<[u32]>::to_vec)
+        .collect())
+}
+
+/// Splits `grids` (every image of a batch chunk, in row order) into each row's, given how many
+/// images each row's ids hold; the counts must add up exactly.
+pub(crate) fn grids_per_row(grids: &[[i32; 3]], counts: &[usize]) -> Result<Vec<Vec<[i32; 3]>>> {
+    if counts.iter().sum::<usize>() != grids.len() {
+        return Err(EngineError::InvalidRequest(format!(
+            "the chunk holds {} image blocks but {} image grids came with it",
+            counts.iter().sum::<usize>(),
+            grids.len()
+        )));
+    }
+    let mut rest = grids;
+    Ok(counts
+        .iter()
+        .map(|&count| {
+            let (row, after) = rest.split_at(count);
+            rest = after;
+            row.to_vec()
+        })
+        .collect())
 }
 
 /// Where a chunk's image soft tokens take their features: `gather[pos]` is 0 for text and
@@ -198,10 +231,12 @@ pub(crate) struct ImageScatter {
 }
 
 impl ImageScatter {
-    pub fn new(ids: &[u32], image_token: u32) -> Self {
+    /// `rows`: the chunk's ids per batch row; features are taken in row order.
+    pub fn new(rows: &[Vec<u32>], image_token: u32) -> Self {
         let mut next = 0;
-        let gather: Vec<i32> = ids
+        let gather: Vec<i32> = rows
             .iter()
+            .flatten()
             .map(|&id| {
                 if id == image_token {
                     next += 1;
@@ -212,12 +247,12 @@ impl ImageScatter {
             })
             .collect();
         Self {
-            gather: Array::from_slice(&gather, &[ids.len() as i32]),
+            gather: Array::from_slice(&gather, &[gather.len() as i32]),
             count: next as usize,
         }
     }
 
-    /// `h` `[1, L, hidden]` with the image positions replaced by `features` `[count, hidden]`;
+    /// `h` `[B, L, hidden]` with the image positions replaced by `features` `[count, hidden]`;
     /// the counts must agree exactly.
     pub fn apply(&self, h: &Array, features: &Array) -> Result<Array> {
         let rows = features.shape()[0] as usize;
@@ -227,8 +262,8 @@ impl ImageScatter {
                 features: rows,
             });
         }
-        let len = self.gather.shape()[0];
-        let is_image = ops::gt(&self.gather, Array::from_int(0))?.reshape(&[1, len, 1])?;
+        let is_image =
+            ops::gt(&self.gather, Array::from_int(0))?.reshape(&[h.shape()[0], h.shape()[1], 1])?;
         let feature_rows = ops::maximum(
             ops::subtract(&self.gather, Array::from_int(1))?,
             Array::from_int(0),

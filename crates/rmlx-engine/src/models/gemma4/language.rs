@@ -95,18 +95,32 @@ struct ChunkMasks {
 }
 
 impl ChunkMasks {
-    /// `images`: soft-token spans inside this chunk (chunk-relative) that attend both ways.
+    /// `images`: each batch row's soft-token spans inside this chunk (chunk-relative) that
+    /// attend both ways (empty: none).
     /// `cache`: the first layer's, whose rows (a padded batch) the decode masks follow.
-    fn new(cache: &KvCache, len: i32, window: i32, images: &[Range<usize>]) -> Result<Self> {
+    fn new(cache: &KvCache, len: i32, window: i32, images: &[Vec<Range<usize>>]) -> Result<Self> {
         let offset = cache.offset();
+        let has_images = images.iter().any(|spans| !spans.is_empty());
         // The row that ends first sees furthest back (rows end together unless a speculative
         // step left the batch ragged; then each row's own window is masked).
         let sliding_start = (cache.shortest_end() - window + 1).max(0);
         if cache.is_ragged() || (len > 1 && cache.is_padded()) {
             let end = offset + len;
+            let with_images = |visible: Array, key_start: i32| -> Result<Array> {
+                match has_images {
+                    true => Ok(ops::logical_or(
+                        &visible,
+                        &Self::same_image(offset, len, key_start, images)?,
+                    )?),
+                    false => Ok(visible),
+                }
+            };
             return Ok(Self {
-                full: Mask::Array(cache.rows_mask(0, end, len, None)?),
-                sliding: Mask::Array(cache.rows_mask(sliding_start, end, len, Some(window))?),
+                full: Mask::Array(with_images(cache.rows_mask(0, end, len, None)?, 0)?),
+                sliding: Mask::Array(with_images(
+                    cache.rows_mask(sliding_start, end, len, Some(window))?,
+                    sliding_start,
+                )?),
                 sliding_start,
             });
         }
@@ -123,12 +137,12 @@ impl ChunkMasks {
                 sliding_start,
             });
         }
-        let full = if images.is_empty() {
+        let full = if !has_images {
             Mask::Causal
         } else {
             Mask::Array(Self::array(offset, len, 0, None, images)?)
         };
-        let sliding = if images.is_empty() && sliding_start == 0 && offset + len <= window {
+        let sliding = if !has_images && sliding_start == 0 && offset + len <= window {
             Mask::Causal
         } else {
             Mask::Array(Self::array(
@@ -146,44 +160,66 @@ impl ChunkMasks {
         })
     }
 
-    /// `[1, 1, len, keys]` booleans: key k is visible from query q when k <= q (within the
-    /// window), or when both sit in the same image span. Built on device: O(len × keys).
+    /// `[B, 1, len, keys]` booleans (B: the rows of `images`, 1 without images): key k is
+    /// visible from query q when k <= q (within the window), or when both sit in the same
+    /// image span of the row. Built on device: O(len × keys).
     fn array(
         offset: i32,
         len: i32,
         key_start: i32,
         window: Option<i32>,
-        images: &[Range<usize>],
+        images: &[Vec<Range<usize>>],
     ) -> Result<Array> {
         let end = offset + len;
-        let queries = ops::arange::<_, i32>(offset, end, 1)?.reshape(&[len, 1])?;
-        let keys = ops::arange::<_, i32>(key_start, end, 1)?.reshape(&[1, end - key_start])?;
+        let queries = ops::arange::<_, i32>(offset, end, 1)?.reshape(&[1, 1, len, 1])?;
+        let keys =
+            ops::arange::<_, i32>(key_start, end, 1)?.reshape(&[1, 1, 1, end - key_start])?;
         let mut visible = ops::le(&keys, &queries)?;
         if let Some(window) = window {
             let near = ops::lt(&ops::subtract(&queries, &keys)?, Array::from_int(window))?;
             visible = ops::logical_and(&visible, &near)?;
         }
-        if !images.is_empty() {
-            // Block id per chunk position (-1 for text); keys before the chunk are text.
-            let mut blocks = vec![-1i32; len as usize];
-            for (id, span) in images.iter().enumerate() {
-                for slot in &mut blocks[span.clone()] {
+        if images.iter().any(|spans| !spans.is_empty()) {
+            visible =
+                ops::logical_or(&visible, &Self::same_image(offset, len, key_start, images)?)?;
+        }
+        Ok(visible)
+    }
+
+    /// `[B, 1, len, keys]`: whether query q and key k of a row sit in the same image span of
+    /// that row's chunk (the chunk's columns are `offset..offset + len` in every row; keys
+    /// before it are text).
+    fn same_image(
+        offset: i32,
+        len: i32,
+        key_start: i32,
+        images: &[Vec<Range<usize>>],
+    ) -> Result<Array> {
+        let rows = images.len().max(1) as i32;
+        // Block id per chunk position (-1 for text), row by row.
+        let mut blocks = vec![-1i32; rows as usize * len as usize];
+        for (row, spans) in images.iter().enumerate() {
+            let own = &mut blocks[row * len as usize..(row + 1) * len as usize];
+            for (id, span) in spans.iter().enumerate() {
+                for slot in &mut own[span.clone()] {
                     *slot = id as i32;
                 }
             }
-            let query_blocks = Array::from_slice(&blocks, &[len, 1]);
-            let before = (offset - key_start) as usize;
-            let key_blocks: Vec<i32> = std::iter::repeat_n(-1, before)
-                .chain(blocks.iter().copied())
-                .collect();
-            let key_blocks = Array::from_slice(&key_blocks, &[1, end - key_start]);
-            let same = ops::logical_and(
-                &ops::ne(&query_blocks, Array::from_int(-1))?,
-                &ops::eq(&query_blocks, &key_blocks)?,
-            )?;
-            visible = ops::logical_or(&visible, &same)?;
         }
-        Ok(visible.reshape(&[1, 1, len, end - key_start])?)
+        let query_blocks = Array::from_slice(&blocks, &[rows, 1, len, 1]);
+        let before = offset - key_start;
+        let key_blocks = Array::from_slice(&blocks, &[rows, 1, 1, len]);
+        let key_blocks = ops::concatenate(
+            &[
+                ops::full::<i32>(&[rows, 1, 1, before], Array::from_int(-1))?,
+                key_blocks,
+            ],
+            -1,
+        )?;
+        Ok(ops::logical_and(
+            &ops::ne(&query_blocks, Array::from_int(-1))?,
+            &ops::eq(&query_blocks, &key_blocks)?,
+        )?)
     }
 }
 
@@ -783,13 +819,13 @@ impl LanguageModel {
         )?))
     }
 
-    /// Embeddings `h` `[1, L, hidden]` (images already in place) through the decoder.
-    /// `images` are the chunk-relative soft-token spans that attend both ways.
+    /// Embeddings `h` `[B, L, hidden]` (images already in place) through the decoder.
+    /// `images` are each row's chunk-relative soft-token spans that attend both ways.
     pub(super) fn forward_embeddings(
         &self,
         h: Array,
         per_layer_ids: &Array,
-        images: &[Range<usize>],
+        images: &[Vec<Range<usize>>],
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
@@ -819,7 +855,7 @@ impl LanguageModel {
                 .collect(),
         };
         let per_layer = (per_layer.size() > 0).then_some(per_layer);
-        self.decode(h, per_layer, &spans, caches, logits)
+        self.decode(h, per_layer, &[spans], caches, logits)
     }
 
     /// The decoder from embeddings `h` and their per-layer inputs: this process's layers
@@ -829,7 +865,7 @@ impl LanguageModel {
         &self,
         mut h: Array,
         per_layer: Option<Array>,
-        images: &[Range<usize>],
+        images: &[Vec<Range<usize>>],
         caches: &mut [KvCache],
         logits: Logits,
     ) -> Result<Array> {
@@ -872,8 +908,15 @@ impl LanguageModel {
         }
         let riders = match self.part.stage() {
             Some(_) => {
+                // A pipeline takes image prompts one at a time (`groups_images`).
+                if images.len() > 1 {
+                    return Err(EngineError::Distributed(
+                        "a pipeline prefills image prompts one at a time".into(),
+                    ));
+                }
                 let spans: Vec<i32> = images
                     .iter()
+                    .flatten()
                     .flat_map(|span| [span.start as i32, span.end as i32])
                     .collect();
                 vec![

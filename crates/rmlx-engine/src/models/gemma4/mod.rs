@@ -180,7 +180,7 @@ impl VisionLanguageModel for Model {
             let ids = host_ids(inputs)?;
             h = ImageScatter::new(&ids, self.config.image_token_id).apply(&h, &features.embeds)?;
             if self.config.bidirectional_images() {
-                bidirectional = self.image_runs(&ids);
+                bidirectional = ids.iter().map(|row| self.image_runs(row)).collect();
             }
         }
         // On device: decode steps must not wait for their ids on the host.
@@ -194,5 +194,9 @@ impl VisionLanguageModel for Model {
         let per_layer_ids = ops::select(&media, ops::zeros_like(inputs)?, inputs)?;
         self.language
             .forward_embeddings(h, &per_layer_ids, &bidirectional, caches, logits)
+    }
+
+    fn groups_images(&self) -> bool {
+        self.language.part.stage().is_none()
     }
 }

@@ -20,7 +20,7 @@ use crate::{
         qwen3::Mlp,
         qwen3_vl::{
             config::Rope,
-            language::{load_embeddings, RotaryAngles},
+            language::{load_embeddings, ChunkRows, RotaryAngles},
         },
         stage_output,
         switch::{combine, GluActivation, SoftmaxTopK, SwitchGlu, SwitchLinear},
@@ -562,7 +562,7 @@ impl LanguageModel {
     pub(super) fn forward_embeddings(
         &self,
         h: Array,
-        rows: &[&[i32]; 3],
+        rows: &ChunkRows,
         riders: &[Array],
         start: &ChunkStart,
         caches: &mut [KvCache],

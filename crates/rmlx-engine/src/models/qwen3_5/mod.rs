@@ -21,8 +21,8 @@ use super::{
     chunk_start, held, host_ids,
     qwen3_vl::{
         language::{
-            chunk_base, delta_after, image_rows, rope_index_for, rows_from_rider, rows_rider,
-            text_rows, ImageTokenIds, RotaryAngles,
+            batch_image_rows, chunk_base, delta_after, image_rows, rope_index_for, rows_from_rider,
+            rows_rider, text_rows, ChunkRows, ImageTokenIds, RotaryAngles,
         },
         vision::VisionModel,
         MropePositions,
@@ -260,17 +260,21 @@ impl VisionLanguageModel for Model {
                     crate::error::EngineError::Distributed("an empty pipeline message".into())
                 })?;
                 let rows = rows_from_rider(arrays.next().as_ref())?;
-                let delta = (h.shape()[0] == 1).then(|| delta_after(&rows, start.position()));
-                Chunk { h, rows, delta }
+                let delta = (h.shape()[0] == 1).then(|| vec![delta_after(&rows, start.position())]);
+                Chunk {
+                    h,
+                    rows: ChunkRows::Shared(rows),
+                    deltas: delta,
+                }
             }
         };
         let riders = match self.language.part.stage() {
-            Some(_) => vec![rows_rider(&chunk.rows)],
+            Some(_) => vec![rows_rider(chunk.rows.shared()?)],
             None => Vec::new(),
         };
         let out = self.language.forward_embeddings(
             chunk.h.clone(),
-            &chunk.rows(),
+            &chunk.rows,
             &riders,
             &start,
             caches,
@@ -279,20 +283,18 @@ impl VisionLanguageModel for Model {
         self.set_rope_delta(&chunk, caches);
         Ok(out)
     }
+
+    fn groups_images(&self) -> bool {
+        self.language.part.stage().is_none()
+    }
 }
 
 /// A chunk's input embeddings (image features placed) and rotary positions.
 struct Chunk {
     h: Array,
-    rows: [Vec<i32>; 3],
-    /// The caches' rope delta after the chunk, when its images change it.
-    delta: Option<i32>,
-}
-
-impl Chunk {
-    fn rows(&self) -> [&[i32]; 3] {
-        [&self.rows[0][..], &self.rows[1][..], &self.rows[2][..]]
-    }
+    rows: ChunkRows,
+    /// The caches' rope delta after the chunk (each batch row's), when its images change it.
+    deltas: Option<Vec<i32>>,
 }
 
 impl Model {
@@ -307,26 +309,38 @@ impl Model {
         let Some(features) = features else {
             return Ok(Chunk {
                 h,
-                rows: text_rows(inputs.shape()[inputs.ndim() - 1], base),
-                delta: None,
+                rows: ChunkRows::Shared(text_rows(inputs.shape()[inputs.ndim() - 1], base)),
+                deltas: None,
             });
         };
         let ids = host_ids(inputs)?;
         let scatter = ImageScatter::new(&ids, self.config.image_token_id);
         let h = scatter.apply(&h, &features.embeds)?;
-        let positions = rope_index_for(&ids, &features.grid_thw, self.image_tokens());
+        let (rows, deltas) = match &ids[..] {
+            [one] => {
+                let positions = rope_index_for(one, &features.grid_thw, self.image_tokens());
+                let rows = ChunkRows::Shared(image_rows(&positions, base));
+                (rows, vec![delta + positions.rope_delta])
+            }
+            _ => {
+                let first = caches.first().ok_or_else(|| {
+                    crate::error::EngineError::InvalidRequest("no layer caches".into())
+                })?;
+                batch_image_rows(&ids, &features.grid_thw, self.image_tokens(), first)?
+            }
+        };
         Ok(Chunk {
             h,
-            rows: image_rows(&positions, base),
-            delta: Some(delta + positions.rope_delta),
+            rows,
+            deltas: Some(deltas),
         })
     }
 
     fn set_rope_delta(&self, chunk: &Chunk, caches: &mut [KvCache]) {
-        if let Some(delta) = chunk.delta {
+        if let Some(deltas) = &chunk.deltas {
             caches
                 .iter_mut()
-                .for_each(|cache| cache.set_rope_delta(delta));
+                .for_each(|cache| cache.set_row_rope_deltas(deltas));
         }
     }
 
@@ -352,9 +366,12 @@ impl DraftHead for Model {
         let trunk_layers = self.num_layers();
         let (trunk, head) = caches.split_at_mut(trunk_layers);
         let chunk = self.embed_chunk(inputs, features, trunk)?;
-        let rows = chunk.rows();
-        let rotary =
-            RotaryAngles::for_chunk(&rows, trunk, &self.language.rope, self.language.rotary_dim)?;
+        let rotary = RotaryAngles::for_chunk(
+            &chunk.rows,
+            trunk,
+            &self.language.rope,
+            self.language.rotary_dim,
+        )?;
         let hidden = self.language.trunk(chunk.h.clone(), &rotary, trunk)?;
         // Pair i: the hidden state at input i with the token after it, at input i's position.
         let embeds = self.language.embed()?.forward(next)?;
@@ -370,9 +387,12 @@ impl DraftHead for Model {
         logits: Logits,
     ) -> Result<(Array, Array)> {
         let chunk = self.embed_chunk(inputs, None, caches)?;
-        let rows = chunk.rows();
-        let rotary =
-            RotaryAngles::for_chunk(&rows, caches, &self.language.rope, self.language.rotary_dim)?;
+        let rotary = RotaryAngles::for_chunk(
+            &chunk.rows,
+            caches,
+            &self.language.rope,
+            self.language.rotary_dim,
+        )?;
         let hidden = self.language.trunk(chunk.h, &rotary, caches)?;
         let scored = if logits != Logits::All && hidden.shape()[1] > 1 {
             let last = hidden.shape()[1] - 1;
@@ -391,8 +411,7 @@ impl DraftHead for Model {
     ) -> Result<Array> {
         let len = tokens.shape()[1];
         let (base, _) = chunk_base(caches);
-        let rows = text_rows(len, base);
-        let rows = [&rows[0][..], &rows[1][..], &rows[2][..]];
+        let rows = ChunkRows::Shared(text_rows(len, base));
         let rotary =
             RotaryAngles::for_chunk(&rows, caches, &self.language.rope, self.language.rotary_dim)?;
         let embeds = self.language.embed()?.forward(tokens)?;

@@ -131,6 +131,56 @@ pub(crate) fn image_rows(positions: &MropePositions, base: i32) -> [Vec<i32>; 3]
         .map(|row| row.into_iter().map(|p| p + base).collect())
 }
 
+/// A chunk's rotary positions. `Shared`: one sequence's rows t, h, w; in a batch of text,
+/// each batch row counts from its own cache base instead (`KvCache::row_rope_bases`).
+/// `PerRow`: a batch chunk holding images, every batch row's own three rows.
+pub(crate) enum ChunkRows {
+    Shared([Vec<i32>; 3]),
+    PerRow(Vec<[Vec<i32>; 3]>),
+}
+
+impl ChunkRows {
+    /// The rows that ride to the next pipeline rank: a pipeline takes image prompts one at a
+    /// time (`VisionLanguageModel::groups_images`), so a batch's are never sent.
+    pub(crate) fn shared(&self) -> Result<&[Vec<i32>; 3]> {
+        match self {
+            Self::Shared(rows) => Ok(rows),
+            Self::PerRow(_) => Err(crate::error::EngineError::Distributed(
+                "a pipeline prefills image prompts one at a time".into(),
+            )),
+        }
+    }
+}
+
+/// The positions of a batch chunk holding images (`ids` per batch row, `grids` every image's
+/// in row order) and each row's rope delta after it: `get_rope_index` row by row, from each
+/// row's base in `cache` (its offset plus its delta so far).
+pub(crate) fn batch_image_rows(
+    ids: &[Vec<u32>],
+    grids: &[[i32; 3]],
+    tokens: ImageTokenIds,
+    cache: &KvCache,
+) -> Result<(ChunkRows, Vec<i32>)> {
+    let counts: Vec<usize> = ids
+        .iter()
+        .map(|row| {
+            row.windows(2)
+                .filter(|pair| pair[0] == tokens.vision_start && pair[1] == tokens.image)
+                .count()
+        })
+        .collect();
+    let grids = crate::models::grids_per_row(grids, &counts)?;
+    let (bases, deltas) = (cache.row_rope_bases(), cache.row_rope_deltas());
+    let mut rows = Vec::with_capacity(ids.len());
+    let mut after = Vec::with_capacity(ids.len());
+    for (b, row_ids) in ids.iter().enumerate() {
+        let positions = rope_index_for(row_ids, &grids[b], tokens);
+        rows.push(image_rows(&positions, bases[b]));
+        after.push(deltas[b] + positions.rope_delta);
+    }
+    Ok((ChunkRows::PerRow(rows), after))
+}
+
 /// A chunk's rotary rows as they ride to the next pipeline rank: `[3, L]` int32.
 pub(crate) fn rows_rider(rows: &[Vec<i32>; 3]) -> Array {
     let flat: Vec<i32> = rows.iter().flatten().copied().collect();
@@ -180,19 +230,31 @@ pub(crate) struct RotaryAngles {
 
 impl RotaryAngles {
     pub(crate) fn new(rows: &[&[i32]; 3], rope: &Rope, head_dim: i32) -> Result<Self> {
-        let len = rows[0].len();
+        Self::of_rows(&[*rows], rope, head_dim)
+    }
+
+    /// `[B, 1, L, rotary_dim]` for batch rows that each have their own rows t, h, w.
+    fn of_rows(batch: &[[&[i32]; 3]], rope: &Rope, head_dim: i32) -> Result<Self> {
+        let len = batch.first().map_or(0, |rows| rows[0].len());
         let freq_dim = head_dim / 2;
         let selector = position_selector(rope.mrope_section, freq_dim);
-        let mut positions = Vec::with_capacity(len * freq_dim as usize);
-        let (t, h, w) = (rows[0], rows[1], rows[2]);
-        for ((&t, &h), &w) in t.iter().zip(h).zip(w) {
-            let axes = [t, h, w];
-            positions.extend(selector.iter().map(|&row| axes[row] as f32));
+        let mut positions = Vec::with_capacity(batch.len() * len * freq_dim as usize);
+        for rows in batch {
+            let (t, h, w) = (rows[0], rows[1], rows[2]);
+            for ((&t, &h), &w) in t.iter().zip(h).zip(w) {
+                let axes = [t, h, w];
+                positions.extend(selector.iter().map(|&row| axes[row] as f32));
+            }
         }
-        let positions = Array::from_slice(&positions, &[len as i32, freq_dim]);
+        let shape = [batch.len() as i32, len as i32, freq_dim];
+        let positions = Array::from_slice(&positions, &shape);
         let freqs = ops::multiply(&positions, inv_freq(head_dim, rope.theta)?)?;
-        let angles =
-            ops::concatenate(&[&freqs, &freqs], -1)?.reshape(&[1, 1, len as i32, head_dim])?;
+        let angles = ops::concatenate(&[&freqs, &freqs], -1)?.reshape(&[
+            batch.len() as i32,
+            1,
+            len as i32,
+            head_dim,
+        ])?;
         Ok(Self {
             cos: ops::cos(&angles)?,
             sin: ops::sin(&angles)?,
@@ -217,14 +279,24 @@ impl RotaryAngles {
         })
     }
 
-    /// [`Self::new`] for one sequence; [`Self::per_row`] when `caches` hold a batch (which
-    /// only ever decodes text).
+    /// [`Self::new`] for one sequence; for a batch, [`Self::per_row`] over text or every
+    /// row's own rows where the chunk holds images.
     pub(crate) fn for_chunk(
-        rows: &[&[i32]; 3],
+        rows: &ChunkRows,
         caches: &[KvCache],
         rope: &Rope,
         head_dim: i32,
     ) -> Result<Self> {
+        let rows = match rows {
+            ChunkRows::PerRow(batch) => {
+                let batch: Vec<[&[i32]; 3]> = batch
+                    .iter()
+                    .map(|rows| [&rows[0][..], &rows[1][..], &rows[2][..]])
+                    .collect();
+                return Self::of_rows(&batch, rope, head_dim);
+            }
+            ChunkRows::Shared(rows) => rows,
+        };
         match caches.first().filter(|cache| cache.batch_size() > 1) {
             Some(cache) => Self::per_row(
                 &cache.row_rope_bases(),
@@ -232,7 +304,7 @@ impl RotaryAngles {
                 rope,
                 head_dim,
             ),
-            None => Self::new(rows, rope, head_dim),
+            None => Self::new(&[&rows[0][..], &rows[1][..], &rows[2][..]], rope, head_dim),
         }
     }
 
@@ -416,14 +488,14 @@ impl LanguageModel {
         held(&self.embed_tokens, "the embeddings")
     }
 
-    /// Embeddings `[1, L, hidden]` at rotary positions `rows` through the decoder to logits;
+    /// Embeddings `[B, L, hidden]` at rotary positions `rows` through the decoder to logits;
     /// across ranks `riders` go on with the hidden state, `position` is the chunk's start and
     /// the other ranks return no logits.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn forward_embeddings(
         &self,
         mut h: Array,
-        rows: &[&[i32]; 3],
+        rows: &ChunkRows,
         deepstack: Option<Deepstack>,
         riders: &[Array],
         start: &ChunkStart,

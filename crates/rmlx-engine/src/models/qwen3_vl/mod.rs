@@ -14,8 +14,8 @@ use mlx_rs::Array;
 use self::{
     config::Config,
     language::{
-        chunk_base, delta_after, image_rows, rope_index, rows_from_rider, rows_rider, text_rows,
-        Deepstack, LanguageModel as TextModel,
+        batch_image_rows, chunk_base, delta_after, image_rows, rope_index, rows_from_rider,
+        rows_rider, text_rows, ChunkRows, Deepstack, ImageTokenIds, LanguageModel as TextModel,
     },
     vision::VisionModel,
 };
@@ -77,6 +77,14 @@ impl Model {
         &self.config
     }
 
+    fn image_tokens(&self) -> ImageTokenIds {
+        ImageTokenIds {
+            image: self.config.image_token_id,
+            vision_start: self.config.vision_start_token_id,
+            merge: self.config.vision_config.spatial_merge_size,
+        }
+    }
+
     /// mlx-vlm's `get_rope_index` for one prompt (rows t, h, w and the rope delta).
     pub fn rope_index(&self, ids: &[u32], grids: &[[i32; 3]]) -> MropePositions {
         rope_index(ids, grids, &self.config)
@@ -128,12 +136,12 @@ impl VisionLanguageModel for Model {
             let rows = rows_from_rider(arrays.next().as_ref())?;
             let single = h.shape()[0] == 1;
             let riders = [rows_rider(&rows)];
-            let refs = [&rows[0][..], &rows[1][..], &rows[2][..]];
+            let delta = delta_after(&rows, start.position());
+            let rows = ChunkRows::Shared(rows);
             let out = self
                 .language
-                .forward_embeddings(h, &refs, None, &riders, &start, caches, logits)?;
+                .forward_embeddings(h, &rows, None, &riders, &start, caches, logits)?;
             if single {
-                let delta = delta_after(&rows, start.position());
                 caches
                     .iter_mut()
                     .for_each(|cache| cache.set_rope_delta(delta));
@@ -145,10 +153,15 @@ impl VisionLanguageModel for Model {
         let Some(features) = features else {
             let rows = text_rows(inputs.shape()[inputs.ndim() - 1], base);
             let riders: Vec<Array> = pipeline.then(|| rows_rider(&rows)).into_iter().collect();
-            let rows = [&rows[0][..], &rows[1][..], &rows[2][..]];
-            return self
-                .language
-                .forward_embeddings(h, &rows, None, &riders, &start, caches, logits);
+            return self.language.forward_embeddings(
+                h,
+                &ChunkRows::Shared(rows),
+                None,
+                &riders,
+                &start,
+                caches,
+                logits,
+            );
         };
         let ids = host_ids(inputs)?;
         let scatter = ImageScatter::new(&ids, self.config.image_token_id);
@@ -163,11 +176,24 @@ impl VisionLanguageModel for Model {
                 features: bad.shape()[0] as usize,
             });
         }
-
-        let positions = rope_index(&ids, &features.grid_thw, &self.config);
-        let rows = image_rows(&positions, base);
-        let riders: Vec<Array> = pipeline.then(|| rows_rider(&rows)).into_iter().collect();
-        let rows = [&rows[0][..], &rows[1][..], &rows[2][..]];
+        // One sequence's rope delta after the chunk, or each batch row's.
+        let (rows, deltas) = match &ids[..] {
+            [one] => {
+                let positions = rope_index(one, &features.grid_thw, &self.config);
+                let rows = ChunkRows::Shared(image_rows(&positions, base));
+                (rows, vec![delta + positions.rope_delta])
+            }
+            _ => {
+                let first = caches
+                    .first()
+                    .ok_or_else(|| EngineError::InvalidRequest("no layer caches".into()))?;
+                batch_image_rows(&ids, &features.grid_thw, self.image_tokens(), first)?
+            }
+        };
+        let riders: Vec<Array> = match pipeline {
+            true => vec![rows_rider(rows.shared()?)],
+            false => Vec::new(),
+        };
         let deepstack = Deepstack {
             gather: &scatter.gather,
             features: &features.deepstack,
@@ -182,8 +208,12 @@ impl VisionLanguageModel for Model {
             logits,
         )?;
         for cache in caches.iter_mut() {
-            cache.set_rope_delta(delta + positions.rope_delta);
+            cache.set_row_rope_deltas(&deltas);
         }
         Ok(out)
+    }
+
+    fn groups_images(&self) -> bool {
+        self.language.part.stage().is_none()
     }
 }

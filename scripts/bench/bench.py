@@ -174,7 +174,10 @@ class RmlxServer:
     def __init__(self, binary, model_dir, log_path, extra_args=()):
         self.port = free_port()
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([binary, "serve", "--model", model_dir, "--port", str(self.port), *extra_args],
+        # No disk prefix cache: it outlives the process, and bench.py's seeded prompts repeat from
+        # one invocation to the next (another arm's server would read their prefixes back).
+        self.proc = subprocess.Popen([binary, "serve", "--model", model_dir, "--port", str(self.port),
+                                      "--prefix-disk-gb", "0", *extra_args],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.base = f"http://127.0.0.1:{self.port}"
         deadline = time.time() + 300

@@ -139,8 +139,10 @@ def main():
     bias = {i: -1e9 for i in eos_ids(args.model)}
 
     rport, mport = free_port(), free_port()
+    # No disk prefix cache: the seeded prompts repeat from one invocation to the next.
     rmlx = Server("rmlx", [args.rmlx, "serve", "--model", args.model, "--port", str(rport),
-                           *shlex.split(args.rmlx_args)], rport, "/tmp/bench-concurrency-rmlx.log")
+                           "--prefix-disk-gb", "0", *shlex.split(args.rmlx_args)], rport,
+                  "/tmp/bench-concurrency-rmlx.log")
     try:
         mlx_lm = Server("mlx_lm", [sys.executable, "-m", "mlx_lm.server", "--model", args.model,
                                    "--port", str(mport), *shlex.split(args.mlx_lm_args)],

@@ -86,16 +86,21 @@ def stream_one(server, model, prompt, max_tokens, bias, out):
     out.append({"sent": sent, "stamps": stamps, "finish": finish, "text": text, "batched_with": batched})
 
 
-def burst(server, model, prompts, max_tokens, bias):
-    results = []
-    threads = [threading.Thread(target=stream_one, args=(server, model, p, max_tokens, bias, results))
-               for p in prompts]
+def at_once(target, calls):
+    """Runs `target(*args)` for every args of `calls` in threads started together; the wall
+    seconds from the first start to the last end."""
+    threads = [threading.Thread(target=target, args=args) for args in calls]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    end = time.perf_counter()
+    return time.perf_counter() - start
+
+
+def burst(server, model, prompts, max_tokens, bias):
+    results = []
+    wall = at_once(stream_one, [(server, model, p, max_tokens, bias, results) for p in prompts])
     if len(results) != len(prompts):
         raise SystemExit(f"{server.name}: {len(prompts) - len(results)} streams failed (see its log)")
     for r in results:
@@ -106,7 +111,7 @@ def burst(server, model, prompts, max_tokens, bias):
     per_stream = [(max_tokens - 1) / (r["stamps"][-1] - r["stamps"][0]) for r in results if len(r["stamps"]) > 1]
     # rmlx reports how many requests decoded together (`timings.batched_with`); mlx-lm does not.
     widest = max((r["batched_with"] or 0) for r in results)
-    return {"aggregate_tps": tokens / (end - start), "wall_s": end - start, "ttft_ms": ttfts,
+    return {"aggregate_tps": tokens / wall, "wall_s": wall, "ttft_ms": ttfts,
             "per_stream_tps": per_stream, "batched_with": widest or None}
 
 

@@ -24,7 +24,6 @@ import shlex
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -32,7 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench import eos_ids  # noqa: E402
-from concurrency import Server, free_port, prompts_for  # noqa: E402
+from concurrency import Server, at_once, free_port, prompts_for  # noqa: E402
 
 
 def stream_one(server, model, prompt, max_tokens, bias, out):
@@ -57,14 +56,7 @@ def stream_one(server, model, prompt, max_tokens, bias, out):
 
 def burst(server, model, prompts, max_tokens, bias):
     results = []
-    threads = [threading.Thread(target=stream_one, args=(server, model, p, max_tokens, bias, results))
-               for p in prompts]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    wall = at_once(stream_one, [(server, model, p, max_tokens, bias, results) for p in prompts])
     if len(results) != len(prompts) or any(r["finish"] != "length" or not r["timings"] for r in results):
         raise SystemExit(f"rmlx: a stream failed or ended early: {results}")
     return {"aggregate_tps": max_tokens * len(prompts) / wall, "wall_s": wall,

@@ -26,15 +26,13 @@ import os
 import random
 import statistics
 import sys
-import threading
-import time
 import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench import WORDS  # noqa: E402
-from concurrency import Server, free_port, pct  # noqa: E402
+from concurrency import Server, at_once, free_port, pct  # noqa: E402
 
 try:
     from PIL import Image
@@ -70,13 +68,7 @@ def burst(server, model, seed, streams, size, words):
                 {"type": "text", "text": text}]}],
         })
     answers = []
-    threads = [threading.Thread(target=ask, args=(server, body, answers)) for body in bodies]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    wall = at_once(ask, [(server, body, answers) for body in bodies])
     if len(answers) != streams:
         raise SystemExit(f"{server.name}: {streams - len(answers)} requests failed (see its log)")
     timings = [a.get("timings") or {} for a in answers]

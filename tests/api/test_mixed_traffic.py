@@ -1,18 +1,21 @@
 """Mixed traffic against a real `rmlx serve`, speculative decoding on as it is served by default.
 
-For the tiny Qwen3 (prompt lookup drafts) and the Qwen3.6-35B-A3B release fixture (Gated DeltaNet,
-MoE, its MTP head drafts), four clients send 100 seeded random requests each, at once, across /v1/chat/completions,
-/v1/messages and /v1/completions, combining what agents and SDKs send: grammars (json_schema,
-json_object, forced tool calls), greedy and sampled decoding with filters and penalties,
-log-probs, stop strings, streaming, logit bias, and prompts whose words repeat (so prompt lookup
-drafts, and a grammar may refuse the draft). Every request is answered 200; a constrained answer
-that ended on its own parses and fits its schema; the server is alive after and exits cleanly.
-Such a mix once killed the server: a sampled row whose first draft the grammar refused reached
-MLX's scan with an empty axis (SIGFPE).
+For the tiny Qwen3 (prompt lookup drafts), the Qwen3.6-35B-A3B release fixture (Gated DeltaNet,
+MoE, its MTP head drafts, vision) and the tiny Gemma 4 (sliding windows, vision), four clients send
+100 seeded random requests each, at once, across /v1/chat/completions, /v1/messages and
+/v1/completions, combining what agents and SDKs send: grammars (json_schema, json_object, forced
+tool calls), greedy and sampled decoding with filters and penalties, log-probs, stop strings,
+streaming, logit bias, prompts whose words repeat (so prompt lookup drafts, and a grammar may
+refuse the draft), pictures of two sizes where the model sees (so prompts with images prefill
+together or alone), and clients that hang up after the first streamed chunk. Every request is
+answered 200; a constrained answer that ended on its own parses and fits its schema; the server
+is alive after and exits cleanly. Such a mix once killed the server: a sampled row whose first
+draft the grammar refused reached MLX's scan with an empty axis (SIGFPE).
 
 Run: cargo test -p rmlx-cli --test contract (it runs tests/api; needs .venv-sdk).
 """
 
+import base64
 import json
 import random
 import threading
@@ -42,9 +45,17 @@ TOOLS = [
 ]
 
 
+PICTURES = [base64.b64encode((ROOT / "tests/fixtures/vision-images" / name).read_bytes()).decode()
+            for name in ("gradient_64x48.png", "gradient_64x48_mirror.png", "noise_80x100.png")]
+
+
 class Client:
-    def __init__(self, seed, model):
-        self.rng, self.model = random.Random(seed), model
+    def __init__(self, seed, model, sees):
+        self.rng, self.model, self.sees = random.Random(seed), model, sees
+
+    def picture(self):
+        """A picture for half the prompts where the model sees (two of one size, one other)."""
+        return self.rng.choice(PICTURES) if self.sees and self.rng.random() < 0.5 else None
 
     def text(self):
         return " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(1, 40)))
@@ -64,6 +75,11 @@ class Client:
         messages = [{"role": "user", "content": self.text()}]
         if rng.random() < 0.4:
             messages += [{"role": "assistant", "content": self.text()}, {"role": "user", "content": self.text()}]
+        picture = self.picture()
+        if picture:
+            messages[-1]["content"] = [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + picture}},
+                {"type": "text", "text": messages[-1]["content"]}]
         body = self.sampling({"model": self.model, "messages": messages, "max_tokens": rng.randint(1, 24),
                               "enable_thinking": rng.random() < 0.3})
         if rng.random() < 0.2:
@@ -97,8 +113,13 @@ class Client:
 
     def messages(self):
         rng = self.rng
+        content = self.text()
+        picture = self.picture()
+        if picture:
+            content = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": picture}},
+                       {"type": "text", "text": content}]
         body = self.sampling({"model": self.model, "max_tokens": rng.randint(1, 24),
-                              "messages": [{"role": "user", "content": self.text()}]})
+                              "messages": [{"role": "user", "content": content}]})
         if rng.random() < 0.4:
             body["tools"] = [{"name": tool["function"]["name"], "input_schema": tool["function"]["parameters"]}
                              for tool in TOOLS]
@@ -154,24 +175,39 @@ def check_answer(path, body, answer):
     return False
 
 
-@pytest.mark.parametrize("model", [LOCAL, "qwen3.6-35b-a3b"])
+# Each model's folder and its clients' requests (Gemma 4 fewer: the suite's time).
+FOLDERS = {LOCAL: (None, REQUESTS), "qwen3.6-35b-a3b": ("tests/fixtures/releases/qwen3.6-35b-a3b", REQUESTS),
+           "gemma4-tiny": ("tests/fixtures/gemma4-tiny", 50)}
+
+
+@pytest.mark.parametrize("model", list(FOLDERS))
 def test_mixed_traffic_is_answered_and_constrained(tmp_path, model):
-    also = [ROOT / "tests/fixtures/releases" / model] if model != LOCAL else []
-    process, url = start_server(tmp_path, max_ctx=2048, also=also)
-    failures, checked, lock = [], [0], threading.Lock()
+    folder, count = FOLDERS[model]
+    folder = folder and ROOT / folder
+    sees = bool(folder) and (folder / "preprocessor_config.json").exists()
+    process, url = start_server(tmp_path, max_ctx=2048, also=[folder] if folder else [])
+    failures, checked, grouped, lock = [], [0], [0], threading.Lock()
 
     def client(seed):
-        requests = Client(seed, model)
-        for _ in range(REQUESTS):
+        requests = Client(seed, model, sees)
+        for _ in range(count):
             path, body = requests.next_request()
             request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
                                              headers={"content-type": "application/json"})
+            # A client that hangs up after the first streamed chunk (its row is cancelled).
+            hang_up = body.get("stream") and requests.rng.random() < 0.15
             try:
                 with urllib.request.urlopen(request, timeout=120) as response:
-                    raw = response.read()
-                if not body.get("stream") and check_answer(path, body, json.loads(raw)):
+                    raw = response.readline() if hang_up else response.read()
+                if hang_up:
+                    continue
+                answer = None if body.get("stream") else json.loads(raw)
+                if answer and check_answer(path, body, answer):
                     with lock:
                         checked[0] += 1
+                if answer and (answer.get("timings") or {}).get("images_prefilled_with", 0) >= 2:
+                    with lock:
+                        grouped[0] += 1
             except urllib.error.HTTPError as error:
                 problem = f"HTTP {error.code}: {error.read()[:300]!r}"
             except Exception as error:  # noqa: BLE001 (a dead server, a failed check: all reported)
@@ -189,8 +225,9 @@ def test_mixed_traffic_is_answered_and_constrained(tmp_path, model):
             thread.start()
         for thread in threads:
             thread.join()
-        assert not failures, f"{len(failures)} of {CLIENTS * REQUESTS} requests failed:\n" + "\n".join(failures[:10])
-        print(f"mixed traffic on {model}: {CLIENTS * REQUESTS} requests answered, {checked[0]} constrained answers checked")
+        assert not failures, f"{len(failures)} of {CLIENTS * count} requests failed:\n" + "\n".join(failures[:10])
+        print(f"mixed traffic on {model}: {CLIENTS * count} requests answered, {checked[0]} constrained answers "
+              f"checked, {grouped[0]} answers whose picture prefilled beside another's")
         assert checked[0] >= 10, "too few constrained answers finished to check the grammars"
     finally:
         stop_server(process)

@@ -38,10 +38,7 @@ impl ImagePrefill {
     /// The features of the image blocks that lie within `piece` (None: it holds none). A
     /// piece never cuts a block ([`plan_chunks`]).
     pub fn features_within(&self, piece: Range<usize>) -> Option<VisionFeatures> {
-        let inside: Vec<usize> = (0..self.blocks.len())
-            .filter(|&i| self.blocks[i].start >= piece.start && self.blocks[i].end <= piece.end)
-            .collect();
-        let (&first, &last) = (inside.first()?, inside.last()?);
+        let (first, last) = self.blocks_within(piece)?;
         // Feature rows of image i start at row_starts[i]; the encoded ones at `first_image`.
         let mut row_starts = vec![0usize];
         for span in &self.spans {
@@ -62,11 +59,19 @@ impl ImagePrefill {
         })
     }
 
+    /// The first and last image blocks that lie within `piece` (None: it holds none).
+    pub fn blocks_within(&self, piece: Range<usize>) -> Option<(usize, usize)> {
+        let mut inside = (0..self.blocks.len())
+            .filter(|&i| self.blocks[i].start >= piece.start && self.blocks[i].end <= piece.end);
+        let first = inside.next()?;
+        Some((first, inside.next_back().unwrap_or(first)))
+    }
+
     /// The image block that a step taking `start..end` of a prompt would cut, if any.
     pub fn block_cut_at(&self, start: usize, end: usize) -> Option<Range<usize>> {
         self.blocks
             .iter()
-            .find(|block| block.start < end && end < block.end && block.end > start)
+            .find(|block| block.start < end && end < block.end && block.start >= start)
             .cloned()
     }
 }

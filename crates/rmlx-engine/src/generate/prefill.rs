@@ -295,7 +295,7 @@ impl Prefill {
         crate::runtime::eval(self.caches.iter().flat_map(|cache| cache.state()))?;
         self.prefilled_with = self.prefilled_with.max(1);
         if let Some(images) = &self.images {
-            if images.features_within(piece.clone()).is_some() {
+            if images.blocks_within(piece.clone()).is_some() {
                 self.images_prefilled_with = self.images_prefilled_with.max(1);
             }
         }

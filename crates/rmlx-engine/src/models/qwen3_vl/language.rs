@@ -51,14 +51,19 @@ pub struct ImageTokenIds {
     pub merge: i32,
 }
 
+/// How many image blocks `ids` open (a vision-start token followed by an image token), as
+/// `get_rope_index` counts them.
+fn image_count(ids: &[u32], tokens: ImageTokenIds) -> usize {
+    ids.windows(2)
+        .filter(|pair| pair[0] == tokens.vision_start && pair[1] == tokens.image)
+        .count()
+}
+
 /// [`rope_index`] for any family with Qwen3-VL's image blocks.
 pub fn rope_index_for(ids: &[u32], grids: &[[i32; 3]], tokens: ImageTokenIds) -> MropePositions {
     let len = ids.len();
     let merge = tokens.merge;
-    let image_nums = ids
-        .windows(2)
-        .filter(|pair| pair[0] == tokens.vision_start && pair[1] == tokens.image)
-        .count();
+    let image_nums = image_count(ids, tokens);
     if grids.is_empty() || image_nums == 0 {
         let positions: Vec<i32> = (0..len as i32).collect();
         return MropePositions {
@@ -161,14 +166,7 @@ pub(crate) fn batch_image_rows(
     tokens: ImageTokenIds,
     cache: &KvCache,
 ) -> Result<(ChunkRows, Vec<i32>)> {
-    let counts: Vec<usize> = ids
-        .iter()
-        .map(|row| {
-            row.windows(2)
-                .filter(|pair| pair[0] == tokens.vision_start && pair[1] == tokens.image)
-                .count()
-        })
-        .collect();
+    let counts: Vec<usize> = ids.iter().map(|row| image_count(row, tokens)).collect();
     let grids = crate::models::grids_per_row(grids, &counts)?;
     let (bases, deltas) = (cache.row_rope_bases(), cache.row_rope_deltas());
     let mut rows = Vec::with_capacity(ids.len());

@@ -59,6 +59,9 @@
 #   mlx-lm's server per arm of AB_ARMS ("auto exact off", see the mode) on C_MODELS; AB_RUNS (3).
 # MODE=pipeline (step 2 instead; issue 33 e): pipeline_overhead.py, two ranks on this GPU
 #   against one process (PIPE_KIND bf16, PIPE_RUNS 3, PIPE_TOKENS 128).
+# MODE=steps (step 2 instead; issue 32): probe_masked_decode.py, then `rmlx bench --step-profile`
+#   alone at S_STREAMS ("1 8") streams on C_MODELS' Qwen3-4B shapes (P_RUNS 2): the 8-row 4-bit
+#   step against bf16's, and where a 4-row masked step's time goes.
 # MODE=profile (step 2 instead): probe_ops.py (per-op costs of MLX CUDA at the decode shapes),
 #   the same two checkpoints, `rmlx bench --step-profile` at 1 and P_STREAMS (8) streams (bf16 also
 #   with MLX_DISABLE_COMPILE=1 RMLX_WEIGHTS_ON_DEVICE=0), then concurrency.py and bench.py on bf16.
@@ -355,6 +358,28 @@ if [[ $MODE == gemma_kv ]]; then
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
   step "done ($rc)"
   exit $rc
+fi
+
+if [[ $MODE == steps ]]; then
+  # Issue 32: what one decode step costs, rmlx alone. probe_masked_decode.py (a 4-row one-query
+  # attention with and without the ragged batch's mask, over the whole buffer, and grouped),
+  # then `rmlx bench --step-profile` at S_STREAMS (1,8) on the Qwen3-4B shapes of C_MODELS:
+  # the 8-row 4-bit step against bf16's.
+  step "probe masked decode"
+  timeout 120 python3 scripts/bench/h200/probe_masked_decode.py --json-out "$OUT/probe-masked-decode.json"
+  qwen3_models || exit 1
+  for kind in ${C_MODELS:-bf16 4bit}; do
+    for streams in ${S_STREAMS:-1 8}; do
+      left=$(( LIMIT - SECONDS ))
+      (( left > 40 )) || { echo "no time left for $kind x$streams"; break 2; }
+      step "rmlx bench $kind x$streams"
+      RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench --model "$BENCH/qwen3-4b-shape-$kind" \
+        --prompt-tokens "${C_PROMPT:-512}" --gen-tokens "${C_TOKENS:-128}" --runs "${P_RUNS:-2}" \
+        --concurrency "$streams" --step-profile | tee "$OUT/steps-$kind-s$streams.txt"
+    done
+  done
+  step "done"
+  exit 0
 fi
 
 if [[ $MODE == profile ]]; then

@@ -59,7 +59,8 @@
 #   mlx-lm's server per arm of AB_ARMS ("auto exact off", see the mode) on C_MODELS; AB_RUNS (3).
 # MODE=pipeline (step 2 instead; issue 33 e): pipeline_overhead.py, two ranks on this GPU
 #   against one process (PIPE_KIND bf16, PIPE_RUNS 3, PIPE_TOKENS 128).
-# MODE=steps (step 2 instead; issue 32): probe_masked_decode.py, then `rmlx bench --step-profile`
+# MODE=steps (step 2 instead; issue 32): probe_masked_decode.py, scripts/upstream/
+#   mlx_cuda_qmm_small_m.py (the upstream report's table), then `rmlx bench --step-profile`
 #   alone at S_STREAMS ("1 8") streams on C_MODELS' Qwen3-4B shapes (P_RUNS 2): the 8-row 4-bit
 #   step against bf16's, and where a 4-row masked step's time goes.
 # MODE=profile (step 2 instead): probe_ops.py (per-op costs of MLX CUDA at the decode shapes),
@@ -367,6 +368,8 @@ if [[ $MODE == steps ]]; then
   # the 8-row 4-bit step against bf16's.
   step "probe masked decode"
   timeout 120 python3 scripts/bench/h200/probe_masked_decode.py --json-out "$OUT/probe-masked-decode.json"
+  step "upstream reproduction: 4-bit matmul at small M"
+  timeout 120 python3 scripts/upstream/mlx_cuda_qmm_small_m.py --json-out "$OUT/qmm-small-m.json"
   qwen3_models || exit 1
   for kind in ${C_MODELS:-bf16 4bit}; do
     for streams in ${S_STREAMS:-1 8}; do

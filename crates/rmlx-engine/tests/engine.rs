@@ -956,6 +956,59 @@ fn prompts_with_images_prefilled_together_equal_their_solo_runs() {
     }
 }
 
+/// An image block longer than a group step's share per row goes alone at once, beside a long
+/// text prompt prefilling in pieces of one chunk: the picture's prompt is done long before
+/// the text's (it used to wait: the text prompt, whose pieces can never take the whole block,
+/// went alone, the group of two dissolved and formed again, and the block never stepped until
+/// the text was prefilled). Both answers equal their solo runs.
+#[test]
+fn an_image_block_longer_than_a_chunk_does_not_wait_for_text_beside_it() {
+    let dir = "qwen3-vl-tiny";
+    let chunked = |mut request: Request, id: &str| {
+        request.params.prefill_chunk = Some(4);
+        request.params.max_tokens = 2;
+        request.request_id = Some(id.to_string());
+        request
+    };
+    let long_text = (0..300)
+        .map(|i| ["river", "stone", "maple", "quiet"][i % 4])
+        .collect::<Vec<_>>()
+        .join(" ");
+    let picture = || {
+        chunked(
+            batch_request(dir, "Describe it", Some("noise_80x100.png"), 2),
+            "picture",
+        )
+    };
+    let text = || chunked(batch_request(dir, &long_text, None, 2), "text");
+    let alone = without_prefix_cache(1);
+    let solo_picture = alone.submit(picture()).unwrap().wait().unwrap();
+    let solo_text = alone.submit(text()).unwrap().wait().unwrap();
+    let engine = without_prefix_cache(8);
+    let hold = engine.hold_for_warm_up();
+    let handles = [
+        engine.submit(picture()).unwrap(),
+        engine.submit(text()).unwrap(),
+    ];
+    engine.model_info(&fixture(dir)).unwrap();
+    drop(hold);
+    let [with_picture, text_only] = handles.map(|handle| handle.wait().unwrap());
+    assert_same_answer("picture", &solo_picture, &with_picture, 1e-4);
+    assert_same_answer("text", &solo_text, &text_only, 1e-4);
+    assert!(
+        text_only.prompt_tokens > 4 * with_picture.prompt_tokens,
+        "{} vs {} prompt tokens",
+        text_only.prompt_tokens,
+        with_picture.prompt_tokens
+    );
+    assert!(
+        with_picture.timings.ttft_ms < text_only.timings.ttft_ms,
+        "the picture's prompt waited for the text: TTFT {:.1} against {:.1} ms",
+        with_picture.timings.ttft_ms,
+        text_only.timings.ttft_ms
+    );
+}
+
 /// Prompts that arrive while a group prefills enter it mid-way: their rows are left-padded to
 /// the group's columns and take the same pieces from then on; every answer equals its solo run.
 #[test]

@@ -474,12 +474,16 @@ pub fn group_len(
             starts_other || front(member).len() < whole || member.block_cut_by(whole).is_some()
         })
         .collect();
-    match alone.is_empty() && whole * rows <= tokens {
-        true => Ok(whole),
-        // Over the step's budget: the blocks go alone.
-        false if alone.is_empty() => Err((0..members.len())
+    // Blocks over the step's budget go alone first: sending away the members that cannot
+    // take them would not make them fit, and those members (a text prompt in pieces of one
+    // chunk, shorter than such a block) come back to the same choice every step.
+    if whole * rows > tokens {
+        return Err((0..members.len())
             .filter(|&at| members[at].block_cut_by(len).is_some())
-            .collect()),
+            .collect());
+    }
+    match alone.is_empty() {
+        true => Ok(whole),
         false => Err(alone),
     }
 }

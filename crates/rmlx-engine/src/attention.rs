@@ -134,6 +134,9 @@ pub(crate) fn attend_fetched(
 ) -> Result<Array> {
     let (keys, values, bits, group_size) = match fetched {
         Fetched::Dense { keys, values } => {
+            if let Some(visible) = grouped_one_query_mask(queries, mask) {
+                return grouped_one_query(queries, keys, values, scale, visible);
+            }
             return Ok(fast::scaled_dot_product_attention(
                 queries,
                 keys,
@@ -141,7 +144,7 @@ pub(crate) fn attend_fetched(
                 scale,
                 mask.as_sdpa(),
                 None,
-            )?)
+            )?);
         }
         Fetched::Quantized {
             keys,
@@ -156,6 +159,9 @@ pub(crate) fn attend_fetched(
         let dense = |[packed, scales, biases]: &[Array; 3]| {
             ops::dequantize(packed, scales, biases, group_size, bits)
         };
+        if let Some(visible) = grouped_one_query_mask(queries, mask) {
+            return grouped_one_query(queries, &dense(keys)?, &dense(values)?, scale, visible);
+        }
         return Ok(fast::scaled_dot_product_attention(
             queries,
             dense(keys)?,
@@ -166,6 +172,48 @@ pub(crate) fn attend_fetched(
         )?);
     }
     quantized_attention(queries, keys, values, scale, mask, (bits, group_size))
+}
+
+/// The mask of a one-query step that [`grouped_one_query`] computes instead of MLX's SDPA:
+/// only where `RMLX_GROUPED_ONE_QUERY=1`. MLX 0.32's CUDA backend has no fused kernel for one
+/// query under a mask array (a padded or ragged batch's decode step: its vector kernel refuses
+/// array masks and cuDNN takes one query only unmasked), so SDPA runs its unfused fallback,
+/// whose matmuls broadcast the keys and values over each KV head's query heads. Whether the
+/// grouped form is cheaper there is for the GPU to say (`MODE=steps` of
+/// scripts/bench/h200/run.sh); until then the switch only exists for that A/B run.
+fn grouped_one_query_mask<'m>(queries: &Array, mask: &'m Mask) -> Option<&'m Array> {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| {
+        std::env::var("RMLX_GROUPED_ONE_QUERY").is_ok_and(|value| value.trim() == "1")
+    });
+    match mask {
+        Mask::Array(visible) if on && queries.shape()[2] == 1 => Some(visible),
+        _ => None,
+    }
+}
+
+/// One query per row attending under a mask `[B, 1, 1, L]`: each KV head's query heads are
+/// the rows of one matmul against its keys (`[B, KV heads, repeats, D] @ [B, KV heads, D, L]`),
+/// so no operand is broadcast; then the masked softmax (in f32) and one matmul with the values.
+fn grouped_one_query(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    visible: &Array,
+) -> Result<Array> {
+    let shape = queries.shape();
+    let (batch, heads, dim) = (shape[0], shape[1], shape[3]);
+    let kv_heads = keys.shape()[1];
+    let repeats = heads / kv_heads.max(1);
+    let queries = ops::multiply(queries, crate::nn::scalar(scale as f64, queries)?)?
+        .reshape(&[batch, kv_heads, repeats, dim])?;
+    let scores = ops::matmul(&queries, keys.swap_axes(-1, -2)?)?;
+    let hidden = crate::nn::scalar(f64::NEG_INFINITY, &scores)?;
+    let scores = ops::select(visible, &scores, &hidden)?;
+    let weights = ops::softmax_axis(&scores, -1, true)?;
+    let out = ops::matmul(&weights, values)?;
+    Ok(out.reshape(&[batch, heads, 1, -1])?)
 }
 
 /// `softmax(q kᵀ · scale) v` with `k`, `v` quantized (mlx-lm `base.py`
@@ -357,6 +405,43 @@ mod tests {
             crate::cache::KvStorage::Quantized { bits: 8, .. }
         ));
         compare(&eight_bit, 3, 110, "8-bit cache");
+    }
+
+    /// The grouped one-query form equals MLX's SDPA under the same mask: GQA repeats of 1, 2
+    /// and 4, a left-padded batch's mask and a ragged one's (fp32).
+    #[test]
+    fn one_query_grouped_over_kv_heads_equals_sdpa() {
+        let rows = 3;
+        for (heads, kv_heads) in [(4, 4), (4, 2), (8, 2)] {
+            let q = randn(&[rows, heads, 1, 16], 1);
+            let k = randn(&[rows, kv_heads, 37, 16], 2);
+            let v = randn(&[rows, kv_heads, 37, 16], 3);
+            // Row 1 left-padded by 5 columns, row 2 ending 4 columns early (ragged).
+            let cols = ops::arange::<_, i32>(0, 37, None)
+                .unwrap()
+                .reshape(&[1, 1, 1, 37])
+                .unwrap();
+            let first = Array::from_slice(&[0, 5, 0], &[rows, 1, 1, 1]);
+            let end = Array::from_slice(&[37, 37, 33], &[rows, 1, 1, 1]);
+            let visible = ops::logical_and(
+                ops::ge(&cols, &first).unwrap(),
+                ops::lt(&cols, &end).unwrap(),
+            )
+            .unwrap();
+            let want = fast::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                0.25,
+                Some(ScaledDotProductAttentionMask::Array(&visible)),
+                None,
+            )
+            .unwrap();
+            let got = grouped_one_query(&q, &k, &v, 0.25, &visible).unwrap();
+            assert_eq!(got.shape(), want.shape());
+            let diff = max_diff(&got, &want);
+            assert!(diff < 1e-5, "{heads} heads over {kv_heads}: {diff}");
+        }
     }
 
     #[test]

@@ -554,6 +554,32 @@ fn assert_same_answer(what: &str, solo: &Completion, batched: &Completion, toler
     }
 }
 
+/// The every-family batch check again with each padded row's one-query steps computed by
+/// grouped matmuls over its KV heads instead of MLX's SDPA (`RMLX_GROUPED_ONE_QUERY=1`, the
+/// A/B switch for CUDA, see `attention::grouped_one_query_mask`), in a child process of this
+/// test binary (the switch is read once per process): the answers still equal solo runs.
+#[test]
+fn padded_one_query_steps_grouped_over_kv_heads_equal_solo_runs() {
+    if std::env::var_os("RMLX_GROUPED_ONE_QUERY").is_some() {
+        return; // the child: its parent asked for the other test
+    }
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "batched_requests_equal_their_solo_runs_in_every_family",
+        ])
+        .env("RMLX_GROUPED_ONE_QUERY", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains("1 passed"), "{stdout}");
+}
+
 /// Continuous batching in every family: four requests of different prompt lengths and token
 /// budgets (so rows join mid-decode, padded, and leave while others go on; with an image
 /// where the family sees) each equal their solo runs, the text prompts having prefilled

@@ -171,6 +171,30 @@ fn short_steps_over_the_whole_buffer_stay_exact() {
     assert!(stdout.contains("3 passed"), "{stdout}");
 }
 
+/// The ragged batch check again with every one-query step under a mask computed by grouped
+/// matmuls over each KV head's query heads instead of MLX's SDPA (`RMLX_GROUPED_ONE_QUERY=1`,
+/// the A/B switch for CUDA; engine.rs checks every family's padded batch the same way): each
+/// row must still equal its solo run, whose unmasked steps take SDPA. In a child process, as
+/// above.
+#[test]
+fn masked_one_query_steps_grouped_over_kv_heads_stay_exact() {
+    if std::env::var_os("RMLX_GROUPED_ONE_QUERY").is_some() {
+        return; // the child: its parent asked for the other tests
+    }
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "one_draft_then_plain_steps_in_a_batch"])
+        .env("RMLX_GROUPED_ONE_QUERY", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains("1 passed"), "{stdout}");
+}
+
 /// One host synchronisation per speculative step: a run's decode evaluations, less those of
 /// a run that only prefilled, equal its steps.
 #[test]

@@ -62,7 +62,8 @@
 # MODE=steps (step 2 instead; issue 32): probe_masked_decode.py, scripts/upstream/
 #   mlx_cuda_qmm_small_m.py (the upstream report's table), then `rmlx bench --step-profile`
 #   alone at S_STREAMS ("1 8") streams on C_MODELS' Qwen3-4B shapes (P_RUNS 2): the 8-row 4-bit
-#   step against bf16's, and where a 4-row masked step's time goes.
+#   step against bf16's, and where a 4-row masked step's time goes; then bf16 at 4 streams
+#   (--ragged-check, then plain) with RMLX_GROUPED_ONE_QUERY 0 / 1 alternating.
 # MODE=profile (step 2 instead): probe_ops.py (per-op costs of MLX CUDA at the decode shapes),
 #   the same two checkpoints, `rmlx bench --step-profile` at 1 and P_STREAMS (8) streams (bf16 also
 #   with MLX_DISABLE_COMPILE=1 RMLX_WEIGHTS_ON_DEVICE=0), then concurrency.py and bench.py on bf16.
@@ -380,6 +381,20 @@ if [[ $MODE == steps ]]; then
         --prompt-tokens "${C_PROMPT:-512}" --gen-tokens "${C_TOKENS:-128}" --runs "${P_RUNS:-2}" \
         --concurrency "$streams" --step-profile | tee "$OUT/steps-$kind-s$streams.txt"
     done
+  done
+  # The masked one-query step computed by grouped matmuls (RMLX_GROUPED_ONE_QUERY=1) against
+  # MLX's SDPA fallback, in a ragged batch of 4 and in 4 streams as served (bf16).
+  for grouped in 0 1 0 1; do
+    left=$(( LIMIT - SECONDS ))
+    (( left > 40 )) || { echo "no time left for grouped=$grouped"; break; }
+    step "ragged and 4 streams, RMLX_GROUPED_ONE_QUERY=$grouped"
+    model=$BENCH/qwen3-4b-shape-bf16
+    RMLX_GROUPED_ONE_QUERY=$grouped RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench \
+      --model "$model" --prompt-tokens 512 --gen-tokens 128 --runs 2 --concurrency 4 --ragged-check \
+      | tee -a "$OUT/grouped-$grouped.txt"
+    RMLX_GROUPED_ONE_QUERY=$grouped RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench \
+      --model "$model" --prompt-tokens 512 --gen-tokens 128 --runs 2 --concurrency 4 --step-profile \
+      | tee -a "$OUT/grouped-$grouped.txt"
   done
   step "done"
   exit 0

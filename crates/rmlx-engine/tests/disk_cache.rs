@@ -497,6 +497,64 @@ fn a_disk_read_does_not_stall_a_running_stream() {
     let _ = std::fs::remove_dir_all(&disk);
 }
 
+/// A request cancelled while its prefix, read from disk, waits for another model's batch to
+/// drain ends at once: it no longer holds the queue until that batch ends (and then loads its
+/// model and rebuilds its caches for a client that left).
+#[test]
+fn a_cancelled_request_waiting_after_its_disk_read_ends_at_once() {
+    let model = "qwen3-tiny";
+    let disk = scratch("cancel-ready");
+    let turn1 = on_disk(&disk, None, two_turns(model, None, None));
+    let engine = disk_engine(&disk, None, Some(Duration::from_millis(300)));
+    // Its read begins; then a long answer of another model starts while it reads.
+    let from_disk = engine
+        .submit(two_turns(model, None, Some(&turn1.text)))
+        .unwrap();
+    let other = engine
+        .submit(Request {
+            model: fixture("qwen3-tiny-4bit"),
+            prompt: Prompt::Ids(common::text_ids(40, 3, 10, 500)),
+            params: GenerateParams {
+                max_tokens: 100_000,
+                ignore_eos: true,
+                ..GenerateParams::default()
+            },
+            ..Request::default()
+        })
+        .unwrap();
+    loop {
+        match other.events.recv_timeout(Duration::from_secs(60)).unwrap() {
+            Event::Delta { .. } => break,
+            Event::Error(error) => panic!("{error}"),
+            _ => {}
+        }
+    }
+    // The read is done by now: the request waits for the other model's batch.
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(engine.queue_depth(), 2);
+    from_disk.cancel();
+    let cancelled = Instant::now();
+    while engine.queue_depth() > 1 {
+        assert!(
+            cancelled.elapsed() < Duration::from_secs(10),
+            "the cancelled request still waits behind the other model's batch"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The one left is the other model's answer, still running (it ends at the fixture's
+    // context, seconds later): the cancelled request did not wait for it to end.
+    let ended = other
+        .events
+        .try_iter()
+        .any(|event| matches!(event, Event::Done(_) | Event::Error(_)));
+    assert!(
+        !ended,
+        "the cancelled request ended only after the other model's answer"
+    );
+    drop(other);
+    let _ = std::fs::remove_dir_all(&disk);
+}
+
 fn budget_engine(disk: &Path, budget: u64) -> Engine {
     let engine = Engine::start_with(EngineOptions {
         prefix_disk_dir: Some(disk.to_path_buf()),

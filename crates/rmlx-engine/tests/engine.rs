@@ -149,6 +149,58 @@ fn a_panic_fails_only_its_own_request() {
     assert_eq!(engine.metrics().error_counts["internal"], 3);
 }
 
+/// Requests cancelled while they wait behind one for another model (which waits for the
+/// running batch to drain) give back their queue places at once: a full queue takes a new
+/// request again while the batch still runs.
+#[test]
+fn cancelled_requests_give_back_their_queue_places_at_once() {
+    let engine = Engine::start_with(EngineOptions {
+        max_queue: 2,
+        speculative: rmlx_engine::speculative::SpeculativeMode::Off,
+        ..EngineOptions::default()
+    })
+    .unwrap();
+    let mut long = request("A long answer please", 100_000);
+    long.model = fixture("qwen3-tiny-4bit");
+    let running = engine.submit(long).unwrap();
+    loop {
+        if let Event::Delta { .. } = running.events.recv().unwrap() {
+            break;
+        }
+    }
+    // Both wait: their model is not the running batch's.
+    let head = engine.submit(request("first in line", 4)).unwrap();
+    let behind = engine.submit(request("second in line", 4)).unwrap();
+    assert!(matches!(
+        engine.submit(request("one too many", 4)),
+        Err(EngineError::QueueFull(2))
+    ));
+    drop(behind);
+    let cancelled = std::time::Instant::now();
+    let accepted = loop {
+        match engine.submit(request("in its place", 4)) {
+            Ok(handle) => break handle,
+            Err(EngineError::QueueFull(2)) => {
+                assert!(
+                    cancelled.elapsed() < std::time::Duration::from_secs(1),
+                    "the cancelled request still holds its place"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            Err(other) => panic!("{other}"),
+        }
+    };
+    // Still while the long answer runs (it ends at the fixture's context, seconds later).
+    let ended = running
+        .events
+        .try_iter()
+        .any(|event| matches!(event, Event::Done(_) | Event::Error(_)));
+    assert!(!ended, "the place came back only when the batch drained");
+    drop(running);
+    assert_eq!(head.wait().unwrap().completion_tokens, 4);
+    assert_eq!(accepted.wait().unwrap().completion_tokens, 4);
+}
+
 #[test]
 fn full_queue_is_refused_and_accepted_requests_finish_in_order() {
     // Without speculation: rows of one batch that keep drafts finish early, out of order.
@@ -1032,6 +1084,85 @@ fn an_image_block_longer_than_a_chunk_does_not_wait_for_text_beside_it() {
         "the picture's prompt waited for the text: TTFT {:.1} against {:.1} ms",
         with_picture.timings.ttft_ms,
         text_only.timings.ttft_ms
+    );
+}
+
+/// Members whose pieces are shorter than the group's image blocks step alone, and the group
+/// steps too before they come back: two pictures of one size beside a chat of many short
+/// messages (a Gated DeltaNet model cuts its pieces at every message, each shorter than a
+/// block) are prefilled long before the chat is. They used to wait for all of it: the chat
+/// went alone, came back to the same choice, and the group never stepped.
+#[test]
+fn a_group_steps_while_short_pieces_go_alone_beside_it() {
+    let dir = "releases/qwen3.5-0.8b";
+    let named = |mut request: Request, id: &str| {
+        request.params.max_tokens = 2;
+        request.request_id = Some(id.to_string());
+        request
+    };
+    let picture = |id: &str| {
+        named(
+            batch_request(dir, "Describe it", Some("gradient_64x48.png"), 2),
+            id,
+        )
+    };
+    let chat = || {
+        let mut request = named(batch_request(dir, "", None, 2), "chat");
+        let messages: Vec<serde_json::Value> = (0..40)
+            .map(|i| {
+                let role = ["user", "assistant"][i % 2];
+                serde_json::json!({"role": role, "content": format!("short note {i}")})
+            })
+            .chain(std::iter::once(
+                serde_json::json!({"role": "user", "content": "and the last"}),
+            ))
+            .collect();
+        request.prompt = Prompt::Chat {
+            messages,
+            options: rmlx_engine::chat::TemplateOptions {
+                add_generation_prompt: true,
+                ..Default::default()
+            },
+        };
+        request
+    };
+    let alone = without_prefix_cache(1);
+    let solo: Vec<Completion> = [picture("a"), picture("b"), chat()]
+        .into_iter()
+        .map(|request| alone.submit(request).unwrap().wait().unwrap())
+        .collect();
+    let engine = without_prefix_cache(8);
+    let hold = engine.hold_for_warm_up();
+    let handles = [
+        engine.submit(picture("a")).unwrap(),
+        engine.submit(picture("b")).unwrap(),
+        engine.submit(chat()).unwrap(),
+    ];
+    engine.model_info(&fixture(dir)).unwrap();
+    drop(hold);
+    let together = handles.map(|handle| handle.wait().unwrap());
+    for (index, (solo, together)) in solo.iter().zip(&together).enumerate() {
+        assert_same_answer(&format!("#{index}"), solo, together, 1e-4);
+    }
+    let [a, b, chat] = &together;
+    assert!(
+        chat.prompt_tokens > 3 * a.prompt_tokens,
+        "{} {}",
+        chat.prompt_tokens,
+        a.prompt_tokens
+    );
+    assert!(
+        a.timings.images_prefilled_with >= 2 && b.timings.images_prefilled_with >= 2,
+        "the pictures did not prefill together: {} {}",
+        a.timings.images_prefilled_with,
+        b.timings.images_prefilled_with
+    );
+    assert!(
+        a.timings.ttft_ms.max(b.timings.ttft_ms) < chat.timings.ttft_ms,
+        "the pictures waited for the chat: TTFT {:.1} / {:.1} against {:.1} ms",
+        a.timings.ttft_ms,
+        b.timings.ttft_ms,
+        chat.timings.ttft_ms
     );
 }
 

@@ -63,6 +63,13 @@ impl EngineThread {
         // Requests whose prefix came off the disk go first (they arrived before anything
         // pending); one that cannot go yet holds the queue, as a pending job would.
         while let Some((loading, _)) = self.ready.front() {
+            // Cancelled while it waited for the batch: it ends here, holding nothing up (and
+            // loading no model for a client that left).
+            if loading.ticket.cancel.load(Ordering::Relaxed) {
+                let (loading, _) = self.ready.pop_front().expect("looked at above");
+                self.end_cancelled_wait(loading.ticket);
+                continue;
+            }
             if !self.batch_takes(&loading.request.model) {
                 return;
             }
@@ -84,6 +91,20 @@ impl EngineThread {
                 Err(error) => self.fail(ticket, error),
             }
         }
+        // Requests cancelled anywhere in the queue give back their places now, not when the
+        // head moves: a head waiting for another model's batch to drain held them, and the
+        // queue refused new requests meanwhile.
+        let before = self.pending.len();
+        let queued = &self.queued;
+        self.pending.retain(|job| match job {
+            Job::Generate { cancel, .. } if cancel.load(Ordering::Relaxed) => {
+                settle(queued);
+                false
+            }
+            _ => true,
+        });
+        self.waiting
+            .fetch_sub(before - self.pending.len(), Ordering::SeqCst);
         while let Some(job) = self.pending.front() {
             let busy = self.batch.is_some() || self.prefilling() > 0;
             let running = self.running_key().cloned();
@@ -214,12 +235,16 @@ impl EngineThread {
         };
         let loading = self.loading.swap_remove(at);
         if loading.ticket.cancel.load(Ordering::Relaxed) {
-            let mut ticket = loading.ticket;
-            ticket.settle();
-            self.publish_in_flight();
+            self.end_cancelled_wait(loading.ticket);
             return;
         }
         self.ready.push_back((loading, loaded));
+    }
+
+    /// A request cancelled before it started (its client left): it only gives back its place.
+    fn end_cancelled_wait(&self, mut ticket: Ticket) {
+        ticket.settle();
+        self.publish_in_flight();
     }
 
     pub(super) fn fail(&self, mut ticket: Ticket, error: EngineError) {

@@ -67,40 +67,58 @@ impl EngineThread {
             }
             return true;
         }
-        // A panic in the step leaves the joined caches in no known state: the members fail.
-        self.grouping = true;
-        let stepped = {
-            let group = self.group.as_mut().expect("looked at above");
-            let model = self.models[&key].loaded.model.as_ref();
-            let mut prefills: Vec<&mut Prefill> = group
-                .members
-                .iter_mut()
-                .map(|member| &mut member.prefill)
-                .collect();
-            // One forward over a chunk of every member (up to GROUP_TOKENS in all), then a
-            // decode step of the running streams: they wait for one piece of each prompt,
-            // never for whole prompts.
-            let chunk = prefills.iter().map(|p| p.chunk()).min().unwrap_or(1);
-            let tokens = (chunk * prefills.len()).min(generate::GROUP_TOKENS.max(chunk));
-            match generate::group_len(&prefills, tokens) {
-                Ok(len) => Some(generate::step_together(
-                    model,
-                    &mut prefills,
-                    &mut group.caches,
-                    len,
-                )),
-                Err(alone) => {
-                    alone.into_iter().for_each(|at| prefills[at].go_alone());
-                    None
+        // Members that cannot take the step's length leave to step alone. Where one of them
+        // has no image block ahead the rest step now: it would only come back with more text
+        // and meet the same choice (a chat cut at every short message beside image blocks held
+        // the group until it was prefilled). Leavers with a block ahead come back nearer to
+        // it, to go in with the others' blocks: the group waits for them. Each pass removes a
+        // member, so this ends.
+        let stepped = loop {
+            // A panic in the step leaves the joined caches in no known state: the members fail.
+            self.grouping = true;
+            let stepped = {
+                let group = self.group.as_mut().expect("looked at above");
+                let model = self.models[&key].loaded.model.as_ref();
+                let mut prefills: Vec<&mut Prefill> = group
+                    .members
+                    .iter_mut()
+                    .map(|member| &mut member.prefill)
+                    .collect();
+                // One forward over a chunk of every member (up to GROUP_TOKENS in all), then a
+                // decode step of the running streams: they wait for one piece of each prompt,
+                // never for whole prompts.
+                let chunk = prefills.iter().map(|p| p.chunk()).min().unwrap_or(1);
+                let tokens = (chunk * prefills.len()).min(generate::GROUP_TOKENS.max(chunk));
+                match generate::group_len(&prefills, tokens) {
+                    Ok(len) => Ok(generate::step_together(
+                        model,
+                        &mut prefills,
+                        &mut group.caches,
+                        len,
+                    )),
+                    Err(alone) => {
+                        let text_only = alone.iter().any(|&at| !prefills[at].has_a_block_ahead());
+                        // A group left with one member dissolves: that one goes alone too.
+                        let everyone = text_only && prefills.len() - alone.len() < 2;
+                        for (at, prefill) in prefills.iter_mut().enumerate() {
+                            if everyone || alone.contains(&at) {
+                                prefill.go_alone();
+                            }
+                        }
+                        Err(text_only)
+                    }
                 }
-            }
-        };
-        self.grouping = false;
-        // Members whose image block goes alone leave (the rest step next time).
-        let Some(stepped) = stepped else {
+            };
+            self.grouping = false;
+            let step_the_rest = match stepped {
+                Ok(stepped) => break stepped,
+                Err(text_only) => text_only,
+            };
             let group = self.group.take().expect("looked at above");
             self.leave_group(group, |member| member.prefill.steps_alone());
-            return true;
+            if self.group.is_none() || !step_the_rest {
+                return true;
+            }
         };
         let group = self.group.take().expect("looked at above");
         if let Err(error) = stepped {

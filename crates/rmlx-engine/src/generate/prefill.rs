@@ -212,6 +212,16 @@ impl Prefill {
         }
     }
 
+    /// Whether an image block still lies ahead of it (in its next piece or a later one): a
+    /// member sent to step alone comes back nearer to it, and blocks of one length go in
+    /// together; one with none ahead only ever comes back with more text.
+    pub fn has_a_block_ahead(&self) -> bool {
+        let (Some(front), Some(images)) = (self.pieces.front(), self.images.as_ref()) else {
+            return false;
+        };
+        images.blocks.iter().any(|block| block.start >= front.start)
+    }
+
     /// The image block a step taking its next `len` positions would cut.
     fn block_cut_by(&self, len: usize) -> Option<std::ops::Range<usize>> {
         let front = self.pieces.front()?;

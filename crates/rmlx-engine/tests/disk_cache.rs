@@ -405,6 +405,20 @@ fn another_model_or_kv_bits_never_hits() {
 /// A request whose prefix is on disk waits for its read (made slow here: 2 s) in a loading
 /// state while a running stream keeps decoding; the read is not on the engine thread, so the
 /// stream's longest gap during the read stays far below the read's time.
+/// A request for `model` whose answer runs until the context ends it (thousands of tokens).
+fn endless_answer(model: &str) -> Request {
+    Request {
+        model: fixture(model),
+        prompt: Prompt::Ids(common::text_ids(40, 3, 10, 500)),
+        params: GenerateParams {
+            max_tokens: 100_000,
+            ignore_eos: true,
+            ..GenerateParams::default()
+        },
+        ..Request::default()
+    }
+}
+
 #[test]
 fn a_disk_read_does_not_stall_a_running_stream() {
     let model = "qwen3-tiny";
@@ -412,18 +426,7 @@ fn a_disk_read_does_not_stall_a_running_stream() {
     let turn1 = on_disk(&disk, None, two_turns(model, None, None));
     let delay = Duration::from_secs(2);
     let engine = disk_engine(&disk, None, Some(delay));
-    let stream = engine
-        .submit(Request {
-            model: fixture(model),
-            prompt: Prompt::Ids(common::text_ids(40, 3, 10, 500)),
-            params: GenerateParams {
-                max_tokens: 100_000,
-                ignore_eos: true,
-                ..GenerateParams::default()
-            },
-            ..Request::default()
-        })
-        .unwrap();
+    let stream = engine.submit(endless_answer(model)).unwrap();
     // A thread of its own takes the stream's tokens as they come and times each.
     let times = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Instant>::new()));
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -510,18 +513,7 @@ fn a_cancelled_request_waiting_after_its_disk_read_ends_at_once() {
     let from_disk = engine
         .submit(two_turns(model, None, Some(&turn1.text)))
         .unwrap();
-    let other = engine
-        .submit(Request {
-            model: fixture("qwen3-tiny-4bit"),
-            prompt: Prompt::Ids(common::text_ids(40, 3, 10, 500)),
-            params: GenerateParams {
-                max_tokens: 100_000,
-                ignore_eos: true,
-                ..GenerateParams::default()
-            },
-            ..Request::default()
-        })
-        .unwrap();
+    let other = engine.submit(endless_answer("qwen3-tiny-4bit")).unwrap();
     loop {
         match other.events.recv_timeout(Duration::from_secs(60)).unwrap() {
             Event::Delta { .. } => break,

@@ -2,6 +2,8 @@
 //! a dropped handle stops its work, a full queue is refused, requests run in order, and an
 //! assistant prefill is part of the prompt.
 
+mod common;
+
 use std::path::PathBuf;
 
 use rmlx_engine::{
@@ -612,24 +614,10 @@ fn assert_same_answer(what: &str, solo: &Completion, batched: &Completion, toler
 /// test binary (the switch is read once per process): the answers still equal solo runs.
 #[test]
 fn padded_one_query_steps_grouped_over_kv_heads_equal_solo_runs() {
-    if std::env::var_os("RMLX_GROUPED_ONE_QUERY").is_some() {
-        return; // the child: its parent asked for the other test
-    }
-    let output = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "batched_requests_equal_their_solo_runs_in_every_family",
-        ])
-        .env("RMLX_GROUPED_ONE_QUERY", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
+    common::rerun_in_child_with(
+        "RMLX_GROUPED_ONE_QUERY",
+        &["batched_requests_equal_their_solo_runs_in_every_family"],
     );
-    assert!(stdout.contains("1 passed"), "{stdout}");
 }
 
 /// Continuous batching in every family: four requests of different prompt lengths and token

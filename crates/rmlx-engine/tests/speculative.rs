@@ -149,26 +149,14 @@ fn batched_rows_with_mixed_proposers_equal_their_solo_runs() {
 /// binary, since `RMLX_ATTEND_WHOLE_BUFFER` is read once per process.
 #[test]
 fn short_steps_over_the_whole_buffer_stay_exact() {
-    if std::env::var_os("RMLX_ATTEND_WHOLE_BUFFER").is_some() {
-        return; // the child: its parent asked for the other tests
-    }
-    let output = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
+    common::rerun_in_child_with(
+        "RMLX_ATTEND_WHOLE_BUFFER",
+        &[
             "qwen3_kv_and_moe_solo",
             "qwen3_5_gated_deltanet_solo",
             "batched_rows_with_mixed_proposers_equal_their_solo_runs",
-        ])
-        .env("RMLX_ATTEND_WHOLE_BUFFER", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
+        ],
     );
-    assert!(stdout.contains("3 passed"), "{stdout}");
 }
 
 /// The ragged batch check again with every one-query step under a mask computed by grouped
@@ -178,21 +166,10 @@ fn short_steps_over_the_whole_buffer_stay_exact() {
 /// above.
 #[test]
 fn masked_one_query_steps_grouped_over_kv_heads_stay_exact() {
-    if std::env::var_os("RMLX_GROUPED_ONE_QUERY").is_some() {
-        return; // the child: its parent asked for the other tests
-    }
-    let output = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "one_draft_then_plain_steps_in_a_batch"])
-        .env("RMLX_GROUPED_ONE_QUERY", "1")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
+    common::rerun_in_child_with(
+        "RMLX_GROUPED_ONE_QUERY",
+        &["one_draft_then_plain_steps_in_a_batch"],
     );
-    assert!(stdout.contains("1 passed"), "{stdout}");
 }
 
 /// One host synchronisation per speculative step: a run's decode evaluations, less those of

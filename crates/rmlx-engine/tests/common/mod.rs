@@ -242,3 +242,26 @@ pub fn answer_all(
         .map(|handle| handle.wait().unwrap())
         .collect()
 }
+
+/// Runs `tests` of this test binary again in a child process with the switch `var` set to 1
+/// (the engine reads such switches once per process) and asserts that every one passed. In
+/// the child itself it does nothing: the caller's test is what its parent ran.
+pub fn rerun_in_child_with(var: &str, tests: &[&str]) {
+    if std::env::var_os(var).is_some() {
+        return;
+    }
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .arg("--exact")
+        .args(tests)
+        .env(var, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let passed = format!("{} passed", tests.len());
+    assert!(stdout.contains(&passed), "{stdout}");
+}

@@ -386,7 +386,21 @@ fn model_context(config: &serde_json::Value) -> usize {
 /// Metal's recommended working set (the GPU's `max_recommended_working_set_size`); None where
 /// the backend has none (the CPU).
 pub fn recommended_working_set() -> Option<u64> {
-    let key = c"max_recommended_working_set_size";
+    gpu_info_size(c"max_recommended_working_set_size")
+}
+
+/// The memory MLX computes in: Metal's recommended working set, a CUDA device's own memory
+/// (the host's can be larger), else the system's.
+pub fn working_memory() -> Option<u64> {
+    let gpu = recommended_working_set().or_else(|| gpu_info_size(c"total_memory"));
+    match (gpu, total_memory()) {
+        (Some(gpu), Some(host)) => Some(gpu.min(host)),
+        (gpu, host) => gpu.or(host),
+    }
+}
+
+/// A size the GPU backend reports under `key` (`mlx::core::gpu::device_info`).
+fn gpu_info_size(key: &std::ffi::CStr) -> Option<u64> {
     // SAFETY: the device and info handles are created and freed here; mlx-c reports failures
     // (no GPU on this build) as status codes.
     unsafe {
@@ -647,5 +661,7 @@ mod serving_tests {
         crate::runtime::eval(Vec::<&mlx_rs::Array>::new()).ok();
         assert_eq!(recommended_working_set(), None);
         assert_eq!(wire_memory(), None);
+        // Nor a device memory apart from the system's.
+        assert_eq!(working_memory(), total_memory());
     }
 }

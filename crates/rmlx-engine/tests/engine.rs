@@ -1220,11 +1220,13 @@ fn prompts_entering_a_group_mid_way_equal_their_solo_runs() {
     }
 }
 
-/// Prompts prefill together only while their rows, padded to the longest, fit one context's
-/// worth of KV (as a batch's rows must): two prompts of more than half the context prefill one
-/// after the other, two of less than half together; all four equal their solo runs.
+/// Prompts prefill together, and decode together, only while their rows, padded to the
+/// longest, fit the KV a batch may hold: one context's worth, or more where memory allows
+/// (half of what the weights leave of the memory budget). Two prompts of more than half the
+/// context go one after the other when memory holds only one context, side by side when it
+/// holds more; two of less than half always together; every answer equals its solo run.
 #[test]
-fn prompts_prefill_together_only_within_one_context() {
+fn prompts_prefill_and_decode_together_within_the_memory_for_kv() {
     let text = |count: usize, shift: usize| {
         (0..count)
             .map(|i| ["river", "stone", "maple", "quiet"][(i + shift) % 4])
@@ -1236,13 +1238,26 @@ fn prompts_prefill_together_only_within_one_context() {
         request.params.max_ctx = Some(160);
         request
     };
-    for (words, together) in [(35, false), (15, true)] {
-        let alone = without_prefix_cache(1);
+    let alone = without_prefix_cache(1);
+    let per_token = alone
+        .model_info(&request(1, 0).model)
+        .unwrap()
+        .kv_bytes_per_token;
+    let weights = rmlx_engine::runtime::memory_needed(&fixture("qwen3-tiny")).unwrap();
+    // A budget whose KV half holds `positions` positions.
+    let budget = |positions: u64| weights + 2 * positions * per_token;
+    for (words, positions, together) in [(35, 100, false), (15, 100, true), (35, 400, true)] {
         let solo: Vec<Completion> = (0..2)
             .map(|i| alone.submit(request(words, i)).unwrap().wait().unwrap())
             .collect();
-        drop(alone);
-        let engine = without_prefix_cache(4);
+        let engine = Engine::start_with(EngineOptions {
+            max_batch: 4,
+            prefix_cache_bytes: Some(0),
+            prefix_snapshot_bytes: Some(0),
+            memory_budget: Some(budget(positions)),
+            ..EngineOptions::default()
+        })
+        .unwrap();
         // Both wait until both are queued (a busy machine could otherwise start the first
         // before the second arrives, and this test is about what fits, not about timing).
         let hold = engine.hold_for_warm_up();
@@ -1256,15 +1271,13 @@ fn prompts_prefill_together_only_within_one_context() {
         drop(hold);
         let answers: Vec<Completion> = handles.into_iter().map(|h| h.wait().unwrap()).collect();
         let prompt = answers[0].prompt_tokens;
+        let what = format!("{prompt}-token prompts, context 160, KV for {positions} positions");
         for (index, (solo, answer)) in solo.iter().zip(&answers).enumerate() {
-            assert_same_answer(&format!("{words} words #{index}"), solo, answer, 1e-4);
-            assert_eq!(
-                answer.timings.prefilled_with >= 2,
-                together,
-                "{prompt}-token prompts, context 160"
-            );
+            assert_same_answer(&format!("{what} #{index}"), solo, answer, 1e-4);
+            assert_eq!(answer.timings.prefilled_with >= 2, together, "{what}");
+            assert_eq!(answer.batched_with == 2, together, "{what}");
         }
-        assert_eq!(2 * prompt > 160, !together, "{prompt}-token prompts");
+        assert_eq!(2 * prompt > 160, words == 35, "{what}");
     }
 }
 

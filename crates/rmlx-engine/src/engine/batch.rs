@@ -20,7 +20,7 @@ use super::{
 /// One model's running requests: `rows[b]` owns row `b` of every layer's cache.
 pub(super) struct Batch {
     pub(super) key: PathBuf,
-    /// Positions of KV the rows may hold together: the first row's context.
+    /// The first row's context: the rows hold at least this many positions of KV together.
     pub(super) context: usize,
     pub(super) caches: Vec<KvCache>,
     pub(super) rows: Vec<Row>,
@@ -121,19 +121,19 @@ impl EngineThread {
     }
 
     /// Prefilled prompts join the batch in arrival order; one whose padded rows would take the
-    /// batch past its context waits (and the later ones with it) until rows leave.
+    /// batch past the KV it may hold (`kv_positions`) waits (and the later ones with it) until
+    /// rows leave.
     fn join_prefilled(&mut self) {
         while let Some(at) = self
             .admitting
             .iter()
             .position(|admission| admission.prefill.is_done())
         {
-            // The rows of a batch share one context's worth of KV (what `fits` reserves).
             if let Some(batch) = &self.batch {
                 let columns = batch
                     .columns()
                     .max(self.admitting[at].prefill.caches()[0].offset() as usize);
-                if (batch.rows.len() + 1) * columns > batch.context {
+                if (batch.rows.len() + 1) * columns > self.kv_positions(&batch.key, batch.context) {
                     return;
                 }
             }

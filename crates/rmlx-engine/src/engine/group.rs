@@ -178,7 +178,7 @@ impl EngineThread {
     }
 
     /// Whether `entrant` may join the group: its rows, padded to the longest prompt, stay within
-    /// one context's worth of KV (as a batch's rows do, see `join_prefilled`). Prompts that
+    /// the KV a batch's rows may hold (`kv_positions`, see `join_prefilled`). Prompts that
     /// prefilled one at a time never held more than one prompt's KV besides the batch; a group
     /// of long prompts would hold all of theirs at once.
     fn group_fits(&self, entrant: &Admission) -> bool {
@@ -194,7 +194,7 @@ impl EngineThread {
                     context.min(m.prefill.max_ctx()),
                 )
             });
-        rows * columns <= context
+        rows * columns <= self.kv_positions(&group.key, context)
     }
 
     /// Members cancelled meanwhile leave the group for the prefilling queue, where they end.

@@ -278,6 +278,26 @@ impl EngineThread {
         removed
     }
 
+    /// KV positions the rows of a batch (or of a prefill group) of the model at `key` may hold
+    /// together, each padded to the longest: one `context`'s worth, or more where memory allows,
+    /// so that agents' long prompts (25k tokens against Qwen3's 40,960) decode side by side
+    /// instead of one after the other. Rows take half of what the weights and the prefix cache
+    /// leave of `memory_budget` or the memory MLX computes in; the rest is for activations, the
+    /// OS and other apps.
+    pub(super) fn kv_positions(&self, key: &Path, context: usize) -> usize {
+        let Some(resident) = self.models.get(key) else {
+            return context;
+        };
+        let memory = self.memory_budget.or_else(crate::runtime::working_memory);
+        let (Some(memory), per_token @ 1..) = (memory, resident.footprint.kv_per_token) else {
+            return context;
+        };
+        let weights: u64 = self.models.values().map(|m| m.footprint.weights).sum();
+        let prefix = self.prefix.budgets();
+        let room = memory.saturating_sub(weights + prefix.kv + prefix.snapshots) / 2;
+        context.max((room / per_token) as usize)
+    }
+
     /// Sizes the prefix cache's budgets that were not set for the resident models.
     fn refresh_prefix_budgets(&mut self) {
         let footprints: Vec<ModelFootprint> =

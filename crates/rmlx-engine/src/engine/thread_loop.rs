@@ -302,7 +302,7 @@ impl EngineThread {
     fn refresh_prefix_budgets(&mut self) {
         let footprints: Vec<ModelFootprint> =
             self.models.values().map(|model| model.footprint).collect();
-        let memory = self.memory_budget.or_else(crate::runtime::total_memory);
+        let memory = self.memory_budget.or_else(crate::runtime::working_memory);
         let auto = prefix_cache::auto_budgets(&footprints, memory);
         let budgets = prefix_cache::Budgets {
             kv: self.prefix_budgets.0.unwrap_or(auto.kv),

@@ -318,8 +318,8 @@ impl StageShare {
 }
 
 /// What serving the model in `dir` as `serving` takes: [`memory_needed`] plus the KV cache
-/// filled to the context (a batch's rows share it, the engine admits no more; stored with the
-/// KV bits), each row's fixed state (recurrent states, sliding windows) and the reserve, sized
+/// filled to the context (a batch's rows share it; more only where the memory this leaves allows,
+/// see `EngineThread::kv_room`; stored with the KV bits), each row's fixed state (recurrent states, sliding windows) and the reserve, sized
 /// from its already-read `config` (config.json).
 pub fn memory_needed_at(
     dir: &std::path::Path,

@@ -87,6 +87,14 @@ fn every_family_with_its_draft_model_is_exact_alone() {
             loaded.info.draft_model.as_deref(),
             Some(fixture(draft).as_path())
         );
+        // Its caches ride beside the target's in every row: the batch's KV budget counts them.
+        let draft_alone = load_model(&fixture(draft)).unwrap();
+        assert_eq!(
+            loaded.info.kv_bytes_per_token,
+            plain_model.info.kv_bytes_per_token + draft_alone.info.kv_bytes_per_token,
+            "{target} drafted by {draft}"
+        );
+        drop(draft_alone);
         let prompt = text_ids(40, 13, 10, 900);
         for bias in [None, Some(partial_bias(target))] {
             let plain = run(

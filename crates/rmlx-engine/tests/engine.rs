@@ -1220,11 +1220,13 @@ fn prompts_entering_a_group_mid_way_equal_their_solo_runs() {
     }
 }
 
-/// Prompts prefill together, and decode together, only while their rows, padded to the
-/// longest, fit the KV a batch may hold: one context's worth, or more where memory allows
-/// (half of what the weights leave of the memory budget). Two prompts of more than half the
-/// context go one after the other when memory holds only one context, side by side when it
-/// holds more; two of less than half always together; every answer equals its solo run.
+/// Prompts prefill together, and decode together, only while their rows fit: within one
+/// context as they are now (padded to the longest), or, beyond it, within the memory for KV
+/// (half of what the weights leave of the memory budget) at the most they can reach, every row
+/// padded to the longest and grown by the longest answer still to come. Two prompts of more
+/// than half the context go one after the other when memory holds only one context, or more
+/// than one but not the pair, or the pair but not their answers; side by side when it holds
+/// all; two of less than half always together; every answer equals its solo run.
 #[test]
 fn prompts_prefill_and_decode_together_within_the_memory_for_kv() {
     let text = |count: usize, shift: usize| {
@@ -1233,22 +1235,34 @@ fn prompts_prefill_and_decode_together_within_the_memory_for_kv() {
             .collect::<Vec<_>>()
             .join(" ")
     };
-    let request = |words: usize, shift: usize| {
-        let mut request = batch_request("qwen3-tiny", &text(words, shift), None, 4);
+    let request = |words: usize, shift: usize, max_tokens: usize| {
+        let mut request = batch_request("qwen3-tiny", &text(words, shift), None, max_tokens);
         request.params.max_ctx = Some(160);
         request
     };
     let alone = without_prefix_cache(1);
     let per_token = alone
-        .model_info(&request(1, 0).model)
+        .model_info(&request(1, 0, 1).model)
         .unwrap()
         .kv_bytes_per_token;
     let weights = rmlx_engine::runtime::memory_needed(&fixture("qwen3-tiny")).unwrap();
-    // A budget whose KV half holds `positions` positions.
+    // A budget whose KV half holds `positions` positions (qwen3 has no fixed state per row).
     let budget = |positions: u64| weights + 2 * positions * per_token;
-    for (words, positions, together) in [(35, 100, false), (15, 100, true), (35, 400, true)] {
+    // 35 words: 108-token prompts, two past the context of 160.
+    let cases = [
+        (35, 4, 100, false),
+        (15, 4, 100, true),
+        (35, 4, 200, false),
+        (35, 4, 400, true),
+        (35, 40, 260, false),
+        (35, 40, 320, true),
+    ];
+    for (words, max_tokens, positions, together) in cases {
         let solo: Vec<Completion> = (0..2)
-            .map(|i| alone.submit(request(words, i)).unwrap().wait().unwrap())
+            .map(|i| {
+                let request = request(words, i, max_tokens);
+                alone.submit(request).unwrap().wait().unwrap()
+            })
             .collect();
         let engine = Engine::start_with(EngineOptions {
             max_batch: 4,
@@ -1262,22 +1276,26 @@ fn prompts_prefill_and_decode_together_within_the_memory_for_kv() {
         // before the second arrives, and this test is about what fits, not about timing).
         let hold = engine.hold_for_warm_up();
         let handles: Vec<_> = (0..2)
-            .map(|i| engine.submit(request(words, i)).unwrap())
+            .map(|i| engine.submit(request(words, i, max_tokens)).unwrap())
             .collect();
         // A query answered while the hold lasts (it goes ahead of held requests) arrives after
         // both: once it is answered, the engine has both queued. Without it the engine could
         // see the hold end before the second had reached it, and admit the first alone.
-        engine.model_info(&request(words, 0).model).unwrap();
+        engine.model_info(&request(words, 0, 1).model).unwrap();
         drop(hold);
         let answers: Vec<Completion> = handles.into_iter().map(|h| h.wait().unwrap()).collect();
         let prompt = answers[0].prompt_tokens;
-        let what = format!("{prompt}-token prompts, context 160, KV for {positions} positions");
+        let what = format!(
+            "{prompt}-token prompts, {max_tokens}-token answers, context 160, KV for {positions}"
+        );
         for (index, (solo, answer)) in solo.iter().zip(&answers).enumerate() {
             assert_same_answer(&format!("{what} #{index}"), solo, answer, 1e-4);
+            assert_eq!(answer.completion_tokens, max_tokens, "{what}");
             assert_eq!(answer.timings.prefilled_with >= 2, together, "{what}");
             assert_eq!(answer.batched_with == 2, together, "{what}");
         }
         assert_eq!(2 * prompt > 160, words == 35, "{what}");
+        assert_eq!(prompt, [108, 53][usize::from(words == 15)], "{what}");
     }
 }
 

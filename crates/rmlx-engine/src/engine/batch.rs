@@ -13,14 +13,19 @@ use crate::{
 };
 
 use super::{
-    admission::Admission, images::image_keyed, request::injected_panic, thread_loop::EngineThread,
-    ticket::Ticket, Event, Step,
+    admission::Admission,
+    images::image_keyed,
+    request::injected_panic,
+    thread_loop::{EngineThread, Reach},
+    ticket::Ticket,
+    Event, Step,
 };
 
 /// One model's running requests: `rows[b]` owns row `b` of every layer's cache.
 pub(super) struct Batch {
     pub(super) key: PathBuf,
-    /// The first row's context: the rows hold at least this many positions of KV together.
+    /// The first row's context: the rows may hold this many positions of KV together, more
+    /// where memory allows (`EngineThread::kv_admits`).
     pub(super) context: usize,
     pub(super) caches: Vec<KvCache>,
     pub(super) rows: Vec<Row>,
@@ -32,6 +37,16 @@ impl Batch {
         self.caches
             .first()
             .map_or(0, |cache| cache.offset().max(0) as usize)
+    }
+
+    /// The KV its rows can come to hold.
+    pub(super) fn reach(&self) -> Reach {
+        let growth = self.rows.iter().map(|row| row.sequence.remaining()).max();
+        Reach {
+            rows: self.rows.len(),
+            columns: self.columns(),
+            growth: growth.unwrap_or(0),
+        }
     }
 }
 
@@ -121,7 +136,7 @@ impl EngineThread {
     }
 
     /// Prefilled prompts join the batch in arrival order; one whose padded rows would take the
-    /// batch past the KV it may hold (`kv_positions`) waits (and the later ones with it) until
+    /// batch past the KV it may hold (`kv_admits`) waits (and the later ones with it) until
     /// rows leave.
     fn join_prefilled(&mut self) {
         while let Some(at) = self
@@ -130,10 +145,16 @@ impl EngineThread {
             .position(|admission| admission.prefill.is_done())
         {
             if let Some(batch) = &self.batch {
-                let columns = batch
-                    .columns()
-                    .max(self.admitting[at].prefill.caches()[0].offset() as usize);
-                if (batch.rows.len() + 1) * columns > self.kv_positions(&batch.key, batch.context) {
+                let prefill = &self.admitting[at].prefill;
+                let entrant = Reach::row(prefill.caches()[0].offset() as usize, prefill.max_new());
+                let group = self.group.as_ref().map(|group| group.reach());
+                let entering = batch.reach().with(entrant);
+                if !self.kv_admits(
+                    &batch.key,
+                    batch.context,
+                    entering,
+                    group.unwrap_or_default(),
+                ) {
                     return;
                 }
             }

@@ -13,7 +13,12 @@ use crate::{
     generate::{self, Prefill},
 };
 
-use super::{admission::Admission, request::injected_panic, thread_loop::EngineThread, Step};
+use super::{
+    admission::Admission,
+    request::injected_panic,
+    thread_loop::{EngineThread, Reach},
+    Step,
+};
 
 /// Prompts prefilling together: `caches` holds row `b` of every layer for `members[b]`, whose
 /// own prefill holds no caches meanwhile.
@@ -21,6 +26,21 @@ pub(super) struct Group {
     pub(super) key: PathBuf,
     pub(super) caches: Vec<KvCache>,
     pub(super) members: Vec<Admission>,
+}
+
+impl Group {
+    /// The KV its rows can come to hold once prefilled and decoding (see `Batch::reach`).
+    pub(super) fn reach(&self) -> Reach {
+        self.members
+            .iter()
+            .map(|member| reach_of(&member.prefill))
+            .fold(Reach::default(), Reach::with)
+    }
+}
+
+/// A prompt's whole length and the answer it may take.
+fn reach_of(prefill: &Prefill) -> Reach {
+    Reach::row(prefill.prompt_tokens(), prefill.max_new())
 }
 
 impl EngineThread {
@@ -178,23 +198,23 @@ impl EngineThread {
     }
 
     /// Whether `entrant` may join the group: its rows, padded to the longest prompt, stay within
-    /// the KV a batch's rows may hold (`kv_positions`, see `join_prefilled`). Prompts that
-    /// prefilled one at a time never held more than one prompt's KV besides the batch; a group
-    /// of long prompts would hold all of theirs at once.
+    /// the KV a batch's rows may hold beside the batch (`kv_admits`, see `join_prefilled`).
+    /// Prompts that prefilled one at a time never held more than one prompt's KV besides the
+    /// batch; a group of long prompts would hold all of theirs at once.
     fn group_fits(&self, entrant: &Admission) -> bool {
         let Some(group) = &self.group else {
             return true;
         };
-        let members = group.members.iter().chain(std::iter::once(entrant));
-        let (rows, columns, context) =
-            members.fold((0, 0, usize::MAX), |(rows, columns, context), m| {
-                (
-                    rows + 1,
-                    columns.max(m.prefill.prompt_tokens()),
-                    context.min(m.prefill.max_ctx()),
-                )
-            });
-        rows * columns <= self.kv_positions(&group.key, context)
+        let context = group
+            .members
+            .iter()
+            .chain(std::iter::once(entrant))
+            .map(|member| member.prefill.max_ctx())
+            .min()
+            .unwrap_or(usize::MAX);
+        let entering = group.reach().with(reach_of(&entrant.prefill));
+        let batch = self.batch.as_ref().map(|batch| batch.reach());
+        self.kv_admits(&group.key, context, entering, batch.unwrap_or_default())
     }
 
     /// Members cancelled meanwhile leave the group for the prefilling queue, where they end.

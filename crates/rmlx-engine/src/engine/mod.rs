@@ -237,6 +237,7 @@ impl Engine {
                     lru: Vec::new(),
                     max_loaded: options.max_loaded.max(1),
                     memory_budget: options.memory_budget,
+                    kv_memory: None,
                     prefix: PrefixCache::new(
                         options
                             .prefix_cache_bytes

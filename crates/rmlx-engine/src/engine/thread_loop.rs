@@ -82,12 +82,54 @@ fn footprint(dir: &Path, kv_per_token: u64, part: &models::Part) -> Result<Model
     })
 }
 
+/// The KV a set of rows can come to hold, as a batch pads it: every row to the longest, grown
+/// until the longest answer still to come ends.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Reach {
+    pub(super) rows: usize,
+    /// Positions the longest row holds now.
+    pub(super) columns: usize,
+    /// Tokens the longest answer may still add.
+    pub(super) growth: usize,
+}
+
+impl Reach {
+    pub(super) fn row(columns: usize, growth: usize) -> Self {
+        Self {
+            rows: 1,
+            columns,
+            growth,
+        }
+    }
+
+    pub(super) fn with(self, other: Reach) -> Self {
+        Self {
+            rows: self.rows + other.rows,
+            columns: self.columns.max(other.columns),
+            growth: self.growth.max(other.growth),
+        }
+    }
+
+    fn reach(&self) -> usize {
+        self.rows * (self.columns + self.growth)
+    }
+
+    /// The rule before memory counted (what `fits` in `/v1/models` reserves): the rows as they
+    /// are now share one context's worth of KV.
+    fn within_context(&self, context: usize) -> bool {
+        self.rows * self.columns <= context
+    }
+}
+
 pub(super) struct EngineThread {
     pub(super) models: HashMap<PathBuf, Resident>,
     /// Resident model keys, least recently used first.
     pub(super) lru: Vec<PathBuf>,
     pub(super) max_loaded: usize,
     pub(super) memory_budget: Option<u64>,
+    /// `memory_budget`, else the memory MLX computes in (`runtime::working_memory`), as of the
+    /// last load or unload: what the prefix cache and the rows' KV are sized from.
+    pub(super) kv_memory: Option<u64>,
     pub(super) prefix: PrefixCache,
     /// The budgets asked for (None: sized from memory and the resident models).
     pub(super) prefix_budgets: (Option<u64>, Option<u64>),
@@ -278,32 +320,43 @@ impl EngineThread {
         removed
     }
 
-    /// KV positions the rows of a batch (or of a prefill group) of the model at `key` may hold
-    /// together, each padded to the longest: one `context`'s worth, or more where memory allows,
-    /// so that agents' long prompts (25k tokens against Qwen3's 40,960) decode side by side
-    /// instead of one after the other. Rows take half of what the weights and the prefix cache
-    /// leave of `memory_budget` or the memory MLX computes in; the rest is for activations, the
-    /// OS and other apps.
-    pub(super) fn kv_positions(&self, key: &Path, context: usize) -> usize {
-        let Some(resident) = self.models.get(key) else {
-            return context;
+    /// KV positions the rows of the model at `key` may reach together beyond the one-context
+    /// rule (`Reach::within_context`), so that agents' long prompts (25k tokens against Qwen3's
+    /// 40,960) decode side by side instead of one after the other: half of what the weights,
+    /// the prefix cache and every row's fixed state leave of `kv_memory`; the rest is for
+    /// activations, the OS and other apps. 0 where memory is unknown.
+    pub(super) fn kv_room(&self, key: &Path) -> usize {
+        let (Some(memory), Some(resident)) = (self.kv_memory, self.models.get(key)) else {
+            return 0;
         };
-        let memory = self.memory_budget.or_else(crate::runtime::working_memory);
-        let (Some(memory), per_token @ 1..) = (memory, resident.footprint.kv_per_token) else {
-            return context;
-        };
+        let per_token = resident.footprint.kv_per_token.max(1);
         let weights: u64 = self.models.values().map(|m| m.footprint.weights).sum();
         let prefix = self.prefix.budgets();
-        let room = memory.saturating_sub(weights + prefix.kv + prefix.snapshots) / 2;
-        context.max((room / per_token) as usize)
+        let states = self.max_batch as u64 * resident.footprint.recurrent_state;
+        let room = memory.saturating_sub(weights + prefix.kv + prefix.snapshots + states) / 2;
+        (room / per_token) as usize
+    }
+
+    /// Whether a prompt may enter the rows `entering` (the batch's or the prefill group's, the
+    /// entrant counted) beside the others' `beside`: `entering` within one context as before,
+    /// or both within the memory for KV at the most they can reach.
+    pub(super) fn kv_admits(
+        &self,
+        key: &Path,
+        context: usize,
+        entering: Reach,
+        beside: Reach,
+    ) -> bool {
+        entering.within_context(context) || entering.reach() + beside.reach() <= self.kv_room(key)
     }
 
     /// Sizes the prefix cache's budgets that were not set for the resident models.
     fn refresh_prefix_budgets(&mut self) {
         let footprints: Vec<ModelFootprint> =
             self.models.values().map(|model| model.footprint).collect();
-        let memory = self.memory_budget.or_else(crate::runtime::working_memory);
-        let auto = prefix_cache::auto_budgets(&footprints, memory);
+        // Read once per load or unload: on CUDA it asks the driver.
+        self.kv_memory = self.memory_budget.or_else(crate::runtime::working_memory);
+        let auto = prefix_cache::auto_budgets(&footprints, self.kv_memory);
         let budgets = prefix_cache::Budgets {
             kv: self.prefix_budgets.0.unwrap_or(auto.kv),
             snapshots: self.prefix_budgets.1.unwrap_or(auto.snapshots),
@@ -382,7 +435,14 @@ impl EngineThread {
             if let Some(draft) = &self.draft_model {
                 loaded = models::draft_model::attach(loaded, draft)?;
             }
-            let footprint = footprint(&key, loaded.info.kv_bytes_per_token, &self.part)?;
+            let mut footprint = footprint(&key, loaded.info.kv_bytes_per_token, &self.part)?;
+            if let Some(draft) = &self.draft_model {
+                footprint.weights +=
+                    crate::runtime::memory_needed(draft).map_err(|error| EngineError::Io {
+                        path: draft.clone(),
+                        message: error.to_string(),
+                    })?;
+            }
             self.models.insert(
                 key.clone(),
                 Resident {

@@ -171,6 +171,13 @@ impl Prefill {
         self.prompt_ids.len()
     }
 
+    /// Tokens the answer may take: `max_tokens`, within the context.
+    pub fn max_new(&self) -> usize {
+        self.params
+            .max_tokens
+            .min(self.max_ctx - self.prompt_ids.len() + 1)
+    }
+
     pub fn max_ctx(&self) -> usize {
         self.max_ctx
     }
@@ -340,6 +347,7 @@ impl Prefill {
         tokenizer: &ChatTokenizer,
         grammars: Grammars,
     ) -> Result<(Sequence, Vec<KvCache>)> {
+        let max_new = self.max_new();
         let params = self.params;
         let constraint = match grammars.format {
             Some(constraint) => Some(constraint),
@@ -366,9 +374,6 @@ impl Prefill {
             .prompt_ids
             .last()
             .expect("checked: the prompt is not empty");
-        let max_new = params
-            .max_tokens
-            .min(self.max_ctx - self.prompt_ids.len() + 1);
         let has_head = model.draft_head().is_some();
         let has_draft_model = model.draft_model().is_some();
         let seeded_sampling = !params.sampling.is_greedy() && params.sampling.seed.is_some();

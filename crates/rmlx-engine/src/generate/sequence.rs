@@ -150,6 +150,11 @@ impl Sequence {
     }
 
     /// The request's effective context (its `max_ctx`).
+    /// Tokens the answer may still take (at most: a stop ends it sooner).
+    pub fn remaining(&self) -> usize {
+        self.max_new.saturating_sub(self.token_ids.len())
+    }
+
     pub fn context(&self) -> usize {
         self.context
     }

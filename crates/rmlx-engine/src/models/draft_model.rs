@@ -103,6 +103,8 @@ pub fn attach(target: LoadedModel, draft_dir: &Path) -> Result<LoadedModel> {
     let mut info = target.info;
     info.draft_model = Some(draft_dir.to_path_buf());
     info.weight_bytes += draft.info.weight_bytes;
+    // The draft's caches ride beside the target's in every row.
+    info.kv_bytes_per_token += draft.info.kv_bytes_per_token;
     Ok(LoadedModel {
         model: Box::new(WithDraftModel {
             target: target.model,

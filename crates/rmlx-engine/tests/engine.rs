@@ -1299,6 +1299,77 @@ fn prompts_prefill_and_decode_together_within_the_memory_for_kv() {
     }
 }
 
+/// A request starts prefilling only while what the others hold leaves room for KV (or they
+/// share one context as they are now): prefilled prompts wait holding their KV, so without
+/// this `max_batch` long prompts would all prefill at once whatever the memory. Three prompts
+/// past half the context: with KV for more than one of them but not two, the third starts only
+/// after an answer ends; with room for all, all three start at once. Event order, not timing:
+/// every handle is polled in turn and each event is stamped with the sweep that saw it.
+#[test]
+fn a_request_starts_only_while_memory_holds_the_kv_of_those_before_it() {
+    use rmlx_engine::engine::Event;
+    let words = |shift: usize| {
+        (0..35)
+            .map(|i| ["river", "stone", "maple", "quiet"][(i + shift) % 4])
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let request = |shift: usize| {
+        let mut request = batch_request("qwen3-tiny", &words(shift), None, 4);
+        request.params.max_ctx = Some(160);
+        request
+    };
+    let per_token = {
+        let alone = without_prefix_cache(1);
+        alone
+            .model_info(&request(0).model)
+            .unwrap()
+            .kv_bytes_per_token
+    };
+    let weights = rmlx_engine::runtime::memory_needed(&fixture("qwen3-tiny")).unwrap();
+    // 108-token prompts and 4-token answers: each reaches 112 positions.
+    for (positions, gated) in [(200, true), (1000, false)] {
+        let engine = Engine::start_with(EngineOptions {
+            max_batch: 4,
+            prefix_cache_bytes: Some(0),
+            prefix_snapshot_bytes: Some(0),
+            memory_budget: Some(weights + 2 * positions * per_token),
+            ..EngineOptions::default()
+        })
+        .unwrap();
+        let hold = engine.hold_for_warm_up();
+        let handles: Vec<_> = (0..3).map(|i| engine.submit(request(i)).unwrap()).collect();
+        engine.model_info(&request(0).model).unwrap();
+        drop(hold);
+        let (mut started, mut done) = ([None; 3], [None; 3]);
+        let mut sweep = 0usize;
+        while done.iter().any(Option::is_none) {
+            sweep += 1;
+            for (i, handle) in handles.iter().enumerate() {
+                while let Ok(event) = handle.events.try_recv() {
+                    match event {
+                        Event::Started { .. } => started[i] = Some(sweep),
+                        Event::Done(answer) => {
+                            assert_eq!(answer.completion_tokens, 4);
+                            done[i] = Some(sweep);
+                        }
+                        Event::Error(error) => panic!("request {i}: {error}"),
+                        _ => {}
+                    }
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let first_end = done[0].min(done[1]).unwrap();
+        let third = started[2].expect("the third started");
+        let what = format!("KV for {positions}: started {started:?}, done {done:?}");
+        assert_eq!(third >= first_end, gated, "{what}");
+        if !gated {
+            assert!(started.iter().all(|s| s.unwrap() < first_end), "{what}");
+        }
+    }
+}
+
 /// What each request of a batch keeps to itself: a seeded sampler, penalties with a logit
 /// bias, a stop string, a JSON constraint (which turns pipelining off for the whole batch) and
 /// a cancel flag. Run together, each gives what it gives alone; the cancelled one ends

@@ -189,8 +189,9 @@ impl EngineThread {
     }
 
     /// Whether a request for `model` may start now: nothing runs, or the batch and the prompts
-    /// prefilling run that model and, with them, it fits the batch's rows. Prompts then prefill
-    /// side by side (together where they can, see `group.rs`).
+    /// prefilling run that model and, with them, it fits the batch's rows and the KV they hold
+    /// leaves room (`kv_takes_another`). Prompts then prefill side by side (together where they
+    /// can, see `group.rs`).
     fn batch_takes(&self, model: &Path) -> bool {
         let Some(running) = self.running_key() else {
             return true;
@@ -198,6 +199,7 @@ impl EngineThread {
         let rows = self.batch.as_ref().map_or(0, |batch| batch.rows.len());
         model.canonicalize().ok().as_ref() == Some(running)
             && rows + self.prefilling() < self.max_batch
+            && self.kv_takes_another(running)
     }
 
     /// The model the batch or the prompts prefilling run.

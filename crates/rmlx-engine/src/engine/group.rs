@@ -33,14 +33,9 @@ impl Group {
     pub(super) fn reach(&self) -> Reach {
         self.members
             .iter()
-            .map(|member| reach_of(&member.prefill))
+            .map(|member| Reach::of(&member.prefill))
             .fold(Reach::default(), Reach::with)
     }
-}
-
-/// A prompt's whole length and the answer it may take.
-fn reach_of(prefill: &Prefill) -> Reach {
-    Reach::row(prefill.prompt_tokens(), prefill.max_new())
 }
 
 impl EngineThread {
@@ -212,7 +207,7 @@ impl EngineThread {
             .map(|member| member.prefill.max_ctx())
             .min()
             .unwrap_or(usize::MAX);
-        let entering = group.reach().with(reach_of(&entrant.prefill));
+        let entering = group.reach().with(Reach::of(&entrant.prefill));
         let batch = self.batch.as_ref().map(|batch| batch.reach());
         self.kv_admits(&group.key, context, entering, batch.unwrap_or_default())
     }

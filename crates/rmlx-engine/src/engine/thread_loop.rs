@@ -102,6 +102,11 @@ impl Reach {
         }
     }
 
+    /// A prompt's whole length and the answer it may take.
+    pub(super) fn of(prefill: &crate::generate::Prefill) -> Self {
+        Self::row(prefill.prompt_tokens(), prefill.max_new())
+    }
+
     pub(super) fn with(self, other: Reach) -> Self {
         Self {
             rows: self.rows + other.rows,
@@ -348,6 +353,39 @@ impl EngineThread {
         beside: Reach,
     ) -> bool {
         entering.within_context(context) || entering.reach() + beside.reach() <= self.kv_room(key)
+    }
+
+    /// Whether one more request may start beside what the batch, the prefill group and the
+    /// prompts prefilling or waiting to join hold: they share one context's worth of KV as they
+    /// are now, or they can reach less than the memory for KV (`kv_room`; the newcomer may go
+    /// past it by one prompt's reach, as one context could). Prompts that wait prefilled hold
+    /// their KV: without this, `max_batch` long prompts would all prefill and wait.
+    pub(super) fn kv_takes_another(&self, key: &Path) -> bool {
+        let room = self.kv_room(key);
+        if room == 0 {
+            // Memory unknown: `max_batch` alone bounds it, as before memory counted.
+            return true;
+        }
+        let mut held = self
+            .batch
+            .as_ref()
+            .map(|batch| batch.reach())
+            .unwrap_or_default();
+        let mut context = self
+            .batch
+            .as_ref()
+            .map_or(usize::MAX, |batch| batch.context);
+        if let Some(group) = &self.group {
+            held = held.with(group.reach());
+        }
+        let members = self.group.iter().flat_map(|group| &group.members);
+        for admission in self.admitting.iter().chain(members) {
+            context = context.min(admission.prefill.max_ctx());
+        }
+        for admission in &self.admitting {
+            held = held.with(Reach::of(&admission.prefill));
+        }
+        held.within_context(context) || held.reach() < room
     }
 
     /// Sizes the prefix cache's budgets that were not set for the resident models.

@@ -19,7 +19,7 @@ use rmlx_engine::{
     cache::KvStorage,
     chat::{ChatTokenizer, TemplateOptions},
     disk_cache::{self, BLOCK_TOKENS},
-    engine::{Engine, EngineOptions, Event, Prompt, Request},
+    engine::{Engine, EngineOptions, Event, Prompt, Request, RequestHandle},
     generate::GenerateParams,
     models::{load_model, Logits},
 };
@@ -500,15 +500,12 @@ fn a_disk_read_does_not_stall_a_running_stream() {
     let _ = std::fs::remove_dir_all(&disk);
 }
 
-/// A request cancelled while its prefix, read from disk, waits for another model's batch to
-/// drain ends at once: it no longer holds the queue until that batch ends (and then loads its
-/// model and rebuilds its caches for a client that left).
-#[test]
-fn a_cancelled_request_waiting_after_its_disk_read_ends_at_once() {
+/// An engine where a request whose prefix was read from disk waits for another model's batch
+/// (a long answer) to drain: the engine, that request and the other answer, which is running.
+fn ready_behind_another_model(disk: &Path) -> (Engine, RequestHandle, RequestHandle) {
     let model = "qwen3-tiny";
-    let disk = scratch("cancel-ready");
-    let turn1 = on_disk(&disk, None, two_turns(model, None, None));
-    let engine = disk_engine(&disk, None, Some(Duration::from_millis(300)));
+    let turn1 = on_disk(disk, None, two_turns(model, None, None));
+    let engine = disk_engine(disk, None, Some(Duration::from_millis(300)));
     // Its read begins; then a long answer of another model starts while it reads.
     let from_disk = engine
         .submit(two_turns(model, None, Some(&turn1.text)))
@@ -523,18 +520,21 @@ fn a_cancelled_request_waiting_after_its_disk_read_ends_at_once() {
     }
     // The read is done by now: the request waits for the other model's batch.
     std::thread::sleep(Duration::from_millis(600));
-    assert_eq!(engine.queue_depth(), 2);
-    from_disk.cancel();
+    (engine, from_disk, other)
+}
+
+/// Waits (10 s at most) for the queue to hold `depth` requests, then checks that `other`, the
+/// long answer the queue waited behind, is still running: what left did not wait for it.
+fn queue_shrinks_before_the_other_ends(engine: &Engine, depth: usize, other: &RequestHandle) {
     let cancelled = Instant::now();
-    while engine.queue_depth() > 1 {
+    while engine.queue_depth() > depth {
         assert!(
             cancelled.elapsed() < Duration::from_secs(10),
             "the cancelled request still waits behind the other model's batch"
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    // The one left is the other model's answer, still running (it ends at the fixture's
-    // context, seconds later): the cancelled request did not wait for it to end.
+    // It ends at the fixture's context, seconds later.
     let ended = other
         .events
         .try_iter()
@@ -543,7 +543,35 @@ fn a_cancelled_request_waiting_after_its_disk_read_ends_at_once() {
         !ended,
         "the cancelled request ended only after the other model's answer"
     );
+}
+
+/// A request cancelled while its prefix, read from disk, waits for another model's batch to
+/// drain ends at once: it no longer holds the queue until that batch ends (and then loads its
+/// model and rebuilds its caches for a client that left).
+#[test]
+fn a_cancelled_request_waiting_after_its_disk_read_ends_at_once() {
+    let disk = scratch("cancel-ready");
+    let (engine, from_disk, other) = ready_behind_another_model(&disk);
+    assert_eq!(engine.queue_depth(), 2);
+    from_disk.cancel();
+    queue_shrinks_before_the_other_ends(&engine, 1, &other);
     drop(other);
+    let _ = std::fs::remove_dir_all(&disk);
+}
+
+/// Requests cancelled in the queue behind one that waits, its disk read done, for another
+/// model's batch give back their places at once (the waiting one held the queue before the
+/// cancelled were swept, so a full queue refused new requests until that batch ended).
+#[test]
+fn cancelled_requests_behind_a_waiting_disk_read_give_back_their_places() {
+    let disk = scratch("cancel-behind-ready");
+    let (engine, from_disk, other) = ready_behind_another_model(&disk);
+    let behind = engine.submit(endless_answer("qwen3-tiny")).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(engine.queue_depth(), 3);
+    behind.cancel();
+    queue_shrinks_before_the_other_ends(&engine, 2, &other);
+    drop((from_disk, other));
     let _ = std::fs::remove_dir_all(&disk);
 }
 

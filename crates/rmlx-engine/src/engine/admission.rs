@@ -61,7 +61,9 @@ impl EngineThread {
             }
         }
         // Requests whose prefix came off the disk go first (they arrived before anything
-        // pending); one that cannot go yet holds the queue, as a pending job would.
+        // pending); one that cannot go yet holds the queue, as a pending job would (after the
+        // cancelled give back their places below).
+        let mut ready_blocked = false;
         while let Some((loading, _)) = self.ready.front() {
             // Cancelled while it waited for the batch: it ends here, holding nothing up (and
             // loading no model for a client that left).
@@ -71,7 +73,8 @@ impl EngineThread {
                 continue;
             }
             if !self.batch_takes(&loading.request.model) {
-                return;
+                ready_blocked = true;
+                break;
             }
             let (loading, loaded) = self.ready.pop_front().expect("looked at above");
             let Loading {
@@ -105,6 +108,9 @@ impl EngineThread {
         });
         self.waiting
             .fetch_sub(before - self.pending.len(), Ordering::SeqCst);
+        if ready_blocked {
+            return;
+        }
         while let Some(job) = self.pending.front() {
             let busy = self.batch.is_some() || self.prefilling() > 0;
             let running = self.running_key().cloned();

@@ -119,10 +119,15 @@ impl Reach {
         self.rows * (self.columns + self.growth)
     }
 
+    /// The positions its rows hold now.
+    fn now(&self) -> usize {
+        self.rows * self.columns
+    }
+
     /// The rule before memory counted (what `fits` in `/v1/models` reserves): the rows as they
     /// are now share one context's worth of KV.
     fn within_context(&self, context: usize) -> bool {
-        self.rows * self.columns <= context
+        self.now() <= context
     }
 }
 
@@ -329,17 +334,16 @@ impl EngineThread {
     /// rule (`Reach::within_context`), so that agents' long prompts (25k tokens against Qwen3's
     /// 40,960) decode side by side instead of one after the other: half of what the weights,
     /// the prefix cache and every row's fixed state leave of `kv_memory`; the rest is for
-    /// activations, the OS and other apps. 0 where memory is unknown.
-    pub(super) fn kv_room(&self, key: &Path) -> usize {
-        let (Some(memory), Some(resident)) = (self.kv_memory, self.models.get(key)) else {
-            return 0;
-        };
+    /// activations, the OS and other apps. None where memory is unknown.
+    pub(super) fn kv_room(&self, key: &Path) -> Option<usize> {
+        let memory = self.kv_memory?;
+        let resident = self.models.get(key)?;
         let per_token = resident.footprint.kv_per_token.max(1);
         let weights: u64 = self.models.values().map(|m| m.footprint.weights).sum();
         let prefix = self.prefix.budgets();
         let states = self.max_batch as u64 * resident.footprint.recurrent_state;
         let room = memory.saturating_sub(weights + prefix.kv + prefix.snapshots + states) / 2;
-        (room / per_token) as usize
+        Some((room / per_token) as usize)
     }
 
     /// Whether a prompt may enter the rows `entering` (the batch's or the prefill group's, the
@@ -352,40 +356,40 @@ impl EngineThread {
         entering: Reach,
         beside: Reach,
     ) -> bool {
-        entering.within_context(context) || entering.reach() + beside.reach() <= self.kv_room(key)
+        entering.within_context(context)
+            || entering.reach() + beside.reach() <= self.kv_room(key).unwrap_or(0)
     }
 
     /// Whether one more request may start beside what the batch, the prefill group and the
-    /// prompts prefilling or waiting to join hold: they share one context's worth of KV as they
-    /// are now, or they can reach less than the memory for KV (`kv_room`; the newcomer may go
-    /// past it by one prompt's reach, as one context could). Prompts that wait prefilled hold
-    /// their KV: without this, `max_batch` long prompts would all prefill and wait.
+    /// prompts prefilling or waiting to join hold: one context's worth of KV or less as they
+    /// are now, or less than the memory for KV (`kv_room`) at the most they can reach (the
+    /// newcomer may go past it by one prompt's reach, as one context could). Prompts waiting
+    /// prefilled hold their KV: without this, `max_batch` long prompts would all prefill and
+    /// wait. Waiting prompts count as they hold (their own tokens, unpadded).
     pub(super) fn kv_takes_another(&self, key: &Path) -> bool {
-        let room = self.kv_room(key);
-        if room == 0 {
+        let Some(room) = self.kv_room(key) else {
             // Memory unknown: `max_batch` alone bounds it, as before memory counted.
             return true;
-        }
-        let mut held = self
-            .batch
-            .as_ref()
-            .map(|batch| batch.reach())
-            .unwrap_or_default();
-        let mut context = self
-            .batch
-            .as_ref()
-            .map_or(usize::MAX, |batch| batch.context);
-        if let Some(group) = &self.group {
-            held = held.with(group.reach());
+        };
+        let batch = self.batch.as_ref().map(|batch| batch.reach());
+        let group = self.group.as_ref().map(|group| group.reach());
+        let (batch, group) = (batch.unwrap_or_default(), group.unwrap_or_default());
+        let waiting = self.admitting.iter().map(|a| Reach::of(&a.prefill));
+        let (mut now, mut reach) = (batch.now() + group.now(), batch.reach() + group.reach());
+        for prompt in waiting {
+            now += prompt.now();
+            reach += prompt.reach();
         }
         let members = self.group.iter().flat_map(|group| &group.members);
-        for admission in self.admitting.iter().chain(members) {
-            context = context.min(admission.prefill.max_ctx());
-        }
-        for admission in &self.admitting {
-            held = held.with(Reach::of(&admission.prefill));
-        }
-        held.within_context(context) || held.reach() < room
+        let context = self
+            .admitting
+            .iter()
+            .chain(members)
+            .map(|admission| admission.prefill.max_ctx())
+            .chain(self.batch.as_ref().map(|batch| batch.context))
+            .min()
+            .unwrap_or(usize::MAX);
+        now <= context || reach < room
     }
 
     /// Sizes the prefix cache's budgets that were not set for the resident models.

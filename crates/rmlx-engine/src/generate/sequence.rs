@@ -149,12 +149,12 @@ impl Sequence {
         self.constraint.is_some() || self.tools.is_watching()
     }
 
-    /// The request's effective context (its `max_ctx`).
     /// Tokens the answer may still take (at most: a stop ends it sooner).
     pub fn remaining(&self) -> usize {
         self.max_new.saturating_sub(self.token_ids.len())
     }
 
+    /// The request's effective context (its `max_ctx`).
     pub fn context(&self) -> usize {
         self.context
     }

@@ -63,7 +63,8 @@
 #   mlx_cuda_qmm_small_m.py (the upstream report's table), then `rmlx bench --step-profile`
 #   alone at S_STREAMS ("1 8") streams on C_MODELS' Qwen3-4B shapes (P_RUNS 2): the 8-row 4-bit
 #   step against bf16's, and where a 4-row masked step's time goes; then bf16 at 4 streams
-#   (--ragged-check, then plain) with RMLX_GROUPED_ONE_QUERY 0 / 1 alternating.
+#   (--ragged-check, then plain) with RMLX_GROUPED_ONE_QUERY 0 / 1 alternating. S_PARTS: which
+#   of "probe repro steps grouped" run, in that order (a short call: S_PARTS="grouped steps").
 # MODE=profile (step 2 instead): probe_ops.py (per-op costs of MLX CUDA at the decode shapes),
 #   the same two checkpoints, `rmlx bench --step-profile` at 1 and P_STREAMS (8) streams (bf16 also
 #   with MLX_DISABLE_COMPILE=1 RMLX_WEIGHTS_ON_DEVICE=0), then concurrency.py and bench.py on bf16.
@@ -366,35 +367,45 @@ if [[ $MODE == steps ]]; then
   # Issue 32: what one decode step costs, rmlx alone. probe_masked_decode.py (a 4-row one-query
   # attention with and without the ragged batch's mask, over the whole buffer, and grouped),
   # then `rmlx bench --step-profile` at S_STREAMS (1,8) on the Qwen3-4B shapes of C_MODELS:
-  # the 8-row 4-bit step against bf16's.
-  step "probe masked decode"
-  timeout 120 python3 scripts/bench/h200/probe_masked_decode.py --json-out "$OUT/probe-masked-decode.json"
-  step "upstream reproduction: 4-bit matmul at small M"
-  timeout 120 python3 scripts/upstream/mlx_cuda_qmm_small_m.py --json-out "$OUT/qmm-small-m.json"
-  qwen3_models || exit 1
-  for kind in ${C_MODELS:-bf16 4bit}; do
-    for streams in ${S_STREAMS:-1 8}; do
-      left=$(( LIMIT - SECONDS ))
-      (( left > 40 )) || { echo "no time left for $kind x$streams"; break 2; }
-      step "rmlx bench $kind x$streams"
-      RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench --model "$BENCH/qwen3-4b-shape-$kind" \
-        --prompt-tokens "${C_PROMPT:-512}" --gen-tokens "${C_TOKENS:-128}" --runs "${P_RUNS:-2}" \
-        --concurrency "$streams" --step-profile | tee "$OUT/steps-$kind-s$streams.txt"
-    done
-  done
-  # The masked one-query step computed by grouped matmuls (RMLX_GROUPED_ONE_QUERY=1) against
-  # MLX's SDPA fallback, in a ragged batch of 4 and in 4 streams as served (bf16).
-  for grouped in 0 1 0 1; do
-    left=$(( LIMIT - SECONDS ))
-    (( left > 40 )) || { echo "no time left for grouped=$grouped"; break; }
-    step "ragged and 4 streams, RMLX_GROUPED_ONE_QUERY=$grouped"
-    model=$BENCH/qwen3-4b-shape-bf16
-    RMLX_GROUPED_ONE_QUERY=$grouped RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench \
-      --model "$model" --prompt-tokens 512 --gen-tokens 128 --runs 2 --concurrency 4 --ragged-check \
-      | tee -a "$OUT/grouped-$grouped.txt"
-    RMLX_GROUPED_ONE_QUERY=$grouped RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench \
-      --model "$model" --prompt-tokens 512 --gen-tokens 128 --runs 2 --concurrency 4 --step-profile \
-      | tee -a "$OUT/grouped-$grouped.txt"
+  # the 8-row 4-bit step against bf16's; then the grouped one-query A/B. S_PARTS picks the
+  # parts and their order (default "probe repro steps grouped"; a short call: "grouped steps").
+  for part in ${S_PARTS:-probe repro steps grouped}; do
+    case $part in
+      probe)
+        step "probe masked decode"
+        timeout 120 python3 scripts/bench/h200/probe_masked_decode.py --json-out "$OUT/probe-masked-decode.json" ;;
+      repro)
+        step "upstream reproduction: 4-bit matmul at small M"
+        timeout 120 python3 scripts/upstream/mlx_cuda_qmm_small_m.py --json-out "$OUT/qmm-small-m.json" ;;
+      steps)
+        qwen3_models || exit 1
+        for kind in ${C_MODELS:-bf16 4bit}; do
+          for streams in ${S_STREAMS:-1 8}; do
+            left=$(( LIMIT - SECONDS ))
+            (( left > 40 )) || { echo "no time left for $kind x$streams"; break 2; }
+            step "rmlx bench $kind x$streams"
+            RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench --model "$BENCH/qwen3-4b-shape-$kind" \
+              --prompt-tokens "${C_PROMPT:-512}" --gen-tokens "${C_TOKENS:-128}" --runs "${P_RUNS:-2}" \
+              --concurrency "$streams" --step-profile | tee "$OUT/steps-$kind-s$streams.txt"
+          done
+        done ;;
+      grouped)
+        # The masked one-query step computed by grouped matmuls (RMLX_GROUPED_ONE_QUERY=1)
+        # against MLX's SDPA fallback, in a ragged batch of 4 and in 4 streams as served (bf16).
+        qwen3_models || exit 1
+        for grouped in 0 1 0 1; do
+          left=$(( LIMIT - SECONDS ))
+          (( left > 40 )) || { echo "no time left for grouped=$grouped"; break; }
+          step "ragged and 4 streams, RMLX_GROUPED_ONE_QUERY=$grouped"
+          model=$BENCH/qwen3-4b-shape-bf16
+          RMLX_GROUPED_ONE_QUERY=$grouped RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench \
+            --model "$model" --prompt-tokens 512 --gen-tokens 128 --runs 2 --concurrency 4 --ragged-check \
+            | tee -a "$OUT/grouped-$grouped.txt"
+          RMLX_GROUPED_ONE_QUERY=$grouped RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench \
+            --model "$model" --prompt-tokens 512 --gen-tokens 128 --runs 2 --concurrency 4 --step-profile \
+            | tee -a "$OUT/grouped-$grouped.txt"
+        done ;;
+    esac
   done
   step "done"
   exit 0

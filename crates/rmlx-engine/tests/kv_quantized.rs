@@ -244,3 +244,61 @@ fn quantized_rows_batch_and_reuse_the_prefix_cache_as_alone() {
         }
     }
 }
+
+/// The batch's memory for KV counts what a quantized cache stores (`--kv-bits 8`), not the
+/// dense bytes: two prompts past half the context, with memory for both rows stored 8-bit but
+/// for under one context's dense KV, decode side by side and equal their solo runs.
+#[test]
+fn quantized_rows_are_counted_as_stored_in_the_memory_for_kv() {
+    let dir = FIXTURES[0];
+    let request = |seed: u32| Request {
+        model: fixture(dir),
+        prompt: Prompt::Ids(text_ids(100, seed)),
+        params: GenerateParams {
+            max_tokens: 4,
+            max_ctx: Some(160),
+            ignore_eos: true,
+            ..GenerateParams::default()
+        },
+        ..Request::default()
+    };
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(dir).join("config.json")).unwrap())
+            .unwrap();
+    let stored = rmlx_engine::models::structure::kv_bytes_per_token_stored(&config, Some(8));
+    let dense = rmlx_engine::models::structure::kv_bytes_per_token(&config);
+    let weights = rmlx_engine::runtime::memory_needed(&fixture(dir)).unwrap();
+    // Each row reaches 104 positions: 260 stored hold both; as dense bytes under 160.
+    let budget = weights + 2 * 260 * stored;
+    assert!(
+        260 * stored / dense < 160,
+        "{stored} stored, {dense} dense bytes a position"
+    );
+    let engine = |max_batch: usize, memory_budget: Option<u64>| {
+        Engine::start_with(EngineOptions {
+            max_batch,
+            kv_bits: Some(8),
+            prefix_cache_bytes: Some(0),
+            prefix_snapshot_bytes: Some(0),
+            memory_budget,
+            ..EngineOptions::default()
+        })
+        .unwrap()
+    };
+    let alone = engine(1, None);
+    let solo: Vec<Completion> = (0..2)
+        .map(|i| alone.submit(request(i)).unwrap().wait().unwrap())
+        .collect();
+    let together = engine(4, Some(budget));
+    let hold = together.hold_for_warm_up();
+    let handles: Vec<_> = (0..2)
+        .map(|i| together.submit(request(i)).unwrap())
+        .collect();
+    together.model_info(&fixture(dir)).unwrap();
+    drop(hold);
+    for (index, (solo, handle)) in solo.iter().zip(handles).enumerate() {
+        let answer = handle.wait().unwrap();
+        assert_eq!(answer.token_ids, solo.token_ids, "row {index}");
+        assert_eq!(answer.batched_with, 2, "row {index} ran alone");
+    }
+}

@@ -61,8 +61,13 @@ impl Resident {
 }
 
 /// A model's weights and recurrent state, from its folder, and the KV per token it holds as
-/// loaded (`kv_per_token`: its draft head's included).
-fn footprint(dir: &Path, kv_per_token: u64, part: &models::Part) -> Result<ModelFootprint> {
+/// loaded (`kv_per_token`: its draft head's included, dense) stored as `storage` keeps it.
+fn footprint(
+    dir: &Path,
+    kv_per_token: u64,
+    storage: KvStorage,
+    part: &models::Part,
+) -> Result<ModelFootprint> {
     let io = |error: std::io::Error| EngineError::Io {
         path: dir.to_path_buf(),
         message: error.to_string(),
@@ -73,6 +78,16 @@ fn footprint(dir: &Path, kv_per_token: u64, part: &models::Part) -> Result<Model
             path: dir.join("config.json"),
             message: error.to_string(),
         })?;
+    // `--kv-bits` shrinks every cached layer alike (draft heads and draft models too): scaled
+    // by the trunk's stored-to-dense ratio.
+    let kv_per_token = match storage {
+        KvStorage::Dense => kv_per_token,
+        KvStorage::Quantized { bits, .. } => {
+            let dense = models::structure::kv_bytes_per_token(&config).max(1);
+            let stored = models::structure::kv_bytes_per_token_stored(&config, Some(bits));
+            (kv_per_token as u128 * stored as u128 / dense as u128) as u64
+        }
+    };
     Ok(ModelFootprint {
         weights: crate::runtime::memory_needed_for(dir, part).map_err(io)?,
         kv_per_token,
@@ -477,7 +492,12 @@ impl EngineThread {
             if let Some(draft) = &self.draft_model {
                 loaded = models::draft_model::attach(loaded, draft)?;
             }
-            let mut footprint = footprint(&key, loaded.info.kv_bytes_per_token, &self.part)?;
+            let mut footprint = footprint(
+                &key,
+                loaded.info.kv_bytes_per_token,
+                self.kv_storage,
+                &self.part,
+            )?;
             if let Some(draft) = &self.draft_model {
                 footprint.weights +=
                     crate::runtime::memory_needed(draft).map_err(|error| EngineError::Io {

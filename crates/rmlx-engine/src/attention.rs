@@ -174,21 +174,32 @@ pub(crate) fn attend_fetched(
     quantized_attention(queries, keys, values, scale, mask, (bits, group_size))
 }
 
-/// The mask of a one-query step that [`grouped_one_query`] computes instead of MLX's SDPA:
-/// only where `RMLX_GROUPED_ONE_QUERY=1`. MLX 0.32's CUDA backend has no fused kernel for one
-/// query under a mask array (a padded or ragged batch's decode step: its vector kernel refuses
-/// array masks and cuDNN takes one query only unmasked), so SDPA runs its unfused fallback,
-/// whose matmuls broadcast the keys and values over each KV head's query heads. Whether the
-/// grouped form is cheaper there is for the GPU to say (`MODE=steps` of
-/// scripts/bench/h200/run.sh); until then the switch only exists for that A/B run.
+/// The mask of a one-query step that [`grouped_one_query`] computes instead of MLX's SDPA: on
+/// MLX's CUDA backend, unless `RMLX_GROUPED_ONE_QUERY=0` (`=1` turns it on elsewhere). MLX
+/// 0.32's CUDA backend has no fused kernel for one query under a mask array (a padded or ragged
+/// batch's decode step: its vector kernel refuses array masks and cuDNN takes one query only
+/// unmasked), so SDPA runs its unfused fallback, whose matmuls broadcast the keys and values
+/// over each KV head's query heads. On an H100 the grouped form took a 4-row bf16 step of the
+/// Qwen3-4B shape from 10.6-11.4 ms to 7.2-10.8 ms (docs/PERFORMANCE.md, session 28). Metal's
+/// vector kernel takes masks, and on the CPU both cost the same: there SDPA stays.
 fn grouped_one_query_mask<'m>(queries: &Array, mask: &'m Mask) -> Option<&'m Array> {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| {
-        std::env::var("RMLX_GROUPED_ONE_QUERY").is_ok_and(|value| value.trim() == "1")
+        let switch = std::env::var("RMLX_GROUPED_ONE_QUERY").ok();
+        grouped_one_query_wanted(switch.as_deref(), crate::runtime::on_cuda_gpu())
     });
     match mask {
         Mask::Array(visible) if on && queries.shape()[2] == 1 => Some(visible),
         _ => None,
+    }
+}
+
+/// `RMLX_GROUPED_ONE_QUERY` as set (`1` on, `0` off), else on where MLX runs on CUDA.
+fn grouped_one_query_wanted(switch: Option<&str>, cuda: bool) -> bool {
+    match switch.map(str::trim) {
+        Some("1") => true,
+        Some("0") => false,
+        _ => cuda,
     }
 }
 
@@ -442,6 +453,19 @@ mod tests {
             let diff = max_diff(&got, &want);
             assert!(diff < 1e-5, "{heads} heads over {kv_heads}: {diff}");
         }
+    }
+
+    /// On by default only on CUDA (where it was measured faster); the switch overrides.
+    #[test]
+    fn grouped_one_query_is_cudas_default_and_the_switch_overrides_it() {
+        for cuda in [false, true] {
+            assert_eq!(grouped_one_query_wanted(None, cuda), cuda);
+            assert_eq!(grouped_one_query_wanted(Some(""), cuda), cuda);
+            assert!(grouped_one_query_wanted(Some(" 1"), cuda));
+            assert!(!grouped_one_query_wanted(Some("0"), cuda));
+        }
+        // This CPU build computes with SDPA unless asked.
+        assert!(!crate::runtime::on_cuda_gpu());
     }
 
     #[test]

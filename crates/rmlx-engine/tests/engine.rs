@@ -609,8 +609,8 @@ fn assert_same_answer(what: &str, solo: &Completion, batched: &Completion, toler
 }
 
 /// The every-family batch check again with each padded row's one-query steps computed by
-/// grouped matmuls over its KV heads instead of MLX's SDPA (`RMLX_GROUPED_ONE_QUERY=1`, the
-/// A/B switch for CUDA, see `attention::grouped_one_query_mask`), in a child process of this
+/// grouped matmuls over its KV heads instead of MLX's SDPA (`RMLX_GROUPED_ONE_QUERY=1`, CUDA's
+/// default, see `attention::grouped_one_query_mask`), in a child process of this
 /// test binary (the switch is read once per process): the answers still equal solo runs.
 #[test]
 fn padded_one_query_steps_grouped_over_kv_heads_equal_solo_runs() {

@@ -161,7 +161,7 @@ fn short_steps_over_the_whole_buffer_stay_exact() {
 
 /// The ragged batch check again with every one-query step under a mask computed by grouped
 /// matmuls over each KV head's query heads instead of MLX's SDPA (`RMLX_GROUPED_ONE_QUERY=1`,
-/// the A/B switch for CUDA; engine.rs checks every family's padded batch the same way): each
+/// CUDA's default; engine.rs checks every family's padded batch the same way): each
 /// row must still equal its solo run, whose unmasked steps take SDPA. In a child process, as
 /// above.
 #[test]

@@ -151,17 +151,23 @@ fn a_panic_fails_only_its_own_request() {
     assert_eq!(engine.metrics().error_counts["internal"], 3);
 }
 
+/// An engine that queues two requests, without speculation (rows of one batch that keep
+/// drafts finish early, out of order).
+fn queue_of_two() -> Engine {
+    Engine::start_with(EngineOptions {
+        max_queue: 2,
+        speculative: rmlx_engine::speculative::SpeculativeMode::Off,
+        ..EngineOptions::default()
+    })
+    .unwrap()
+}
+
 /// Requests cancelled while they wait behind one for another model (which waits for the
 /// running batch to drain) give back their queue places at once: a full queue takes a new
 /// request again while the batch still runs.
 #[test]
 fn cancelled_requests_give_back_their_queue_places_at_once() {
-    let engine = Engine::start_with(EngineOptions {
-        max_queue: 2,
-        speculative: rmlx_engine::speculative::SpeculativeMode::Off,
-        ..EngineOptions::default()
-    })
-    .unwrap();
+    let engine = queue_of_two();
     let mut long = request("A long answer please", 100_000);
     long.model = fixture("qwen3-tiny-4bit");
     let running = engine.submit(long).unwrap();
@@ -205,13 +211,7 @@ fn cancelled_requests_give_back_their_queue_places_at_once() {
 
 #[test]
 fn full_queue_is_refused_and_accepted_requests_finish_in_order() {
-    // Without speculation: rows of one batch that keep drafts finish early, out of order.
-    let engine = Engine::start_with(EngineOptions {
-        max_queue: 2,
-        speculative: rmlx_engine::speculative::SpeculativeMode::Off,
-        ..EngineOptions::default()
-    })
-    .unwrap();
+    let engine = queue_of_two();
     let mut accepted = Vec::new();
     let mut refused = 0;
     for index in 0..12 {
@@ -1220,6 +1220,37 @@ fn prompts_entering_a_group_mid_way_equal_their_solo_runs() {
     }
 }
 
+/// A qwen3-tiny request of `words` words (35: a 108-token prompt, 15: 53 tokens) in a context
+/// of 160, answering `max_tokens` tokens.
+fn words_in_160(words: usize, shift: usize, max_tokens: usize) -> Request {
+    let text = (0..words)
+        .map(|i| ["river", "stone", "maple", "quiet"][(i + shift) % 4])
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut request = batch_request("qwen3-tiny", &text, None, max_tokens);
+    request.params.max_ctx = Some(160);
+    request
+}
+
+/// An engine of up to 4 rows, no prefix cache, whose memory budget leaves qwen3-tiny KV for
+/// `positions` positions (half of what its weights leave; qwen3 has no fixed state per row).
+fn engine_with_kv_for(positions: u64) -> Engine {
+    let dir = fixture("qwen3-tiny");
+    let per_token = without_prefix_cache(1)
+        .model_info(&dir)
+        .unwrap()
+        .kv_bytes_per_token;
+    let weights = rmlx_engine::runtime::memory_needed(&dir).unwrap();
+    Engine::start_with(EngineOptions {
+        max_batch: 4,
+        prefix_cache_bytes: Some(0),
+        prefix_snapshot_bytes: Some(0),
+        memory_budget: Some(weights + 2 * positions * per_token),
+        ..EngineOptions::default()
+    })
+    .unwrap()
+}
+
 /// Prompts prefill together, and decode together, only while their rows fit: within one
 /// context as they are now (padded to the longest), or, beyond it, within the memory for KV
 /// (half of what the weights leave of the memory budget) at the most they can reach, every row
@@ -1229,25 +1260,8 @@ fn prompts_entering_a_group_mid_way_equal_their_solo_runs() {
 /// all; two of less than half always together; every answer equals its solo run.
 #[test]
 fn prompts_prefill_and_decode_together_within_the_memory_for_kv() {
-    let text = |count: usize, shift: usize| {
-        (0..count)
-            .map(|i| ["river", "stone", "maple", "quiet"][(i + shift) % 4])
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let request = |words: usize, shift: usize, max_tokens: usize| {
-        let mut request = batch_request("qwen3-tiny", &text(words, shift), None, max_tokens);
-        request.params.max_ctx = Some(160);
-        request
-    };
+    let request = words_in_160;
     let alone = without_prefix_cache(1);
-    let per_token = alone
-        .model_info(&request(1, 0, 1).model)
-        .unwrap()
-        .kv_bytes_per_token;
-    let weights = rmlx_engine::runtime::memory_needed(&fixture("qwen3-tiny")).unwrap();
-    // A budget whose KV half holds `positions` positions (qwen3 has no fixed state per row).
-    let budget = |positions: u64| weights + 2 * positions * per_token;
     // 35 words: 108-token prompts, two past the context of 160.
     let cases = [
         (35, 4, 100, false),
@@ -1264,14 +1278,7 @@ fn prompts_prefill_and_decode_together_within_the_memory_for_kv() {
                 alone.submit(request).unwrap().wait().unwrap()
             })
             .collect();
-        let engine = Engine::start_with(EngineOptions {
-            max_batch: 4,
-            prefix_cache_bytes: Some(0),
-            prefix_snapshot_bytes: Some(0),
-            memory_budget: Some(budget(positions)),
-            ..EngineOptions::default()
-        })
-        .unwrap();
+        let engine = engine_with_kv_for(positions);
         // Both wait until both are queued (a busy machine could otherwise start the first
         // before the second arrives, and this test is about what fits, not about timing).
         let hold = engine.hold_for_warm_up();
@@ -1309,35 +1316,10 @@ fn prompts_prefill_and_decode_together_within_the_memory_for_kv() {
 #[test]
 fn a_request_starts_only_while_memory_holds_the_kv_of_those_before_it() {
     use rmlx_engine::engine::Event;
-    let words = |shift: usize| {
-        (0..35)
-            .map(|i| ["river", "stone", "maple", "quiet"][(i + shift) % 4])
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let request = |shift: usize| {
-        let mut request = batch_request("qwen3-tiny", &words(shift), None, 4);
-        request.params.max_ctx = Some(160);
-        request
-    };
-    let per_token = {
-        let alone = without_prefix_cache(1);
-        alone
-            .model_info(&request(0).model)
-            .unwrap()
-            .kv_bytes_per_token
-    };
-    let weights = rmlx_engine::runtime::memory_needed(&fixture("qwen3-tiny")).unwrap();
+    let request = |shift: usize| words_in_160(35, shift, 4);
     // 108-token prompts and 4-token answers: each reaches 112 positions.
     for (positions, gated) in [(200, true), (1000, false)] {
-        let engine = Engine::start_with(EngineOptions {
-            max_batch: 4,
-            prefix_cache_bytes: Some(0),
-            prefix_snapshot_bytes: Some(0),
-            memory_budget: Some(weights + 2 * positions * per_token),
-            ..EngineOptions::default()
-        })
-        .unwrap();
+        let engine = engine_with_kv_for(positions);
         let hold = engine.hold_for_warm_up();
         let handles: Vec<_> = (0..3).map(|i| engine.submit(request(i)).unwrap()).collect();
         engine.model_info(&request(0).model).unwrap();

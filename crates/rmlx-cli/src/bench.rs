@@ -9,6 +9,7 @@ use std::{path::PathBuf, sync::mpsc, time::Instant};
 use rmlx_engine::{
     engine::{Engine, EngineOptions, Event, Prompt, Request, DEFAULT_MAX_BATCH},
     generate::{GenerateParams, Timings},
+    sample::SamplingParams,
 };
 
 #[derive(clap::Args)]
@@ -46,6 +47,16 @@ pub struct BenchArgs {
     /// (building the graph, handing it to MLX, waiting for tokens, the loop between steps).
     #[arg(long)]
     pub step_profile: bool,
+    /// Sample at this temperature (0: greedy). Agents' requests sample (Claude Code, the
+    /// SDKs' default temperature 1); each stream is seeded from its prompt's seed.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// With --temperature: nucleus sampling (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// With --temperature: keep the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
     #[arg(long)]
     pub json: bool,
     /// Instead of the plain bench: speculative decoding against plain decode, with a proposer
@@ -147,6 +158,13 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
                         max_tokens: args.gen_tokens,
                         ignore_eos: true,
                         prefill_chunk: args.prefill_chunk,
+                        sampling: SamplingParams {
+                            temperature: args.temperature,
+                            top_p: args.top_p,
+                            top_k: args.top_k,
+                            seed: Some(seed),
+                            ..SamplingParams::default()
+                        },
                         ..GenerateParams::default()
                     },
                     ..Request::default()
@@ -325,6 +343,7 @@ fn report(
                 },
                 "step_profile": steps.map(step_rows),
                 "kv_bits": args.kv_bits,
+                "temperature": args.temperature,
                 "peak_memory_bytes": peak,
             })
         );

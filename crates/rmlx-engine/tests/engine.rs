@@ -1457,6 +1457,88 @@ fn batched_requests_keep_their_own_parameters() {
     );
 }
 
+/// Agents sample (temperature 1 by default): sampled rows of a batch draw their tokens
+/// together, each from its own seeded stream, so each answer is the one it gives alone, with
+/// greedy rows beside them and a penalised row (which samples on its own) among them.
+#[test]
+fn sampled_rows_drawn_together_answer_as_they_do_alone() {
+    let sampled = |shift: usize, sampling: SamplingParams| {
+        let mut request = words_in_160(12, shift, 24);
+        request.params.max_ctx = None;
+        request.params.sampling = sampling;
+        request
+    };
+    let seeded = |seed: u64, temperature: f32| SamplingParams {
+        temperature,
+        seed: Some(seed),
+        ..SamplingParams::default()
+    };
+    let requests = [
+        sampled(0, seeded(1, 1.0)),
+        sampled(1, seeded(2, 0.8)),
+        sampled(
+            2,
+            SamplingParams {
+                top_k: 8,
+                ..seeded(3, 1.2)
+            },
+        ),
+        sampled(
+            3,
+            SamplingParams {
+                top_p: 0.9,
+                min_p: 0.05,
+                ..seeded(4, 1.0)
+            },
+        ),
+        sampled(
+            4,
+            SamplingParams {
+                logit_bias: [(106, 3.0)].into_iter().collect(),
+                ..seeded(5, 1.0)
+            },
+        ),
+        sampled(5, SamplingParams::greedy()),
+        sampled(
+            6,
+            SamplingParams {
+                repetition_penalty: Some(1.2),
+                ..seeded(7, 0.9)
+            },
+        ),
+    ];
+    let alone = without_prefix_cache(1);
+    let answer = |request: &Request| alone.submit(request.clone()).unwrap().wait().unwrap();
+    let solo: Vec<Completion> = requests.iter().map(answer).collect();
+    // The seeded rows sample: their answers are not their prompts' greedy answers.
+    let left_greedy = requests[..5]
+        .iter()
+        .zip(&solo)
+        .filter(|(request, solo)| {
+            let mut greedy = (*request).clone();
+            greedy.params.sampling = SamplingParams::greedy();
+            answer(&greedy).token_ids != solo.token_ids
+        })
+        .count();
+    assert!(
+        left_greedy >= 4,
+        "{left_greedy} of 5 sampled answers left greedy"
+    );
+    drop(alone);
+    let engine = without_prefix_cache(8);
+    let hold = engine.hold_for_warm_up();
+    let handles: Vec<_> = requests
+        .iter()
+        .map(|request| engine.submit(request.clone()).unwrap())
+        .collect();
+    drop(hold);
+    for (index, (handle, solo)) in handles.into_iter().zip(&solo).enumerate() {
+        let batched = handle.wait().unwrap();
+        assert_eq!(batched.batched_with, requests.len(), "request {index}");
+        assert_eq!(batched.token_ids, solo.token_ids, "request {index}");
+    }
+}
+
 /// A new request's prompt is prefilled a chunk at a time between the running batch's decode
 /// steps: a running stream keeps getting tokens while a long prompt is being prefilled.
 #[test]

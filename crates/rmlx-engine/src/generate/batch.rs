@@ -9,6 +9,7 @@ use crate::{
     chat::ChatTokenizer,
     error::Result,
     models::{LanguageModel, Logits},
+    sample::RowDraw,
 };
 
 use super::{
@@ -120,17 +121,31 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
         if super::finite::enabled() {
             queued.extend(super::finite::check(&logits, &input, caches, rows)?);
         }
-        // Greedy rows with no processor but a logit bias are sampled in one op for the whole
-        // batch (one bias add, one log-softmax, one argmax, one host read), not row by row.
-        let together = if count > 1
-            && rows
-                .iter_mut()
-                .all(|row| row.sequence().is_batchable_greedy())
-        {
+        // Rows with no processor but a logit bias (greedy or sampled: agents sample) draw their
+        // tokens together: one bias add, one log-softmax, one draw over all rows, one host
+        // read, not a dozen ops a row. The others sample row by row.
+        let batchable: Vec<bool> = rows
+            .iter_mut()
+            .map(|row| row.sequence().is_batchable())
+            .collect();
+        let together = if count > 1 && batchable.iter().filter(|&&b| b).count() > 1 {
             let logits = with_bias_rows(&logits, rows)?;
             let logprobs = crate::sample::log_softmax(&logits)?;
+            // A row whose token is not kept (done, or sampled alone below) takes the argmax and
+            // leaves its stream where it is.
+            let draws: Vec<RowDraw> = rows
+                .iter_mut()
+                .zip(&batchable)
+                .map(|(row, &batchable)| {
+                    let sequence = row.sequence();
+                    match batchable && sequence.wants_step() {
+                        true => sequence.sampler.row_draw(),
+                        false => RowDraw::Argmax,
+                    }
+                })
+                .collect();
             let batch = Rc::new(BatchTokens {
-                tokens: crate::sample::greedy(&logprobs)?,
+                tokens: crate::sample::draw_rows(&logprobs, &draws)?,
                 host: OnceCell::new(),
             });
             queued.push(batch.tokens.clone());
@@ -151,9 +166,11 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
                 continue;
             }
             match &together {
-                Some((batch, logprobs)) => sequence.take_batched(batch, b, logprobs)?,
-                None if count == 1 => sequence.sample(&logits)?,
-                None => sequence.sample(&logits.index(b as i32..b as i32 + 1))?,
+                Some((batch, logprobs)) if batchable[b] => {
+                    sequence.take_batched(batch, b, logprobs)?
+                }
+                _ if count == 1 => sequence.sample(&logits)?,
+                _ => sequence.sample(&logits.index(b as i32..b as i32 + 1))?,
             }
             fresh[b] = true;
             queued.extend(

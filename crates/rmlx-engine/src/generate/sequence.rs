@@ -195,6 +195,12 @@ impl Sequence {
         !self.is_constrained() && self.sampler.is_batchable_greedy()
     }
 
+    /// Whether this row's token is drawn from its log-probs after at most a logit bias,
+    /// greedy or sampled ([`Sampler::is_batchable`]): such rows of a batch draw together.
+    pub(super) fn is_batchable(&self) -> bool {
+        !self.is_constrained() && self.sampler.is_batchable()
+    }
+
     /// Takes row `row` of a batch sampled together (`logprobs`: the batch's `[B, vocab]`).
     pub(super) fn take_batched(
         &mut self,

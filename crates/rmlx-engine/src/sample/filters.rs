@@ -1,6 +1,6 @@
 //! The sampling filters of mlx-lm 0.32.2 `sample_utils.py` (`apply_top_p`, `apply_min_p`,
-//! `apply_top_k`, `categorical_sampling`, `greedy_sampler`), op for op so the outputs match its
-//! goldens. Each takes log-probabilities `[rows, vocab]` and returns them with the dropped tokens
+//! `apply_top_k`, `greedy_sampler`, the temperature of `categorical_sampling`; its draw is in
+//! `random.rs`), op for op so the outputs match its goldens. Each takes log-probabilities `[rows, vocab]` and returns them with the dropped tokens
 //! set to `-inf`.
 
 use mlx_rs::ops::indexing::TryIndexOp;
@@ -83,17 +83,6 @@ pub fn apply_top_k(logprobs: &Array, top_k: usize) -> Result<Array, SampleError>
     let mask_idx = order.try_index((.., k..))?;
     let neg_inf = scalar(f32::NEG_INFINITY, logprobs.dtype())?;
     Ok(put_along_axis(logprobs, &mask_idx, &neg_inf, -1)?)
-}
-
-/// mlx-lm `categorical_sampling`: one draw per row from `logprobs * (1/temp)`, with an explicit
-/// PRNG key. Returns uint32 ids, one per row.
-pub fn categorical(logprobs: &Array, temperature: f32, key: &Array) -> Result<Array, SampleError> {
-    Ok(mlx_rs::random::categorical(
-        temperature_scaled(logprobs, temperature)?,
-        -1,
-        None,
-        Some(key),
-    )?)
 }
 
 /// `logprobs * (1/temp)`; the reciprocal is taken in double precision like Python's `1.0 / temp`.

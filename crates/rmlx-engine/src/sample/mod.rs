@@ -3,11 +3,14 @@
 //! (temperature 0) or top-p -> min-p -> top-k -> categorical(logprobs / temperature).
 //!
 //! Everything stays a lazy MLX array, so the decode loop can queue step n+1 before it reads the
-//! token of step n. Each `Sampler` owns its PRNG key, which keeps seeded requests reproducible
-//! when several requests share the engine thread (MLX's global seed would couple them).
+//! token of step n. Each `Sampler` owns its PRNG stream (MLX's keys, kept on the host:
+//! `random.rs`), which keeps seeded requests reproducible when several requests share the
+//! engine thread (MLX's global seed would couple them) and lets a batch draw every row's token
+//! in one set of ops ([`draw_rows`]) with the tokens each row would draw alone.
 
 mod filters;
 mod processors;
+mod random;
 #[cfg(test)]
 mod tests;
 
@@ -17,10 +20,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use mlx_rs::Array;
 use serde::{Deserialize, Serialize};
 
-pub use filters::{
-    apply_min_p, apply_top_k, apply_top_p, categorical, greedy, log_softmax, temperature_scaled,
-};
+pub use filters::{apply_min_p, apply_top_k, apply_top_p, greedy, log_softmax, temperature_scaled};
 use processors::LogitsProcessors;
+pub use random::{inverse_cdf, KeyStream};
 
 /// mlx-lm's default window of the repetition, presence and frequency penalties.
 pub const DEFAULT_CONTEXT_SIZE: usize = 20;
@@ -173,8 +175,8 @@ impl SamplingParams {
 pub struct Sampler {
     params: SamplingParams,
     processors: LogitsProcessors,
-    /// The next key is split off this one at every draw.
-    key: Array,
+    /// Every draw splits a key off this stream.
+    keys: KeyStream,
     /// `bias_row`'s row and the (vocab, dtype) it was built for.
     bias_row: std::cell::OnceCell<((usize, mlx_rs::Dtype), Array)>,
 }
@@ -187,7 +189,7 @@ impl Sampler {
         Ok(Self {
             params: params.clone(),
             processors: LogitsProcessors::new(params),
-            key: mlx_rs::random::key(seed)?,
+            keys: KeyStream::new(seed),
             bias_row: std::cell::OnceCell::new(),
         })
     }
@@ -232,7 +234,14 @@ impl Sampler {
     /// logits + [`Sampler::bias_row`], so a batch of such rows is sampled in one op over all
     /// rows.
     pub fn is_batchable_greedy(&self) -> bool {
-        self.params.is_greedy() && self.processors.is_bias_only()
+        self.params.is_greedy() && self.is_batchable()
+    }
+
+    /// Greedy or sampled with no processor but a logit bias: the token is drawn from the
+    /// log-probs of logits + [`Sampler::bias_row`], so a batch of such rows draws its tokens
+    /// together ([`draw_rows`]).
+    pub fn is_batchable(&self) -> bool {
+        self.processors.is_bias_only()
     }
 
     /// The logit bias as a dense `[1, vocab]` row of `dtype`, built on first use and kept (a
@@ -268,36 +277,150 @@ impl Sampler {
         if self.params.is_greedy() {
             return Ok((greedy(&logprobs)?, logprobs));
         }
-        let token = categorical(
-            &self.filter(&logprobs)?,
-            self.params.temperature,
-            &self.next_key()?,
-        )?;
-        Ok((token, logprobs))
+        let scaled = temperature_scaled(&self.filter(&logprobs)?, self.params.temperature)?;
+        let uniforms: Vec<f32> = (0..scaled.shape()[0])
+            .map(|_| self.keys.next_uniform())
+            .collect();
+        Ok((inverse_cdf(&scaled, &uniforms)?, logprobs))
     }
 
     /// The top-p -> min-p -> top-k chain of mlx-lm's `make_sampler`, each only when enabled.
     pub fn filter(&self, logprobs: &Array) -> Result<Array, SampleError> {
-        let p = &self.params;
-        let mut out = logprobs.clone();
-        if p.top_p > 0.0 && p.top_p < 1.0 {
-            out = apply_top_p(&out, p.top_p)?;
-        }
-        if p.min_p != 0.0 {
-            out = apply_min_p(&out, p.min_p, p.min_tokens_to_keep)?;
-        }
-        if p.top_k > 0 {
-            out = apply_top_k(&out, p.top_k)?;
-        }
-        Ok(out)
+        Filters::of(&self.params).apply(logprobs)
     }
 
     /// A fresh PRNG key for one draw (each call advances the request's stream).
     pub(crate) fn next_key(&mut self) -> Result<Array, SampleError> {
-        let (next, this_step) = mlx_rs::random::split(&self.key, 2)?;
-        self.key = next;
-        Ok(this_step)
+        Ok(self.keys.next_key_array())
     }
+
+    /// How this request draws its next token in a batch ([`draw_rows`]); a sampled row's
+    /// stream moves on by one draw, as `sample` would move it.
+    pub fn row_draw(&mut self) -> RowDraw {
+        if self.params.is_greedy() {
+            return RowDraw::Argmax;
+        }
+        RowDraw::Sample {
+            filters: Filters::of(&self.params),
+            temperature: self.params.temperature,
+            uniform: self.keys.next_uniform(),
+        }
+    }
+}
+
+/// The filters a sampled row applies to its log-probs: top-p, min-p, top-k.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Filters {
+    top_p: f32,
+    min_p: f32,
+    min_tokens_to_keep: usize,
+    top_k: usize,
+}
+
+impl Filters {
+    fn of(params: &SamplingParams) -> Self {
+        Self {
+            top_p: params.top_p,
+            min_p: params.min_p,
+            min_tokens_to_keep: params.min_tokens_to_keep,
+            top_k: params.top_k,
+        }
+    }
+
+    fn top_p_on(&self) -> bool {
+        self.top_p > 0.0 && self.top_p < 1.0
+    }
+
+    /// Whether no filter is on (the log-probs pass unchanged).
+    fn is_off(&self) -> bool {
+        !self.top_p_on() && self.min_p == 0.0 && self.top_k == 0
+    }
+
+    fn apply(&self, logprobs: &Array) -> Result<Array, SampleError> {
+        let mut out = logprobs.clone();
+        if self.top_p_on() {
+            out = apply_top_p(&out, self.top_p)?;
+        }
+        if self.min_p != 0.0 {
+            out = apply_min_p(&out, self.min_p, self.min_tokens_to_keep)?;
+        }
+        if self.top_k > 0 {
+            out = apply_top_k(&out, self.top_k)?;
+        }
+        Ok(out)
+    }
+}
+
+/// How one row of a batch draws its token: the argmax (greedy rows, and rows whose token is
+/// not kept), or a sample with its filters, temperature and its stream's next uniform.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RowDraw {
+    Argmax,
+    Sample {
+        filters: Filters,
+        temperature: f32,
+        uniform: f32,
+    },
+}
+
+/// One token per row of `logprobs` `[B, vocab]` (log-softmaxed after any logit bias), each
+/// what its row would draw alone (`Sampler::sample`), in ops over the whole batch: one argmax,
+/// each distinct filter chain once, one temperature product, one inverse-CDF draw. uint32 `[B]`.
+pub fn draw_rows(logprobs: &Array, draws: &[RowDraw]) -> Result<Array, SampleError> {
+    let argmax = greedy(logprobs)?;
+    if draws.iter().all(|draw| *draw == RowDraw::Argmax) {
+        return Ok(argmax);
+    }
+    let rows = draws.len() as i32;
+    let filters_of = |draw: &RowDraw| match draw {
+        RowDraw::Sample { filters, .. } => Some(*filters),
+        RowDraw::Argmax => None,
+    };
+    // Filters work row by row: a chain applied to the whole batch is kept where its rows are.
+    let mut filtered = logprobs.clone();
+    let mut applied: Vec<Filters> = Vec::new();
+    for filters in draws.iter().filter_map(filters_of) {
+        if filters.is_off() || applied.contains(&filters) {
+            continue;
+        }
+        applied.push(filters);
+        let chain = filters.apply(logprobs)?;
+        let mine: Vec<bool> = draws
+            .iter()
+            .map(|d| filters_of(d) == Some(filters))
+            .collect();
+        filtered = if mine.iter().all(|&m| m) {
+            chain
+        } else {
+            mlx_rs::ops::select(Array::from_slice(&mine, &[rows, 1]), &chain, &filtered)?
+        };
+    }
+    // `temperature_scaled`'s factor per row (1 where the argmax is taken).
+    let factors: Vec<f32> = draws
+        .iter()
+        .map(|draw| match draw {
+            RowDraw::Sample { temperature, .. } => (1.0 / *temperature as f64) as f32,
+            RowDraw::Argmax => 1.0,
+        })
+        .collect();
+    let factors = Array::from_slice(&factors, &[rows, 1]).as_dtype(logprobs.dtype())?;
+    let uniforms: Vec<f32> = draws
+        .iter()
+        .map(|draw| match draw {
+            RowDraw::Sample { uniform, .. } => *uniform,
+            RowDraw::Argmax => 0.0,
+        })
+        .collect();
+    let drawn = inverse_cdf(&filtered.multiply(&factors)?, &uniforms)?;
+    let sampled: Vec<bool> = draws.iter().map(|d| filters_of(d).is_some()).collect();
+    if sampled.iter().all(|&s| s) {
+        return Ok(drawn);
+    }
+    Ok(mlx_rs::ops::select(
+        Array::from_slice(&sampled, &[rows]),
+        &drawn,
+        &argmax,
+    )?)
 }
 
 /// `[vocab]` becomes `[1, vocab]`; `[rows, vocab]` is kept.

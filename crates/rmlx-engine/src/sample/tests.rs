@@ -624,3 +624,70 @@ fn seeded_draws_match_mlx_python() {
     let want = vec![5, 57, 5, 5, 5, 5, 45, 5, 5, 5, 57, 57];
     assert_eq!(draws(&sampling(0.7), &logits, 12), want);
 }
+
+/// Rows drawn together (`draw_rows`) get, draw after draw, the tokens each row's sampler
+/// draws alone: greedy rows, plain sampled rows and rows with each filter, at different
+/// temperatures and seeds, in bf16 (where filters see ties) and float32.
+#[test]
+fn rows_drawn_together_draw_what_each_draws_alone() {
+    let params = [
+        SamplingParams::default(),
+        sampling(1.0),
+        SamplingParams {
+            top_p: 0.8,
+            seed: Some(3),
+            ..sampling(0.7)
+        },
+        SamplingParams {
+            top_k: 5,
+            seed: Some(4),
+            ..sampling(1.3)
+        },
+        SamplingParams {
+            min_p: 0.1,
+            min_tokens_to_keep: 2,
+            seed: Some(5),
+            ..sampling(0.9)
+        },
+        SamplingParams {
+            top_p: 0.8,
+            seed: Some(6),
+            ..sampling(1.0)
+        },
+    ];
+    let vocab = 96;
+    for dtype in [Dtype::Bfloat16, Dtype::Float32] {
+        let mut together: Vec<Sampler> = params.iter().cloned().map(sampler).collect();
+        let mut alone: Vec<Sampler> = params.iter().cloned().map(sampler).collect();
+        let mut differed = 0;
+        for step in 0..30u64 {
+            let key = mlx_rs::random::key(100 + step).unwrap();
+            let shape = [params.len() as i32, vocab];
+            let logits = mlx_rs::random::normal::<f32>(&shape, None, None, &key)
+                .unwrap()
+                .multiply(Array::from_f32(2.5))
+                .unwrap()
+                .as_dtype(dtype)
+                .unwrap();
+            let logprobs = log_softmax(&logits).unwrap();
+            let draws: Vec<RowDraw> = together.iter_mut().map(Sampler::row_draw).collect();
+            let drawn = draw_rows(&logprobs, &draws).unwrap();
+            drawn.eval().unwrap();
+            assert_eq!(drawn.dtype(), Dtype::Uint32);
+            for (row, sampler) in alone.iter_mut().enumerate() {
+                let own = logits.try_index(row as i32..row as i32 + 1).unwrap();
+                let (token, _) = sampler.sample(&own, &[]).unwrap();
+                let token = token.item_exact::<u32>();
+                assert_eq!(
+                    drawn.as_slice::<u32>()[row],
+                    token,
+                    "{dtype:?}, step {step}, row {row}"
+                );
+                let argmax = greedy(&logprobs.try_index(row as i32).unwrap()).unwrap();
+                differed += usize::from(argmax.item_exact::<u32>() != token);
+            }
+        }
+        // Sampled rows left the argmax often: the draws were not all greedy.
+        assert!(differed > 30, "{dtype:?}: {differed} draws left the argmax");
+    }
+}

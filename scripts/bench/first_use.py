@@ -10,11 +10,11 @@ compiles at run time under $TMPDIR/mlx, so every run gets its own fresh TMPDIR u
   2. a second single request (the one-stream aggregate, warm at width 1);
   3. the first burst of N concurrent requests after load;
   4. a second burst of N (fresh prompts): the warm burst.
-Every request is greedy streaming `/v1/completions`, `max_tokens` tokens, EOS kept out, fresh
+Every request is streaming `/v1/completions` (greedy unless --temperature), `max_tokens` tokens, EOS kept out, fresh
 prompts (no prompt cache can serve them; the disk cache is off). Medians over runs, min-max.
 
 Usage: first_use.py --model DIR --rmlx BIN [--streams 8] [--runs 3] [--max-tokens 128]
-                    [--prompt-words 200] [--rmlx-args "..."] [--keep-kernels] [--json-out PATH]
+                    [--prompt-words 200] [--temperature T] [--rmlx-args "..."] [--keep-kernels] [--json-out PATH]
 """
 
 import argparse
@@ -34,10 +34,10 @@ from bench import eos_ids  # noqa: E402
 from concurrency import Server, at_once, free_port, prompts_for  # noqa: E402
 
 
-def stream_one(server, model, prompt, max_tokens, bias, out):
+def stream_one(server, model, prompt, max_tokens, bias, temperature, out):
     """One streaming request; the server's own `timings` (TTFT) from its last chunk, so a model
     whose tokens decode to no text (the bench checkpoints' tiny vocabularies) is timed too."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, "logit_bias": {str(k): v for k, v in bias.items()}}
     req = urllib.request.Request(server.base + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -54,9 +54,10 @@ def stream_one(server, model, prompt, max_tokens, bias, out):
     out.append({"finish": finish, "timings": timings})
 
 
-def burst(server, model, prompts, max_tokens, bias):
+def burst(server, model, prompts, max_tokens, bias, temperature=0.0):
     results = []
-    wall = at_once(stream_one, [(server, model, p, max_tokens, bias, results) for p in prompts])
+    wall = at_once(stream_one, [(server, model, p, max_tokens, bias, temperature, results)
+                                for p in prompts])
     if len(results) != len(prompts) or any(r["finish"] != "length" or not r["timings"] for r in results):
         raise SystemExit(f"rmlx: a stream failed or ended early: {results}")
     return {"aggregate_tps": max_tokens * len(prompts) / wall, "wall_s": wall,
@@ -89,9 +90,12 @@ def one_run(args, run, bias):
         asked = time.perf_counter()
         first = burst(server, model, prompts_for(seed, 1, args.prompt_words), 1, bias)
         first_token_s = asked - start + first["wall_s"]
-        one = burst(server, model, prompts_for(seed + 1, 1, args.prompt_words), args.max_tokens, bias)
-        cold = burst(server, model, prompts_for(seed + 2, args.streams, args.prompt_words), args.max_tokens, bias)
-        warm = burst(server, model, prompts_for(seed + 3, args.streams, args.prompt_words), args.max_tokens, bias)
+        one = burst(server, model, prompts_for(seed + 1, 1, args.prompt_words), args.max_tokens, bias,
+                    args.temperature)
+        cold = burst(server, model, prompts_for(seed + 2, args.streams, args.prompt_words), args.max_tokens,
+                     bias, args.temperature)
+        warm = burst(server, model, prompts_for(seed + 3, args.streams, args.prompt_words), args.max_tokens,
+                     bias, args.temperature)
         # The server's warm-up after loading (`--warm-up on`, the default): the first request
         # waited for it; null with --warm-up off.
         listed = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60).read())
@@ -128,6 +132,8 @@ def main():
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-words", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="the timed streams' temperature (agents sample at 1; the first request stays greedy)")
     parser.add_argument("--rmlx-args", default="", help="extra `rmlx serve` arguments")
     parser.add_argument("--keep-kernels", action="store_true",
                         help="share this process's TMPDIR (MLX's kernel cache may already be warm)")

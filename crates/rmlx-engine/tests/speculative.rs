@@ -19,6 +19,7 @@ use common::{
 use rmlx_engine::{
     engine::{Engine, EngineOptions, Prompt, Request},
     generate::{Completion, GenerateParams},
+    sample::SamplingParams,
     speculative::{Drafter, SpeculativeMode, SpeculativeParams},
 };
 
@@ -133,6 +134,73 @@ fn check_batch(dir: &str, prompt_len: usize, max_tokens: usize) {
         let completion = handle.wait().unwrap();
         assert!(completion.batched_with > 1, "{dir} row {row} ran alone");
         assert_same(plain, &completion, &format!("{dir} batch row {row}"));
+    }
+}
+
+/// Seeded sampled rows that do not draft, beside a greedy row whose oracle drafts every step:
+/// in each speculative step they draw their one token together (verify.rs), each the token it
+/// draws alone, log-probs included.
+#[test]
+fn sampled_rows_beside_a_drafting_row_answer_as_they_do_alone() {
+    let dir = "releases/qwen3-0.6b";
+    let solo = Solo::open(dir);
+    let vocab = solo.model().vocab_size() as u32;
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|row| text_ids(20 + 3 * row, 11 + row as u32, 10, 900))
+        .collect();
+    // Row 0 answers three times longer, so the others' steps are speculative ones.
+    let mut rows: Vec<GenerateParams> = vec![params(48, None)];
+    for (seed, temperature, top_k) in [(1, 1.0, 0), (2, 0.8, 0), (3, 1.2, 10)] {
+        let mut sampled = params(16, None);
+        sampled.sampling = SamplingParams {
+            temperature,
+            top_k,
+            seed: Some(seed),
+            ..SamplingParams::default()
+        };
+        rows.push(sampled);
+    }
+    let plains: Vec<Completion> = prompts
+        .iter()
+        .zip(&rows)
+        .map(|(prompt, params)| solo.run(prompt, params))
+        .collect();
+    drop(solo);
+    let oracle = drafter(
+        plains[0].token_ids.clone(),
+        prompts[0].len(),
+        Adversary::Oracle,
+        vocab,
+    );
+    rows[0] = params(48, Some(oracle));
+    let engine = Engine::start_with(EngineOptions {
+        max_queue: 8,
+        ..EngineOptions::default()
+    })
+    .unwrap();
+    let hold = engine.hold_for_warm_up();
+    let handles: Vec<_> = prompts
+        .iter()
+        .zip(&rows)
+        .map(|(prompt, params)| {
+            let request = Request {
+                model: fixture(dir),
+                prompt: Prompt::Ids(prompt.clone()),
+                params: params.clone(),
+                ..Request::default()
+            };
+            engine.submit(request).unwrap()
+        })
+        .collect();
+    drop(hold);
+    for (row, (handle, plain)) in handles.into_iter().zip(&plains).enumerate() {
+        let completion = handle.wait().unwrap();
+        assert_eq!(completion.batched_with, 4, "row {row}");
+        assert_same(plain, &completion, &format!("row {row}"));
+        if row == 0 {
+            let timings = &completion.timings;
+            assert!(timings.accepted_tokens >= 36, "{timings:?}");
+        }
     }
 }
 

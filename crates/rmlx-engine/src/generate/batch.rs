@@ -25,6 +25,13 @@ pub(super) struct BatchTokens {
 }
 
 impl BatchTokens {
+    pub(super) fn new(tokens: Array) -> Self {
+        Self {
+            tokens,
+            host: OnceCell::new(),
+        }
+    }
+
     pub(super) fn get(&self, row: usize) -> Result<u32> {
         if self.host.get().is_none() {
             crate::runtime::eval([&self.tokens])?;
@@ -144,10 +151,9 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
                     }
                 })
                 .collect();
-            let batch = Rc::new(BatchTokens {
-                tokens: crate::sample::draw_rows(&logprobs, &draws)?,
-                host: OnceCell::new(),
-            });
+            let batch = Rc::new(BatchTokens::new(crate::sample::draw_rows(
+                &logprobs, &draws,
+            )?));
             queued.push(batch.tokens.clone());
             Some((batch, logprobs))
         } else {

@@ -11,6 +11,8 @@
 //! Reference: mlx-vlm `speculative` (`_speculative_walk`: greedy acceptance); Ollama
 //! `x/mlxrunner/speculate.go` (one forward over `[current, d0..dn-1]`, one host read per round).
 
+use std::rc::Rc;
+
 use mlx_rs::{ops::indexing::IndexOp, Array, Dtype};
 
 use crate::{
@@ -18,10 +20,11 @@ use crate::{
     chat::ChatTokenizer,
     error::Result,
     models::{LanguageModel, Logits},
+    sample::RowDraw,
 };
 
 use super::{
-    batch::{read_all, with_bias_rows, DecodeRow},
+    batch::{read_all, with_bias_rows, BatchTokens, DecodeRow},
     sequence::logprob_arrays,
     settle::Settling,
 };
@@ -296,16 +299,55 @@ pub(super) fn verify_iteration<R: DecodeRow>(
     // Sampled, constrained or penalised rows: with drafts, each position processed as a plain
     // step would (settle.rs); without, one token from the first position.
     let mut sampled = vec![false; count];
+    let undrafted = |b: usize| {
+        drafts.host[b].is_empty()
+            && drafts
+                .device
+                .as_ref()
+                .is_none_or(|(_, depths)| depths[b] == 0)
+    };
+    // Sampled rows without drafts and without penalties draw their one token together, as in
+    // a plain step (batch.rs), from the first position.
+    let together: Vec<bool> = rows
+        .iter_mut()
+        .enumerate()
+        .map(|(b, row)| {
+            let sequence = row.sequence();
+            sequence.wants_step()
+                && !sequence.is_batchable_greedy()
+                && sequence.is_batchable()
+                && undrafted(b)
+        })
+        .collect();
+    let drawn = if together.iter().filter(|&&t| t).count() > 1 {
+        let first = logprobs.index((.., 0, ..));
+        let draws: Vec<RowDraw> = rows
+            .iter_mut()
+            .zip(&together)
+            .map(|(row, &together)| match together {
+                true => row.sequence().sampler.row_draw(),
+                false => RowDraw::Argmax,
+            })
+            .collect();
+        let batch = Rc::new(BatchTokens::new(crate::sample::draw_rows(&first, &draws)?));
+        for (b, row) in rows.iter_mut().enumerate().filter(|(b, _)| together[*b]) {
+            row.sequence().take_batched(&batch, b, &first)?;
+            sampled[b] = true;
+        }
+        Some(batch)
+    } else {
+        None
+    };
     let mut settling: Vec<Option<Settling>> = (0..count).map(|_| None).collect();
     for (b, row) in rows.iter_mut().enumerate() {
         let sequence = row.sequence();
-        if !sequence.wants_step() || sequence.is_batchable_greedy() {
+        if !sequence.wants_step() || sequence.is_batchable_greedy() || sampled[b] {
             continue;
         }
         let at = b as i32;
         let head_depth = drafts.device.as_ref().map_or(0, |(_, depths)| depths[b]);
         let host = &drafts.host[b];
-        if host.is_empty() && head_depth == 0 {
+        if undrafted(b) {
             sequence.sample(&logits.index((at..at + 1, 0, ..)))?;
             sampled[b] = true;
             continue;
@@ -327,6 +369,7 @@ pub(super) fn verify_iteration<R: DecodeRow>(
     let head_tokens = drafts.device.as_ref().map(|(tokens, _)| tokens);
     let settled = settling.iter().flatten().flat_map(Settling::arrays);
     let waited: Vec<&Array> = std::iter::once(&argmax)
+        .chain(drawn.as_ref().map(|batch| &batch.tokens))
         .chain(head_tokens)
         .chain(settled)
         .collect();

@@ -26,6 +26,10 @@ pub struct BenchArgs {
     kv_table: Vec<PathBuf>,
     #[arg(long, default_value_t = 512)]
     pub prompt_tokens: usize,
+    /// Stream s's prompt is `prompt_tokens + s * prompt_spread` tokens long (a burst's prompts
+    /// differ in length, as agents' sub-requests do); 0: all alike.
+    #[arg(long, default_value_t = 0)]
+    pub prompt_spread: usize,
     #[arg(long, default_value_t = 64)]
     pub gen_tokens: usize,
     #[arg(long)]
@@ -101,6 +105,7 @@ pub fn prompt_ids(count: usize, vocab: usize, seed: u64) -> Vec<u32> {
 
 /// One stream of a run, as the client saw it.
 struct Stream {
+    prompt_tokens: usize,
     ttft_ms: f64,
     tokens: usize,
     timings: Timings,
@@ -150,10 +155,12 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         let started = Instant::now();
         let waiters = seeds
             .into_iter()
-            .map(|seed| {
+            .enumerate()
+            .map(|(stream, seed)| {
+                let length = args.prompt_tokens + stream * args.prompt_spread;
                 let request = Request {
                     model: model.clone(),
-                    prompt: Prompt::Ids(prompt_ids(args.prompt_tokens, vocab, seed)),
+                    prompt: Prompt::Ids(prompt_ids(length, vocab, seed)),
                     params: GenerateParams {
                         max_tokens: args.gen_tokens,
                         ignore_eos: true,
@@ -183,6 +190,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
                             Event::Done(completion) => {
                                 let ttft = first.unwrap_or_else(|| started.elapsed());
                                 let _ = done.send(Ok(Stream {
+                                    prompt_tokens: length,
                                     ttft_ms: ttft.as_secs_f64() * 1000.0,
                                     tokens: completion.completion_tokens,
                                     timings: completion.timings,
@@ -314,7 +322,7 @@ fn report(
     let ttft = median_and_spread(ttfts.clone());
     let prefill = median_and_spread(
         streams()
-            .map(|s| args.prompt_tokens as f64 / (s.ttft_ms / 1000.0).max(1e-9))
+            .map(|s| s.prompt_tokens as f64 / (s.ttft_ms / 1000.0).max(1e-9))
             .collect(),
     );
     let decode = median_and_spread(streams().map(|s| s.timings.decode_tps).collect());
@@ -326,6 +334,7 @@ fn report(
             "{}",
             serde_json::json!({
                 "prompt_tokens": args.prompt_tokens,
+                "prompt_spread": args.prompt_spread,
                 "gen_tokens": args.gen_tokens,
                 "concurrency": concurrency,
                 "runs": runs.len(),

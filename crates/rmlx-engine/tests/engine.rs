@@ -1361,6 +1361,61 @@ fn a_request_starts_only_while_memory_holds_the_kv_of_those_before_it() {
     }
 }
 
+/// Prompts prefill first come, first served: one that cannot join the prefilling group (its KV
+/// would not fit beside it) is not overtaken by prompts that arrived after it and could, which
+/// would keep the group alive while arrivals last. Two short prompts, a long one, two short
+/// ones: the long one prefills once the first two have, and answers no later than the last
+/// two.
+#[test]
+fn a_prompt_that_cannot_join_the_group_is_not_overtaken_by_later_ones() {
+    use rmlx_engine::engine::Event;
+    // 5 words: ~26 tokens; 35 words: 108 tokens (4-token answers). KV for 240 positions: the
+    // long prompt fits beside no other row, the short ones fit four together.
+    let short = |shift: usize| words_in_160(5, shift, 4);
+    let requests = [
+        short(0),
+        short(1),
+        words_in_160(35, 2, 4),
+        short(3),
+        short(4),
+    ];
+    let engine = engine_with_kv_for(240);
+    let hold = engine.hold_for_warm_up();
+    let handles: Vec<_> = requests
+        .iter()
+        .map(|request| engine.submit(request.clone()).unwrap())
+        .collect();
+    engine.model_info(&requests[0].model).unwrap();
+    drop(hold);
+    let mut first_token = [None; 5];
+    let mut answers: [Option<Completion>; 5] = Default::default();
+    let mut sweep = 0usize;
+    while answers.iter().any(Option::is_none) {
+        sweep += 1;
+        for (i, handle) in handles.iter().enumerate() {
+            while let Ok(event) = handle.events.try_recv() {
+                match event {
+                    Event::Delta { .. } => {
+                        first_token[i].get_or_insert(sweep);
+                    }
+                    Event::Done(answer) => answers[i] = Some(answer),
+                    Event::Error(error) => panic!("request {i}: {error}"),
+                    Event::Started { .. } => {}
+                }
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let answers = answers.map(Option::unwrap);
+    let prefilled_with = answers.each_ref().map(|a| a.timings.prefilled_with);
+    let what = format!("first tokens {first_token:?}, prefilled with {prefilled_with:?}");
+    assert_eq!(prefilled_with[..3], [2, 2, 1], "{what}");
+    // The long prompt's first token comes no later than the last two's (in one step with a
+    // short one that fits beside it in the batch; before, the short ones overtook it).
+    assert!(first_token[2] <= first_token[3], "{what}");
+    assert!(first_token[2] <= first_token[4], "{what}");
+}
+
 /// What each request of a batch keeps to itself: a seeded sampler, penalties with a logit
 /// bias, a stop string, a JSON constraint (which turns pipelining off for the whole batch) and
 /// a cancel flag. Run together, each gives what it gives alone; the cancelled one ends

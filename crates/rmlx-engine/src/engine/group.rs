@@ -147,14 +147,22 @@ impl EngineThread {
     }
 
     /// Waiting prompts that can prefill together enter the group (made now if there is none),
-    /// their caches joined to its rows. False when joining failed (the group's members and the
-    /// entrant fail: the caches may be half joined).
+    /// their caches joined to its rows, first come, first served: behind a prompt that cannot
+    /// enter (its KV does not fit beside the group, or it cannot group), none does, so the
+    /// group drains and that prompt goes next rather than wait while arrivals keep the group
+    /// alive. False when joining failed (the group's members and the entrant fail: the caches
+    /// may be half joined).
     fn enter_group(&mut self) -> bool {
         let mut at = 0;
         while at < self.admitting.len() {
-            if !self.admitting[at].prefill.groups() || !self.group_fits(&self.admitting[at]) {
+            let waiting = &self.admitting[at];
+            // Prefilled prompts wait for the batch (in arrival order, `join_prefilled`).
+            if waiting.prefill.is_done() {
                 at += 1;
                 continue;
+            }
+            if !waiting.prefill.groups() || !self.group_fits(waiting) {
+                break;
             }
             // Out of the queue first: an injected panic then costs only this request.
             let mut entrant = self.admitting.remove(at);

@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import anthropic
@@ -20,14 +22,14 @@ MODEL = "qwen3-tiny"
 KEY = "sdk-test-key"
 
 
-@pytest.fixture(scope="module")
-def base_url():
+def serve(*extra):
+    """A real `rmlx serve` on the tiny fixture; yields its base URL, then stops it."""
     binary = os.environ.get("RMLX_BIN", str(ROOT / "target" / "debug" / "rmlx"))
     empty_hub = ROOT / "target" / "sdk-empty-hub"
     empty_hub.mkdir(parents=True, exist_ok=True)
     server = subprocess.Popen(
         [binary, "serve", "--model", str(ROOT / "tests/fixtures/qwen3-tiny"), "--port", "0",
-         "--api-key", KEY, "--hf-cache", str(empty_hub)],
+         "--api-key", KEY, "--hf-cache", str(empty_hub), *extra],
         stdout=subprocess.PIPE, stderr=sys.stderr, text=True,
     )
     try:
@@ -37,6 +39,17 @@ def base_url():
     finally:
         server.terminate()  # SIGTERM: graceful shutdown
         assert server.wait(timeout=30) == 0, "the server did not exit cleanly on SIGTERM"
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    yield from serve()
+
+
+@pytest.fixture(scope="module")
+def one_row_url():
+    """One batch row, keep-alives every 0.2 s: a second request waits in the queue."""
+    yield from serve("--max-batch", "1", "--heartbeat", "0.2")
 
 
 @pytest.fixture(scope="module")
@@ -342,3 +355,53 @@ def test_responses_over_the_context(oai):
     events = list(oai.responses.create(model=MODEL, input=long, max_output_tokens=2, stream=True))
     assert events[-1].type == "response.failed"
     assert events[-1].response.error.code == "context_length_exceeded"
+
+
+# The fixture's EOS ids (`<|endoftext|>`, `<|im_end|>`), banned so a long answer runs its length.
+NO_EOS = {"991": -100, "993": -100}
+
+
+def test_queued_streams_outlast_the_clients_timeouts(one_row_url):
+    """A stream queued behind a long answer (one batch row) gets its headers and keep-alives
+    while it waits: each SDK's one-second read timeout never fires, and the answer arrives."""
+    runner = openai.OpenAI(base_url=f"{one_row_url}/v1", api_key=KEY, max_retries=0)
+    quick_oai = openai.OpenAI(base_url=f"{one_row_url}/v1", api_key=KEY, max_retries=0, timeout=1.0)
+    quick_claude = anthropic.Anthropic(base_url=one_row_url, api_key=KEY, max_retries=0, timeout=1.0)
+
+    def behind_a_long_answer(ask):
+        first, ended = threading.Event(), threading.Event()
+
+        def run():
+            stream = runner.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1900,
+                                                    temperature=0, logit_bias=NO_EOS, stream=True)
+            for _ in stream:
+                first.set()
+            ended.set()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        assert first.wait(60), "the long answer never started"
+        asked = time.monotonic()
+        text = ask()
+        waited = time.monotonic() - asked
+        thread.join()
+        # It waited past the client's timeout, for the long answer to end.
+        assert ended.is_set() and waited > 1.0, waited
+        return text
+
+    def openai_stream():
+        stream = quick_oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                                   temperature=0, logit_bias=NO_EOS, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    def anthropic_stream():
+        with quick_claude.messages.stream(model=MODEL, messages=MESSAGES[1:], max_tokens=4) as stream:
+            return stream.get_final_message()
+
+    text = behind_a_long_answer(openai_stream)
+    whole = quick_oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                              temperature=0, logit_bias=NO_EOS)
+    assert text == whole.choices[0].message.content
+    message = behind_a_long_answer(anthropic_stream)
+    assert message.stop_reason in ("max_tokens", "end_turn")
+    assert message.usage.input_tokens > 0

@@ -44,6 +44,11 @@ pub struct ServeArgs {
     /// another).
     #[arg(long, default_value_t = rmlx_engine::engine::DEFAULT_MAX_BATCH)]
     max_batch: usize,
+    /// Seconds between a stream's keep-alives while its request waits or its prompt prefills;
+    /// a stream whose request is still queued after one answers anyway (agents abort requests
+    /// whose headers are late). 0 sends none and holds a stream's headers until it starts.
+    #[arg(long, value_name = "SECONDS", default_value_t = rmlx_server::DEFAULT_HEARTBEAT.as_secs_f64())]
+    heartbeat: f64,
     /// Largest request body, in MB (images arrive inline as base64).
     #[arg(long, default_value_t = 64)]
     max_body_mb: usize,
@@ -146,7 +151,9 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         hub_url: args.hub_url,
         hf_cache,
         max_ctx: args.max_ctx,
-        heartbeat: rmlx_server::DEFAULT_HEARTBEAT,
+        heartbeat: std::time::Duration::try_from_secs_f64(args.heartbeat).map_err(|_| {
+            anyhow::anyhow!("--heartbeat: {} is not a number of seconds", args.heartbeat)
+        })?,
         keep_billing_header: args.keep_billing_header,
         max_loaded: args.max_loaded,
         api_key: args.api_key,

@@ -451,7 +451,11 @@ pub async fn messages(
         request_id: Some(id.clone()),
         ..Request::default()
     };
-    let generation = Generation::start(&state, &entry, engine_request).await?;
+    let stream = request.stream.unwrap_or(false);
+    let generation = match stream {
+        true => Generation::start_stream(&state, &entry, engine_request).await?,
+        false => Generation::start(&state, &entry, engine_request).await?,
+    };
     let message = Message {
         id,
         kind: MessageType::Message,
@@ -468,7 +472,7 @@ pub async fn messages(
         },
         timings: None,
     };
-    if request.stream.unwrap_or(false) {
+    if stream {
         return Ok(sse::respond(MessageStream {
             generation,
             parser,
@@ -612,14 +616,19 @@ impl MessageStream {
 
 impl EventSource for MessageStream {
     async fn step(&mut self) -> Option<Vec<Event>> {
-        if !self.started {
+        // `message_start` carries the prompt's size: it waits until the engine took the
+        // request (a queued request's stream sends SSE comments meanwhile).
+        if !self.started && self.generation.is_started() {
             self.started = true;
+            self.message.usage.input_tokens = self.generation.prompt_tokens;
             return Some(vec![event(MessageStreamEvent::MessageStart {
                 message: self.message.clone(),
             })]);
         }
         let mut events = Vec::new();
         match self.generation.next().await? {
+            Step::Started => {}
+            Step::Idle if !self.started => events.push(sse::keep_alive()),
             Step::Idle => events.push(event(MessageStreamEvent::Ping)),
             Step::Delta { text, .. } => {
                 let pieces = self.parser.push(&text);

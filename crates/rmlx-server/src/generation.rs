@@ -1,7 +1,10 @@
 //! Bridges the engine thread's blocking event channel into async handlers. The engine decides
 //! context overflow before any compute, so a request waits for `Started` (or the refusal) before
-//! its HTTP status is chosen; after that, failures become in-stream errors. Dropping a
-//! `Generation` (a client gone mid-stream) drops the `RequestHandle`, which cancels the work.
+//! its HTTP status is chosen; after that, failures become in-stream errors. A stream whose
+//! request still waits after one heartbeat (queued behind a full batch, its model loading)
+//! answers anyway and sends keep-alives: agents abort a request whose headers are late (Qwen
+//! Code after 120 s), and a refusal then comes in the stream. Dropping a `Generation` (a client
+//! gone mid-stream) drops the `RequestHandle`, which cancels the work.
 //! Reference: text-generation-inference router (validate, then stream events).
 
 use std::{sync::mpsc::RecvTimeoutError, time::Duration};
@@ -28,6 +31,9 @@ const DISCONNECT_POLL: Duration = Duration::from_millis(50);
 // As the engine's `Event`: the completion comes once per request.
 #[allow(clippy::large_enum_variant)]
 pub enum Step {
+    /// The engine took a request whose stream answered before it did (see
+    /// [`Generation::start_stream`]): the prompt's size is known from now on.
+    Started,
     /// Nothing yet after the stream's heartbeat interval (the prompt is still queued or
     /// prefilling): streams send their format's keep-alive event, so clients with idle timeouts
     /// (Codex: 300 s) wait, and a gone client is noticed when it is written to.
@@ -49,11 +55,38 @@ pub struct Generation {
     finished: bool,
     /// Until the first token: how long `next` waits before it says `Idle`.
     heartbeat: Option<Duration>,
+    /// Whether the engine took the request (`prompt_tokens` and `max_ctx` are its).
+    started: bool,
 }
 
 impl Generation {
     /// Validates, queues and waits until the engine accepts the prompt (or refuses it).
     pub async fn start(
+        state: &AppState,
+        entry: &ModelEntry,
+        request: Request,
+    ) -> Result<Self, ApiError> {
+        let mut generation = Self::submit(state, entry, request)?;
+        generation.wait_started(None).await?;
+        Ok(generation)
+    }
+
+    /// As `start`, for a stream: after one heartbeat without the engine's answer (the request
+    /// is queued, or its model loads), it returns anyway, so the stream's headers and
+    /// keep-alives go out while it waits; `next` then says `Started` when the engine takes it,
+    /// and a refusal comes as `Failed`.
+    pub async fn start_stream(
+        state: &AppState,
+        entry: &ModelEntry,
+        request: Request,
+    ) -> Result<Self, ApiError> {
+        let mut generation = Self::submit(state, entry, request)?;
+        let patience = generation.heartbeat;
+        generation.wait_started(patience).await?;
+        Ok(generation)
+    }
+
+    fn submit(
         state: &AppState,
         entry: &ModelEntry,
         mut request: Request,
@@ -71,21 +104,36 @@ impl Generation {
             .map_err(ApiError::from_engine)?;
         let (sender, events) = mpsc::unbounded_channel();
         tokio::task::spawn_blocking(move || forward(handle, sender));
-        let mut generation = Self {
+        Ok(Self {
             events,
             prompt_tokens: 0,
             max_ctx: 0,
             finished: false,
             heartbeat: Some(state.config.heartbeat).filter(|interval| !interval.is_zero()),
+            started: false,
+        })
+    }
+
+    /// Waits for the engine to take the request (`Ok`) or refuse it (`Err`), at most
+    /// `patience` when given (then `Ok`, not started yet).
+    async fn wait_started(&mut self, patience: Option<Duration>) -> Result<(), ApiError> {
+        let event = match patience {
+            // `recv` is cancel-safe: the event a timed-out wait leaves comes to `next`.
+            Some(patience) => match tokio::time::timeout(patience, self.events.recv()).await {
+                Ok(event) => event,
+                Err(_) => return Ok(()),
+            },
+            None => self.events.recv().await,
         };
-        match generation.events.recv().await {
+        match event {
             Some(Event::Started {
                 prompt_tokens,
                 max_ctx,
             }) => {
-                generation.prompt_tokens = prompt_tokens;
-                generation.max_ctx = max_ctx;
-                Ok(generation)
+                self.prompt_tokens = prompt_tokens;
+                self.max_ctx = max_ctx;
+                self.started = true;
+                Ok(())
             }
             Some(Event::Error(error)) => Err(ApiError::from_engine(error)),
             Some(_) => Err(ApiError::Internal(
@@ -93,6 +141,11 @@ impl Generation {
             )),
             None => Err(EngineError::EngineStopped.into()),
         }
+    }
+
+    /// Whether the engine took the request (its prompt's size is known).
+    pub fn is_started(&self) -> bool {
+        self.started
     }
 
     /// A generation fed from a channel, for tests of the stream formats.
@@ -104,7 +157,15 @@ impl Generation {
             max_ctx: 2048,
             finished: false,
             heartbeat: None,
+            started: true,
         }
+    }
+
+    /// The same before the engine took the request (a stream that answered while it waited).
+    #[cfg(test)]
+    pub fn not_started(mut self) -> Self {
+        self.started = false;
+        self
     }
 
     /// The same, saying `Idle` after `heartbeat` without a first token.
@@ -133,7 +194,18 @@ impl Generation {
                 Some(Event::Delta { text, logprob, .. }) => Step::Delta { text, logprob },
                 Some(Event::Done(completion)) => Step::Done(completion),
                 Some(Event::Error(error)) => Step::Failed(ApiError::from_engine(error)),
-                Some(Event::Started { .. }) => continue,
+                Some(Event::Started {
+                    prompt_tokens,
+                    max_ctx,
+                }) => {
+                    self.prompt_tokens = prompt_tokens;
+                    self.max_ctx = max_ctx;
+                    if std::mem::replace(&mut self.started, true) {
+                        continue;
+                    }
+                    // The prompt's wait goes on: it prefills next.
+                    return Some(Step::Started);
+                }
                 None => Step::Failed(EngineError::EngineStopped.into()),
             };
             self.finished = !matches!(step, Step::Delta { .. });
@@ -147,7 +219,7 @@ impl Generation {
     pub async fn complete(mut self) -> Result<Completion, ApiError> {
         while let Some(step) = self.next().await {
             match step {
-                Step::Idle | Step::Delta { .. } => {}
+                Step::Started | Step::Idle | Step::Delta { .. } => {}
                 Step::Done(completion) => return Ok(completion),
                 Step::Failed(error) => return Err(error),
             }

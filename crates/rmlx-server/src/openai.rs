@@ -354,8 +354,12 @@ pub async fn chat_completions(
         request_id: Some(id.clone()),
         ..Request::default()
     };
-    let generation = Generation::start(&state, &entry, engine_request).await?;
-    if request.sampling.stream.unwrap_or(false) {
+    let stream = request.sampling.stream.unwrap_or(false);
+    let generation = match stream {
+        true => Generation::start_stream(&state, &entry, engine_request).await?,
+        false => Generation::start(&state, &entry, engine_request).await?,
+    };
+    if stream {
         return Ok(sse::respond(ChatStream {
             generation,
             parser,
@@ -501,7 +505,15 @@ impl EventSource for ChatStream {
             })]);
         }
         match self.generation.next().await? {
-            Step::Idle => Some(vec![sse::keep_alive()]),
+            Step::Started => Some(Vec::new()),
+            // A chunk with nothing in it, not an SSE comment: clients' idle guards see only
+            // the chunks their SDK yields (Qwen Code aborts after 240 s without one).
+            Step::Idle => Some(vec![sse::data(&self.head.chat(vec![ChatChunkChoice {
+                index: 0,
+                delta: ChatDelta::default(),
+                logprobs: None,
+                finish_reason: None,
+            }]))]),
             Step::Delta { text, logprob } => {
                 self.logprobs.push(logprob);
                 let pieces = self.parser.push(&text);
@@ -800,13 +812,17 @@ pub async fn completions(
         request_id: Some(id.clone()),
         ..Request::default()
     };
-    let generation = Generation::start(&state, &entry, engine_request).await?;
+    let stream = request.sampling.stream.unwrap_or(false);
+    let generation = match stream {
+        true => Generation::start_stream(&state, &entry, engine_request).await?,
+        false => Generation::start(&state, &entry, engine_request).await?,
+    };
     let head = ChunkHead {
         id,
         created: unix_now(),
         model: entry.id,
     };
-    if request.sampling.stream.unwrap_or(false) {
+    if stream {
         return Ok(sse::respond(TextStream {
             generation,
             head,
@@ -860,7 +876,12 @@ impl TextStream {
 impl EventSource for TextStream {
     async fn step(&mut self) -> Option<Vec<Event>> {
         match self.generation.next().await? {
-            Step::Idle => Some(vec![sse::keep_alive()]),
+            Step::Started => Some(Vec::new()),
+            // An empty piece of text, as chat's empty chunk (see `ChatStream`).
+            Step::Idle => {
+                let choice = self.choice(String::new(), None, Vec::new());
+                Some(vec![sse::data(&self.head.text(vec![choice]))])
+            }
             Step::Delta { text, logprob } => {
                 self.logprobs.push(logprob);
                 if text.is_empty() {

@@ -461,7 +461,11 @@ pub async fn create(
         head,
         stored,
     };
-    match Generation::start(&state, &entry, engine_request).await {
+    let started = match stream {
+        true => Generation::start_stream(&state, &entry, engine_request).await,
+        false => Generation::start(&state, &entry, engine_request).await,
+    };
+    match started {
         Ok(generation) => turn.generation = Some(generation),
         // Over the context: Codex reads that from the stream's `response.failed`, as OpenAI
         // sends it; a whole response is the 400 every other route answers.
@@ -476,7 +480,7 @@ pub async fn create(
     let mut ignored_events = Vec::new();
     loop {
         match turn.next().await {
-            Step::Idle => {}
+            Step::Started | Step::Idle => {}
             Step::Delta { text, .. } => turn.output.token(&text, &mut ignored_events),
             Step::Done(completion) => {
                 let response = turn.finish(&completion, &mut ignored_events);
@@ -629,6 +633,7 @@ impl EventSource for ResponseStream {
             return Some(self.events(bodies));
         }
         match self.turn.next().await {
+            Step::Started => {}
             // The response as it stands, again: still in progress.
             Step::Idle => bodies.push(ResponseEventBody::InProgress {
                 response: self.turn.head.clone(),

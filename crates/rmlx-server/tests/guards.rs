@@ -180,9 +180,18 @@ async fn cors_only_for_listed_origins() {
 }
 
 async fn start_stream(app: &axum::Router, body: &Value) -> axum::response::Response {
+    start_stream_at(app, "/v1/chat/completions", body).await
+}
+
+/// `start_stream` on any route: the response as soon as its headers are.
+async fn start_stream_at(
+    app: &axum::Router,
+    route: &str,
+    body: &Value,
+) -> axum::response::Response {
     let request = Request::builder()
         .method(Method::POST)
-        .uri("/v1/chat/completions")
+        .uri(route)
         .header("host", "localhost")
         .header("content-type", "application/json")
         .body(Body::from(body.to_string()))
@@ -402,9 +411,10 @@ fn with_release(heartbeat: Duration) -> rmlx_server::ServerConfig {
     })
 }
 
-/// While a prompt prefills, each stream sends its keep-alive event (every 1 ms here): an SSE
-/// comment for chat and text completions, Anthropic's `ping`, Responses' `response.in_progress`,
-/// all before the first token (decoding answers at its own pace).
+/// While a prompt prefills, each stream sends its keep-alive event (every 1 ms here): a chunk
+/// with nothing in it for chat and text completions (an SSE comment would not reach clients'
+/// idle guards), Anthropic's `ping`, Responses' `response.in_progress`, all before the first
+/// token (decoding answers at its own pace).
 #[tokio::test]
 async fn streams_keep_alive_while_the_prompt_prefills() {
     let (app, _) = router(with_release(Duration::from_millis(1)));
@@ -418,31 +428,44 @@ async fn streams_keep_alive_while_the_prompt_prefills() {
                           "messages": [{"role": "user", "content": text("gamma")}]});
     let responses = json!({"model": "qwen3-0.6b", "input": text("delta"),
                            "max_output_tokens": 3, "stream": true});
-    // (route, body, the keep-alive block's start, the block before which every one comes)
-    let cases = [
+    let empty_chunk = |block: &str, empty: &str| {
+        block.starts_with("data: {\"id\"")
+            && block.contains(empty)
+            && block.contains("\"finish_reason\":null")
+    };
+    let chat_alive = |block: &str| empty_chunk(block, "\"delta\":{}");
+    let text_alive = |block: &str| empty_chunk(block, "\"text\":\"\"");
+    // (route, body, whether a block is a keep-alive, whether it is the first token's)
+    type Is<'a> = &'a dyn Fn(&str) -> bool;
+    let cases: [(&str, Value, Is, Is); 4] = [
         (
             "/v1/chat/completions",
             chat,
-            ": keep-alive",
-            "data: {\"id\"",
+            &chat_alive,
+            // Not the role's chunk, sent before the prompt is read.
+            &|block: &str| {
+                block.starts_with("data: {\"id\"")
+                    && !chat_alive(block)
+                    && !block.contains("\"role\"")
+            },
         ),
         (
             "/v1/completions",
             completion,
-            ": keep-alive",
-            "data: {\"id\"",
+            &text_alive,
+            &|block: &str| block.starts_with("data: {\"id\"") && !text_alive(block),
         ),
         (
             "/v1/messages",
             messages,
-            "event: ping",
-            "event: content_block_start",
+            &|block: &str| block.starts_with("event: ping"),
+            &|block: &str| block.starts_with("event: content_block_start"),
         ),
         (
             "/v1/responses",
             responses,
-            "event: response.in_progress",
-            "event: response.output_item.added",
+            &|block: &str| block.starts_with("event: response.in_progress"),
+            &|block: &str| block.starts_with("event: response.output_item.added"),
         ),
     ];
     for (route, body, keep_alive, first_token) in cases {
@@ -450,13 +473,10 @@ async fn streams_keep_alive_while_the_prompt_prefills() {
         assert_eq!(reply.status, StatusCode::OK, "{route}: {}", reply.text);
         let blocks: Vec<&str> = reply.text.split("\n\n").collect();
         let alive: Vec<usize> = (0..blocks.len())
-            .filter(|&i| blocks[i].starts_with(keep_alive))
+            .filter(|&i| keep_alive(blocks[i]))
             .collect();
-        // Chat's first chunk (the role) is sent before the prompt is read.
-        let skip = usize::from(route == "/v1/chat/completions");
         let token = (0..blocks.len())
-            .filter(|&i| blocks[i].starts_with(first_token))
-            .nth(skip)
+            .find(|&i| first_token(blocks[i]))
             .unwrap_or_else(|| panic!("{route}: no token in {}", reply.text));
         let before = alive.iter().filter(|&&i| i < token).count();
         // Responses' own first in_progress, and Anthropic's ping after the first block start.
@@ -472,6 +492,69 @@ async fn streams_keep_alive_while_the_prompt_prefills() {
             "{route}: {}",
             reply.text
         );
+    }
+}
+
+/// A stream whose request waits in the queue (the one batch row is taken) answers after one
+/// heartbeat, headers and keep-alives, before the engine takes it: agents abort a request
+/// whose headers are late (Qwen Code after 120 s). A refusal then comes in the stream: a
+/// prompt over the context, queued, ends in the error chunk / event / `response.failed`.
+#[tokio::test]
+async fn queued_streams_answer_before_the_engine_takes_them() {
+    let (app, state) = router(ServerConfigExt::with(|c| {
+        c.max_batch = 1;
+        c.heartbeat = Duration::from_millis(20);
+    }));
+    let over = "word ".repeat(3000);
+    let chat_over = json!({"model": MODEL, "max_tokens": 4, "stream": true,
+                           "messages": [{"role": "user", "content": over}]});
+    let messages_over = json!({"model": MODEL, "max_tokens": 4, "stream": true,
+                               "messages": [{"role": "user", "content": over}]});
+    let responses_over = json!({"model": MODEL, "max_output_tokens": 4, "stream": true,
+                                "input": over});
+    // (route, an over-long request, the first frame's start, the refusal's mark in the body)
+    let cases = [
+        (
+            "/v1/chat/completions",
+            chat_over,
+            "data: {\"id\"",
+            "context_length_exceeded",
+        ),
+        (
+            "/v1/messages",
+            messages_over,
+            ": keep-alive",
+            "event: error",
+        ),
+        (
+            "/v1/responses",
+            responses_over,
+            "event: response.created",
+            "event: response.failed",
+        ),
+    ];
+    for (route, body, first, refusal) in cases {
+        let running = start_stream(&app, &long_chat(1800, true)).await;
+        assert_eq!(running.status(), StatusCode::OK);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while state.engine.metrics().in_flight < 1 {
+            assert!(Instant::now() < deadline, "{route}: the first never ran");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let queued = start_stream_at(&app, route, &body).await;
+        assert_eq!(queued.status(), StatusCode::OK, "{route}");
+        // Headers came while it waited: the running stream still holds the batch.
+        assert_eq!(state.engine.queue_depth(), 2, "{route}");
+        let mut queued = queued.into_body();
+        let frame = queued.frame().await.unwrap().unwrap().into_data().unwrap();
+        let frame = String::from_utf8(frame.to_vec()).unwrap();
+        assert!(frame.starts_with(first), "{route}: {frame}");
+        assert_eq!(state.engine.queue_depth(), 2, "{route}");
+        drop(running);
+        let rest = queued.collect().await.unwrap().to_bytes();
+        let rest = String::from_utf8(rest.to_vec()).unwrap();
+        assert!(rest.contains(refusal), "{route}: {rest}");
+        wait_idle(&state, Duration::from_secs(10)).await;
     }
 }
 

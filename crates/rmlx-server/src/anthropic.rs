@@ -12,7 +12,7 @@ use rmlx_engine::{
     chat::TemplateOptions,
     engine::{Prompt, Request},
     generate::GenerateParams,
-    sample::SamplingParams,
+    sample::{SamplingDefaults, SamplingParams},
     EngineError,
 };
 use serde::Deserialize;
@@ -203,7 +203,7 @@ pub struct MessagesRequest {
     #[serde(deserialize_with = "whole::required")]
     #[schema(value_type = constraints::MaxTokens)]
     max_tokens: usize,
-    /// 0 is greedy (default 1).
+    /// 0 is greedy. Default: the model's `generation_config.json`, else 1.
     #[serde(default, deserialize_with = "real::optional")]
     #[schema(value_type = Option<constraints::Temperature>)]
     temperature: Option<f32>,
@@ -393,6 +393,24 @@ fn tool_use_block(call: &ToolCall) -> ContentBlock {
     }
 }
 
+impl MessagesRequest {
+    /// The request's sampling, else the model's recommendation (`generation_config.json`), else
+    /// Anthropic's defaults (temperature 1, no top_p / top_k filtering).
+    fn sampling(&self, model: &SamplingDefaults) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature.or(model.temperature).unwrap_or(1.0),
+            top_p: self.top_p.or(model.top_p).unwrap_or(1.0),
+            top_k: match self.top_k {
+                Some(top_k) => top_k.max(0) as usize,
+                None => model.top_k.unwrap_or(0),
+            },
+            min_p: model.min_p.unwrap_or(0.0),
+            repetition_penalty: model.repetition_penalty,
+            ..SamplingParams::default()
+        }
+    }
+}
+
 /// An Anthropic Messages answer, whole or streamed (`stream: true`: `MessageStreamEvent`s).
 #[utoipa::path(post, path = "/v1/messages", tag = "anthropic", request_body = MessagesRequest,
     responses((status = 200, description = "The message, or its stream of `MessageStreamEvent`s",
@@ -408,13 +426,7 @@ pub async fn messages(
     }
     let mut params = GenerateParams {
         max_tokens: request.max_tokens,
-        sampling: SamplingParams {
-            // Anthropic's defaults: temperature 1, no top_p/top_k filtering.
-            temperature: request.temperature.unwrap_or(1.0),
-            top_p: request.top_p.unwrap_or(1.0),
-            top_k: request.top_k.unwrap_or(0).max(0) as usize,
-            ..SamplingParams::default()
-        },
+        sampling: request.sampling(&state.registry.sampling_defaults(&prepared.entry.path)),
         stop: request.stop_sequences.clone().unwrap_or_default(),
         max_ctx: state.config.max_ctx,
         ..GenerateParams::default()
@@ -663,6 +675,38 @@ mod tests {
 
     use super::*;
     use crate::sse::testing::{delta, done, events, generation};
+
+    /// Unset fields take the model's recommendation, set ones win, and with neither
+    /// Anthropic's defaults stand.
+    #[test]
+    fn sampling_is_the_requests_else_the_models() {
+        let qwen3 = SamplingDefaults {
+            temperature: Some(0.6),
+            top_p: Some(0.95),
+            top_k: Some(20),
+            ..SamplingDefaults::default()
+        };
+        let request = |fields: Value| -> MessagesRequest {
+            let mut body = json!({"model": "m", "max_tokens": 4,
+                                  "messages": [{"role": "user", "content": "hi"}]});
+            for (key, value) in fields.as_object().unwrap() {
+                body[key] = value.clone();
+            }
+            serde_json::from_value(body).unwrap()
+        };
+        let unset = request(json!({})).sampling(&qwen3);
+        assert_eq!(
+            (unset.temperature, unset.top_p, unset.top_k),
+            (0.6, 0.95, 20)
+        );
+        let set = request(json!({"temperature": 1.0, "top_k": 0})).sampling(&qwen3);
+        assert_eq!((set.temperature, set.top_p, set.top_k), (1.0, 0.95, 0));
+        let neither = request(json!({})).sampling(&SamplingDefaults::default());
+        assert_eq!(
+            (neither.temperature, neither.top_p, neither.top_k),
+            (1.0, 1.0, 0)
+        );
+    }
 
     fn stream(events: Vec<Event>, tools: bool) -> MessageStream {
         MessageStream {

@@ -45,12 +45,14 @@ pub fn request_json(data: &[u8]) {
                 .max_completion_tokens
                 .or(request.max_tokens)
                 .unwrap_or(16);
-            let _ = request.sampling.params(Some(4096), max_tokens, None);
+            let _ = request
+                .sampling
+                .params(&Default::default(), Some(4096), max_tokens, None);
             drop(parts);
         }
     }
     if let Ok(request) = serde_json::from_value::<CompletionRequest>(body.clone()) {
-        let _ = openai::completion_parts(&request, Some(4096));
+        let _ = openai::completion_parts(&request, &Default::default(), Some(4096));
     }
     if let Ok(request) = serde_json::from_value::<MessagesRequest>(body.clone()) {
         let _ = anthropic::convert_prompt(&request.prompt, "fuzz", false);

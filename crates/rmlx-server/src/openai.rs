@@ -14,7 +14,7 @@ use rmlx_engine::{
     chat::TemplateOptions,
     engine::{Prompt, Request},
     generate::{GenerateParams, TokenLogprob},
-    sample::SamplingParams,
+    sample::{SamplingDefaults, SamplingParams},
 };
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -42,15 +42,15 @@ use crate::{
 /// are vLLM/mlx-lm's), with the ranges the engine enforces.
 #[derive(Debug, Default, Deserialize, ToSchema)]
 pub struct Sampler {
-    /// 0 is greedy (default 1).
+    /// 0 is greedy. Default: the model's `generation_config.json`, else 1.
     #[serde(default, deserialize_with = "real::optional")]
     #[schema(value_type = Option<constraints::Temperature>)]
     pub(crate) temperature: Option<f32>,
-    /// Default 1 (off).
+    /// Default: the model's `generation_config.json`, else 1 (off).
     #[serde(default, deserialize_with = "real::optional")]
     #[schema(value_type = Option<constraints::TopP>)]
     pub(crate) top_p: Option<f32>,
-    /// 0 keeps every token.
+    /// 0 keeps every token. Default: the model's `generation_config.json`, else 0.
     #[serde(default, deserialize_with = "whole::optional")]
     #[schema(value_type = Option<constraints::TopK>)]
     top_k: Option<i64>,
@@ -76,17 +76,21 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// OpenAI's defaults (temperature 1, top_p 1) unless the request says otherwise.
-    pub(crate) fn params(&self) -> Result<SamplingParams, ApiError> {
+    /// What the request sets, else what the model recommends (`generation_config.json`), else
+    /// OpenAI's defaults (temperature 1, top_p 1, no top_k / min_p).
+    pub(crate) fn params(&self, model: &SamplingDefaults) -> Result<SamplingParams, ApiError> {
         let logit_bias = constraints::logit_bias(self.logit_bias.as_ref())?;
         Ok(SamplingParams {
-            temperature: self.temperature.unwrap_or(1.0),
-            top_p: self.top_p.unwrap_or(1.0),
-            top_k: self.top_k.unwrap_or(0).max(0) as usize,
-            min_p: self.min_p.unwrap_or(0.0),
+            temperature: self.temperature.or(model.temperature).unwrap_or(1.0),
+            top_p: self.top_p.or(model.top_p).unwrap_or(1.0),
+            top_k: match self.top_k {
+                Some(top_k) => top_k.max(0) as usize,
+                None => model.top_k.unwrap_or(0),
+            },
+            min_p: self.min_p.or(model.min_p).unwrap_or(0.0),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
-            repetition_penalty: self.repetition_penalty,
+            repetition_penalty: self.repetition_penalty.or(model.repetition_penalty),
             seed: self.seed.map(|seed| seed as u64),
             logit_bias,
             ..SamplingParams::default()
@@ -126,10 +130,6 @@ pub struct StreamOptions {
 }
 
 impl SamplingFields {
-    fn sampling(&self) -> Result<SamplingParams, ApiError> {
-        self.sampler.params()
-    }
-
     fn check_unsupported(&self) -> Result<(), ApiError> {
         if self.n.is_some_and(|n| n != 1) {
             return Err(ApiError::BadRequest(
@@ -149,6 +149,7 @@ impl SamplingFields {
 
     pub(crate) fn params(
         &self,
+        model: &SamplingDefaults,
         max_ctx: Option<usize>,
         max_tokens: usize,
         logprobs: Option<usize>,
@@ -159,7 +160,7 @@ impl SamplingFields {
         }
         Ok(GenerateParams {
             max_tokens,
-            sampling: self.sampling()?,
+            sampling: self.sampler.params(model)?,
             stop: self.stops(),
             max_ctx,
             logprobs,
@@ -319,9 +320,12 @@ pub async fn chat_completions(
         .max_completion_tokens
         .or(request.max_tokens)
         .unwrap_or_else(|| default_max_tokens(&state, &entry));
-    let mut params = request
-        .sampling
-        .params(state.config.max_ctx, max_tokens, parts.logprobs)?;
+    let mut params = request.sampling.params(
+        &state.registry.sampling_defaults(&entry.path),
+        state.config.max_ctx,
+        max_tokens,
+        parts.logprobs,
+    )?;
     params.response_format = parts.response_format;
     let info = inspect_prompt(&state, &entry, &parts.messages, &parts.options, "").await?;
     // A forced call is all the answer holds: its grammar replaces any response_format.
@@ -782,14 +786,16 @@ fn is_whole(value: &Value) -> bool {
 /// request fuzzer drives).
 pub(crate) fn completion_parts(
     request: &CompletionRequest,
+    model: &SamplingDefaults,
     max_ctx: Option<usize>,
 ) -> Result<(Prompt, GenerateParams), ApiError> {
     let prompt = legacy_prompt(&request.prompt)?;
     let logprobs = logprobs::legacy_request(request.logprobs.as_ref())?;
     // OpenAI's legacy default.
-    let params = request
-        .sampling
-        .params(max_ctx, request.max_tokens.unwrap_or(16), logprobs)?;
+    let params =
+        request
+            .sampling
+            .params(model, max_ctx, request.max_tokens.unwrap_or(16), logprobs)?;
     Ok((prompt, params))
 }
 
@@ -803,7 +809,8 @@ pub async fn completions(
     ApiJson(request): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let entry = state.registry.resolve(&request.model)?;
-    let (prompt, params) = completion_parts(&request, state.config.max_ctx)?;
+    let model = state.registry.sampling_defaults(&entry.path);
+    let (prompt, params) = completion_parts(&request, &model, state.config.max_ctx)?;
     let id = new_id("cmpl-");
     let engine_request = Request {
         model: entry.path.clone(),

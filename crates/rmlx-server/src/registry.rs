@@ -11,7 +11,7 @@ use std::{
     time::UNIX_EPOCH,
 };
 
-use rmlx_engine::{chat::ChatTokenizer, models::ModelInfo};
+use rmlx_engine::{chat::ChatTokenizer, models::ModelInfo, sample::SamplingDefaults};
 
 use crate::{error::ApiError, parse::ToolFormat, xml_calls::template_writes_xml};
 
@@ -196,6 +196,14 @@ impl Registry {
             .unwrap()
             .insert(path.to_path_buf(), loaded.clone());
         Ok(loaded)
+    }
+
+    /// The sampling the model recommends (its `generation_config.json`), for requests that do
+    /// not choose; none when its tokenizer cannot load (the request fails on that later).
+    pub fn sampling_defaults(&self, path: &Path) -> SamplingDefaults {
+        self.tokenizer(path)
+            .map(|tokenizer| tokenizer.sampling_defaults())
+            .unwrap_or_default()
     }
 
     /// How the model's chat template writes tool calls (`xml_calls::template_writes_xml`: the

@@ -400,7 +400,9 @@ pub async fn create(
     });
     let mut params = GenerateParams {
         max_tokens,
-        sampling: request.sampler.params()?,
+        sampling: request
+            .sampler
+            .params(&state.registry.sampling_defaults(&entry.path))?,
         max_ctx: state.config.max_ctx,
         response_format: prepared.response_format.clone(),
         ..GenerateParams::default()
@@ -429,7 +431,10 @@ pub async fn create(
         }
     };
     let id = new_id("resp_");
-    let head = request.head(&id, &entry.id);
+    let mut head = request.head(&id, &entry.id);
+    // The sampling it runs with: the request's, else the model's recommendation.
+    head.temperature = params.sampling.temperature;
+    head.top_p = params.sampling.top_p;
     let output = Output::new(
         parser,
         prepared.names,

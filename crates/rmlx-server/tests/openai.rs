@@ -575,3 +575,67 @@ async fn system_messages_mid_conversation_stay_in_place() {
         "the second turn re-rendered the first one ({prompt} tokens): {usage}"
     );
 }
+
+/// A request that does not choose its sampling gets the model's recommendation (the fixture's
+/// `generation_config.json`, Qwen3's: temperature 0.6, top-k 20, top-p 0.95): with a seed, the
+/// tokens of a request that sets those values, on chat, text completions and Responses (whose
+/// response object echoes them); what a request sets wins (temperature 1 over the whole
+/// vocabulary draws other tokens).
+#[tokio::test]
+async fn unset_sampling_is_the_models_recommendation() {
+    let (app, _) = router(config());
+    let no_eos = json!({"991": -100, "993": -100});
+    let recommended = json!({"temperature": 0.6, "top_k": 20, "top_p": 0.95});
+    let api_defaults = json!({"temperature": 1.0, "top_k": 0, "top_p": 1.0});
+    let with = |mut body: Value, extra: &Value| {
+        for (key, value) in extra.as_object().unwrap() {
+            body[key] = value.clone();
+        }
+        body
+    };
+    let mut differed = 0;
+    for seed in 1..=4 {
+        let routes = [
+            (
+                "/v1/chat/completions",
+                json!({"model": MODEL, "max_tokens": 12, "seed": seed, "logit_bias": no_eos,
+                       "messages": [{"role": "user", "content": "Tell me a story"}]}),
+                "/choices/0/message/content",
+            ),
+            (
+                "/v1/completions",
+                json!({"model": MODEL, "max_tokens": 12, "seed": seed, "logit_bias": no_eos,
+                       "prompt": "Once upon a time"}),
+                "/choices/0/text",
+            ),
+            (
+                "/v1/responses",
+                json!({"model": MODEL, "max_output_tokens": 12, "seed": seed,
+                       "logit_bias": no_eos, "input": "Tell me a story"}),
+                "/output/0/content/0/text",
+            ),
+        ];
+        for (route, body, text) in routes {
+            let unset = post(&app, route, &body).await.json();
+            let set = post(&app, route, &with(body.clone(), &recommended))
+                .await
+                .json();
+            let plain = post(&app, route, &with(body.clone(), &api_defaults))
+                .await
+                .json();
+            let answer = |reply: &Value| reply.pointer(text).cloned().unwrap_or(Value::Null);
+            assert!(answer(&unset).is_string(), "{route}: {unset}");
+            assert_eq!(answer(&unset), answer(&set), "{route}, seed {seed}");
+            differed += usize::from(answer(&unset) != answer(&plain));
+            if route == "/v1/responses" {
+                assert_eq!(unset["temperature"], json!(0.6), "{unset}");
+                assert_eq!(unset["top_p"], json!(0.95), "{unset}");
+                assert_eq!(plain["temperature"], json!(1.0), "{plain}");
+            }
+        }
+    }
+    assert!(
+        differed >= 3,
+        "only {differed} of 12 answers changed with the API's defaults"
+    );
+}

@@ -35,6 +35,8 @@ pub(crate) struct TokenizerConfig {
     pub add_bos_token: Option<bool>,
     /// EOS ids listed by `generation_config.json` then `config.json`, in file order.
     pub extra_eos_ids: Vec<u32>,
+    /// The sampling `generation_config.json` recommends.
+    pub sampling: crate::sample::SamplingDefaults,
 }
 
 impl TokenizerConfig {
@@ -165,6 +167,7 @@ pub(crate) fn load(dir: &Path) -> Result<TokenizerConfig, ChatError> {
         config
             .extra_eos_ids
             .extend(id_list(gen.get("eos_token_id")));
+        config.sampling = crate::sample::SamplingDefaults::from_generation_config(&gen);
     }
     if let Some(model) = read_json_opt(&dir.join("config.json"))? {
         config

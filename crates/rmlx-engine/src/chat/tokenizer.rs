@@ -187,6 +187,12 @@ impl ChatTokenizer {
         self.tokenizer.get_vocab_size(true)
     }
 
+    /// The sampling the model's `generation_config.json` recommends (requests that do not
+    /// choose get it).
+    pub fn sampling_defaults(&self) -> crate::sample::SamplingDefaults {
+        self.config.sampling
+    }
+
     pub fn bos_token(&self) -> Option<&str> {
         self.config.special("bos_token")
     }

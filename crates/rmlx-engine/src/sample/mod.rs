@@ -8,6 +8,7 @@
 //! engine thread (MLX's global seed would couple them) and lets a batch draw every row's token
 //! in one set of ops ([`draw_rows`]) with the tokens each row would draw alone.
 
+mod defaults;
 mod filters;
 mod processors;
 mod random;
@@ -20,6 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use mlx_rs::Array;
 use serde::{Deserialize, Serialize};
 
+pub use defaults::SamplingDefaults;
 pub use filters::{apply_min_p, apply_top_k, apply_top_p, greedy, log_softmax, temperature_scaled};
 use processors::LogitsProcessors;
 pub use random::{inverse_cdf, KeyStream};

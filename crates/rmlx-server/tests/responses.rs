@@ -131,11 +131,11 @@ async fn whole_and_streamed_answers_agree_and_events_come_in_order() {
     assert_eq!(usage["input_tokens_details"]["cached_tokens"], 0);
     assert_eq!(usage["output_tokens_details"]["reasoning_tokens"], 0);
     assert!(whole["timings"]["ttft_ms"].as_f64().unwrap() > 0.0);
-    // The request's parameters, echoed.
+    // The request's parameters, echoed (top_p, unset, is the fixture's recommendation).
     for (key, value) in [
         ("instructions", json!("Be terse.")),
         ("temperature", json!(0.0)),
-        ("top_p", json!(1.0)),
+        ("top_p", json!(0.95)),
         ("max_output_tokens", json!(8)),
         ("tool_choice", json!("auto")),
         ("tools", json!([])),

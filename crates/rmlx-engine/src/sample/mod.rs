@@ -18,7 +18,7 @@ mod tests;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use mlx_rs::Array;
+use mlx_rs::{ops::indexing::IndexOp, Array};
 use serde::{Deserialize, Serialize};
 
 pub use defaults::SamplingDefaults;
@@ -221,9 +221,10 @@ impl Sampler {
         self.processors.apply(&logits, history, pending)
     }
 
-    /// Process, then draw one token per row. Returns the lazy token ids (uint32 `[rows]`) and the
-    /// log-probabilities `[rows, vocab]` they were drawn from, before any top-p/min-p/top-k
-    /// filter (what mlx-lm's `generate_step` returns and OpenAI `logprobs` reports).
+    /// Process, then draw one token per row (each row its own uniform of the stream, in row
+    /// order). Returns the lazy token ids (uint32 `[rows]`) and the log-probabilities
+    /// `[rows, vocab]` they were drawn from, before any top-p/min-p/top-k filter (what mlx-lm's
+    /// `generate_step` returns and OpenAI `logprobs` reports).
     pub fn sample(
         &mut self,
         logits: &Array,
@@ -378,25 +379,47 @@ pub fn draw_rows(logprobs: &Array, draws: &[RowDraw]) -> Result<Array, SampleErr
         RowDraw::Sample { filters, .. } => Some(*filters),
         RowDraw::Argmax => None,
     };
-    // Filters work row by row: a chain applied to the whole batch is kept where its rows are.
-    let mut filtered = logprobs.clone();
-    let mut applied: Vec<Filters> = Vec::new();
+    let mut chains: Vec<Filters> = Vec::new();
     for filters in draws.iter().filter_map(filters_of) {
-        if filters.is_off() || applied.contains(&filters) {
-            continue;
+        if !filters.is_off() && !chains.contains(&filters) {
+            chains.push(filters);
         }
-        applied.push(filters);
-        let chain = filters.apply(logprobs)?;
-        let mine: Vec<bool> = draws
-            .iter()
-            .map(|d| filters_of(d) == Some(filters))
-            .collect();
-        filtered = if mine.iter().all(|&m| m) {
-            chain
-        } else {
-            mlx_rs::ops::select(Array::from_slice(&mine, &[rows, 1]), &chain, &filtered)?
-        };
     }
+    let filtered = match chains[..] {
+        [] => logprobs.clone(),
+        // Filters work row by row: one chain (the model's recommendation, which requests that
+        // set none share) runs over the whole batch and is kept where its rows are.
+        [filters] => {
+            let chain = filters.apply(logprobs)?;
+            let mine: Vec<bool> = draws
+                .iter()
+                .map(|d| filters_of(d) == Some(filters))
+                .collect();
+            match mine.iter().all(|&m| m) {
+                true => chain,
+                false => {
+                    mlx_rs::ops::select(Array::from_slice(&mine, &[rows, 1]), &chain, logprobs)?
+                }
+            }
+        }
+        // Several: each row its own (a chain per row over the whole batch would sort it again
+        // for every chain).
+        _ => {
+            let own: Vec<Array> = draws
+                .iter()
+                .enumerate()
+                .map(|(row, draw)| {
+                    let at = row as i32;
+                    let row = logprobs.index(at..at + 1);
+                    match filters_of(draw).filter(|filters| !filters.is_off()) {
+                        Some(filters) => filters.apply(&row),
+                        None => Ok(row),
+                    }
+                })
+                .collect::<Result<_, _>>()?;
+            mlx_rs::ops::concatenate(&own, 0)?
+        }
+    };
     // `temperature_scaled`'s factor per row (1 where the argmax is taken).
     let factors: Vec<f32> = draws
         .iter()

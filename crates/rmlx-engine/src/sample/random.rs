@@ -95,9 +95,17 @@ pub fn inverse_cdf(logits: &Array, uniforms: &[f32]) -> Result<Array, SampleErro
     // `searchsorted(below, target, right) - 1` on a non-decreasing row is the count of entries
     // at or under the target, less one (never below 0: a NaN row stays in the vocabulary).
     let count = below.le(&target)?.sum_axis(-1, false)?;
-    Ok(maximum(&count, Array::from_int(1))?
-        .subtract(Array::from_int(1))?
-        .as_dtype(Dtype::Uint32)?)
+    let drawn = maximum(&count, Array::from_int(1))?.subtract(Array::from_int(1))?;
+    // Never past the last entry with weight: the target (a sum in another order than the
+    // running one) can pass the flat tail of filtered entries by a rounding, and MLX would
+    // then draw the vocabulary's last id (often a padded one).
+    let vocab = *weights.shape().last().unwrap_or(&1);
+    let positions = Array::arange::<i32, i32>(None, vocab, None)?;
+    let last = weights
+        .gt(Array::from_f32(0.0))?
+        .multiply(&positions)?
+        .max_axis(-1, false)?;
+    Ok(mlx_rs::ops::minimum(&drawn, &last)?.as_dtype(Dtype::Uint32)?)
 }
 
 #[cfg(test)]
@@ -171,6 +179,23 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A target past the running sum's flat tail (the rounding case) draws the last entry with
+    /// weight, not a filtered one after it.
+    #[test]
+    fn a_draw_never_lands_past_the_last_kept_token() {
+        let logits = Array::from_slice(
+            &[0.0f32, 1.0, f32::NEG_INFINITY, f32::NEG_INFINITY],
+            &[1, 4],
+        );
+        let top = inverse_cdf(&logits, &[f32::from_bits(1.0f32.to_bits() - 1)]).unwrap();
+        assert_eq!(top.as_slice::<u32>(), &[1]);
+        // A uniform of exactly 1 (beyond MLX's range) stands for a sum rounded up.
+        let past = inverse_cdf(&logits, &[1.0]).unwrap();
+        assert_eq!(past.as_slice::<u32>(), &[1]);
+        let first = inverse_cdf(&logits, &[0.0]).unwrap();
+        assert_eq!(first.as_slice::<u32>(), &[0]);
     }
 
     /// Rows drawn together equal each row drawn alone.

@@ -627,10 +627,25 @@ fn seeded_draws_match_mlx_python() {
 
 /// Rows drawn together (`draw_rows`) get, draw after draw, the tokens each row's sampler
 /// draws alone: greedy rows, plain sampled rows and rows with each filter, at different
-/// temperatures and seeds, in bf16 (where filters see ties) and float32.
+/// temperatures and seeds, in bf16 (where filters see ties) and float32; one chain shared by
+/// the sampled rows beside greedy ones (a model's recommendation), and several.
 #[test]
 fn rows_drawn_together_draw_what_each_draws_alone() {
-    let params = [
+    let recommended = |seed: u64| SamplingParams {
+        top_p: 0.95,
+        top_k: 20,
+        seed: Some(seed),
+        ..sampling(0.6)
+    };
+    let shared = [
+        SamplingParams::default(),
+        recommended(1),
+        recommended(2),
+        SamplingParams::default(),
+        recommended(3),
+    ];
+    rows_draw_as_alone(&shared);
+    let several = [
         SamplingParams::default(),
         sampling(1.0),
         SamplingParams {
@@ -655,6 +670,10 @@ fn rows_drawn_together_draw_what_each_draws_alone() {
             ..sampling(1.0)
         },
     ];
+    rows_draw_as_alone(&several);
+}
+
+fn rows_draw_as_alone(params: &[SamplingParams]) {
     let vocab = 96;
     for dtype in [Dtype::Bfloat16, Dtype::Float32] {
         let mut together: Vec<Sampler> = params.iter().cloned().map(sampler).collect();
@@ -688,6 +707,6 @@ fn rows_drawn_together_draw_what_each_draws_alone() {
             }
         }
         // Sampled rows left the argmax often: the draws were not all greedy.
-        assert!(differed > 30, "{dtype:?}: {differed} draws left the argmax");
+        assert!(differed > 20, "{dtype:?}: {differed} draws left the argmax");
     }
 }

@@ -64,7 +64,8 @@
 #   alone at S_STREAMS ("1 8") streams on C_MODELS' Qwen3-4B shapes (P_RUNS 2): the 8-row 4-bit
 #   step against bf16's, and where a 4-row masked step's time goes; then bf16 at 4 streams
 #   (--ragged-check, then plain) with RMLX_GROUPED_ONE_QUERY 0 / 1 alternating. S_PARTS: which
-#   of "probe repro steps grouped" run, in that order (a short call: S_PARTS="grouped steps").
+#   of "probe repro steps grouped" run, in that order (a short call: S_PARTS="grouped steps");
+#   "sampled" (not in the default): 8 sampled streams with RMLX_BATCHED_SAMPLING 0 / 1.
 # MODE=profile (step 2 instead): probe_ops.py (per-op costs of MLX CUDA at the decode shapes),
 #   the same two checkpoints, `rmlx bench --step-profile` at 1 and P_STREAMS (8) streams (bf16 also
 #   with MLX_DISABLE_COMPILE=1 RMLX_WEIGHTS_ON_DEVICE=0), then concurrency.py and bench.py on bf16.
@@ -404,6 +405,21 @@ if [[ $MODE == steps ]]; then
           RMLX_GROUPED_ONE_QUERY=$grouped RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench \
             --model "$model" --prompt-tokens 512 --gen-tokens 128 --runs 2 --concurrency 4 --step-profile \
             | tee -a "$OUT/grouped-$grouped.txt"
+        done ;;
+      sampled)
+        # Sampled rows drawn with the batch (session 29) against one by one
+        # (RMLX_BATCHED_SAMPLING=0), 8 streams of bf16 at temperature 1, then with the
+        # releases' recommended top-p 0.95 / top-k 20, alternating.
+        qwen3_models || exit 1
+        for batched in 0 1 0 1; do
+          for filters in "" "--top-p 0.95 --top-k 20"; do
+            left=$(( LIMIT - SECONDS ))
+            (( left > 40 )) || { echo "no time left for batched=$batched"; break 2; }
+            step "8 sampled streams, RMLX_BATCHED_SAMPLING=$batched $filters"
+            RMLX_BATCHED_SAMPLING=$batched RMLX_MLX_LIB_DIR=$SITE/mlx/lib timeout "$left" /tmp/rmlx/rmlx bench \
+              --model "$BENCH/qwen3-4b-shape-bf16" --prompt-tokens 512 --gen-tokens 128 --runs 2 \
+              --concurrency 8 --temperature 1 $filters --step-profile | tee -a "$OUT/sampled-$batched.txt"
+          done
         done ;;
     esac
   done

@@ -133,7 +133,10 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
         // read, not a dozen ops a row. The others sample row by row.
         let batchable: Vec<bool> = rows
             .iter_mut()
-            .map(|row| row.sequence().is_batchable())
+            .map(|row| match sampled_rows_together() {
+                true => row.sequence().is_batchable(),
+                false => row.sequence().is_batchable_greedy(),
+            })
             .collect();
         let together = if count > 1 && batchable.iter().filter(|&&b| b).count() > 1 {
             let logits = with_bias_rows(&logits, rows)?;
@@ -205,6 +208,13 @@ pub(crate) fn decode_iteration<R: DecodeRow>(
         clock.finish(count, 1);
     }
     Ok(())
+}
+
+/// Whether sampled rows draw with the batch (`RMLX_BATCHED_SAMPLING=0`: only greedy rows do,
+/// as before; for A/B runs on a GPU). Read once.
+fn sampled_rows_together() -> bool {
+    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ANSWER.get_or_init(|| std::env::var("RMLX_BATCHED_SAMPLING").as_deref() != Ok("0"))
 }
 
 /// `logits` `[B, vocab]` plus each row's logit bias (one add; unchanged when no row has one).

@@ -1232,6 +1232,22 @@ fn words_in_160(words: usize, shift: usize, max_tokens: usize) -> Request {
     request
 }
 
+/// `requests` submitted while the engine holds them, their model loaded, then let go at once:
+/// the engine takes them all in one pass, in order.
+fn submit_together(
+    engine: &Engine,
+    requests: &[Request],
+) -> Vec<rmlx_engine::engine::RequestHandle> {
+    let hold = engine.hold_for_warm_up();
+    let handles = requests
+        .iter()
+        .map(|request| engine.submit(request.clone()).unwrap())
+        .collect();
+    engine.model_info(&requests[0].model).unwrap();
+    drop(hold);
+    handles
+}
+
 /// An engine of up to 4 rows, no prefix cache, whose memory budget leaves qwen3-tiny KV for
 /// `positions` positions (half of what its weights leave; qwen3 has no fixed state per row).
 fn engine_with_kv_for(positions: u64) -> Engine {
@@ -1380,13 +1396,7 @@ fn a_prompt_that_cannot_join_the_group_is_not_overtaken_by_later_ones() {
         short(4),
     ];
     let engine = engine_with_kv_for(240);
-    let hold = engine.hold_for_warm_up();
-    let handles: Vec<_> = requests
-        .iter()
-        .map(|request| engine.submit(request.clone()).unwrap())
-        .collect();
-    engine.model_info(&requests[0].model).unwrap();
-    drop(hold);
+    let handles = submit_together(&engine, &requests);
     let mut first_token = [None; 5];
     let mut answers: [Option<Completion>; 5] = Default::default();
     let mut sweep = 0usize;
@@ -1581,12 +1591,7 @@ fn sampled_rows_drawn_together_answer_as_they_do_alone() {
     );
     drop(alone);
     let engine = without_prefix_cache(8);
-    let hold = engine.hold_for_warm_up();
-    let handles: Vec<_> = requests
-        .iter()
-        .map(|request| engine.submit(request.clone()).unwrap())
-        .collect();
-    drop(hold);
+    let handles = submit_together(&engine, &requests);
     for (index, (handle, solo)) in handles.into_iter().zip(&solo).enumerate() {
         let batched = handle.wait().unwrap();
         assert_eq!(batched.batched_with, requests.len(), "request {index}");

@@ -464,10 +464,7 @@ pub async fn messages(
         ..Request::default()
     };
     let stream = request.stream.unwrap_or(false);
-    let generation = match stream {
-        true => Generation::start_stream(&state, &entry, engine_request).await?,
-        false => Generation::start(&state, &entry, engine_request).await?,
-    };
+    let generation = Generation::start(&state, &entry, engine_request, stream).await?;
     let message = Message {
         id,
         kind: MessageType::Message,

@@ -32,7 +32,7 @@ const DISCONNECT_POLL: Duration = Duration::from_millis(50);
 #[allow(clippy::large_enum_variant)]
 pub enum Step {
     /// The engine took a request whose stream answered before it did (see
-    /// [`Generation::start_stream`]): the prompt's size is known from now on.
+    /// [`Generation::start`]): the prompt's size is known from now on.
     Started,
     /// Nothing yet after the stream's heartbeat interval (the prompt is still queued or
     /// prefilling): streams send their format's keep-alive event, so clients with idle timeouts
@@ -60,36 +60,16 @@ pub struct Generation {
 }
 
 impl Generation {
-    /// Validates, queues and waits until the engine accepts the prompt (or refuses it).
+    /// Validates, queues and waits until the engine accepts the prompt (or refuses it). A
+    /// `stream` waits one heartbeat at most: without the engine's answer by then (the request
+    /// is queued, or its model loads) it returns anyway, so the stream's headers and keep-alives
+    /// go out while it waits; `next` then says `Started` when the engine takes it, and a
+    /// refusal comes as `Failed`.
     pub async fn start(
         state: &AppState,
         entry: &ModelEntry,
-        request: Request,
-    ) -> Result<Self, ApiError> {
-        let mut generation = Self::submit(state, entry, request)?;
-        generation.wait_started(None).await?;
-        Ok(generation)
-    }
-
-    /// As `start`, for a stream: after one heartbeat without the engine's answer (the request
-    /// is queued, or its model loads), it returns anyway, so the stream's headers and
-    /// keep-alives go out while it waits; `next` then says `Started` when the engine takes it,
-    /// and a refusal comes as `Failed`.
-    pub async fn start_stream(
-        state: &AppState,
-        entry: &ModelEntry,
-        request: Request,
-    ) -> Result<Self, ApiError> {
-        let mut generation = Self::submit(state, entry, request)?;
-        let patience = generation.heartbeat;
-        generation.wait_started(patience).await?;
-        Ok(generation)
-    }
-
-    fn submit(
-        state: &AppState,
-        entry: &ModelEntry,
         mut request: Request,
+        stream: bool,
     ) -> Result<Self, ApiError> {
         // Metrics are filed under the id clients use, not the folder name.
         request.model_id.get_or_insert_with(|| entry.id.clone());
@@ -104,35 +84,31 @@ impl Generation {
             .map_err(ApiError::from_engine)?;
         let (sender, events) = mpsc::unbounded_channel();
         tokio::task::spawn_blocking(move || forward(handle, sender));
-        Ok(Self {
+        let mut generation = Self {
             events,
             prompt_tokens: 0,
             max_ctx: 0,
             finished: false,
             heartbeat: Some(state.config.heartbeat).filter(|interval| !interval.is_zero()),
             started: false,
-        })
+        };
+        let patience = generation.heartbeat.filter(|_| stream);
+        generation.wait_started(patience).await?;
+        Ok(generation)
     }
 
     /// Waits for the engine to take the request (`Ok`) or refuse it (`Err`), at most
     /// `patience` when given (then `Ok`, not started yet).
     async fn wait_started(&mut self, patience: Option<Duration>) -> Result<(), ApiError> {
-        let event = match patience {
-            // `recv` is cancel-safe: the event a timed-out wait leaves comes to `next`.
-            Some(patience) => match tokio::time::timeout(patience, self.events.recv()).await {
-                Ok(event) => event,
-                Err(_) => return Ok(()),
-            },
-            None => self.events.recv().await,
+        let Ok(event) = self.recv_within(patience).await else {
+            return Ok(());
         };
         match event {
             Some(Event::Started {
                 prompt_tokens,
                 max_ctx,
             }) => {
-                self.prompt_tokens = prompt_tokens;
-                self.max_ctx = max_ctx;
-                self.started = true;
+                self.record_start(prompt_tokens, max_ctx);
                 Ok(())
             }
             Some(Event::Error(error)) => Err(ApiError::from_engine(error)),
@@ -141,6 +117,24 @@ impl Generation {
             )),
             None => Err(EngineError::EngineStopped.into()),
         }
+    }
+
+    /// The next event, or `Err` after `patience` without one (`recv` is cancel-safe: a
+    /// timed-out wait loses no event).
+    async fn recv_within(&mut self, patience: Option<Duration>) -> Result<Option<Event>, ()> {
+        match patience {
+            Some(patience) => tokio::time::timeout(patience, self.events.recv())
+                .await
+                .map_err(|_| ()),
+            None => Ok(self.events.recv().await),
+        }
+    }
+
+    /// Keeps the engine's start (the prompt's size); whether it was kept before.
+    fn record_start(&mut self, prompt_tokens: usize, max_ctx: usize) -> bool {
+        self.prompt_tokens = prompt_tokens;
+        self.max_ctx = max_ctx;
+        std::mem::replace(&mut self.started, true)
     }
 
     /// Whether the engine took the request (its prompt's size is known).
@@ -182,13 +176,8 @@ impl Generation {
             return None;
         }
         loop {
-            let event = match self.heartbeat {
-                // `recv` is cancel-safe: a timed-out wait loses no event.
-                Some(interval) => match tokio::time::timeout(interval, self.events.recv()).await {
-                    Ok(event) => event,
-                    Err(_) => return Some(Step::Idle),
-                },
-                None => self.events.recv().await,
+            let Ok(event) = self.recv_within(self.heartbeat).await else {
+                return Some(Step::Idle);
             };
             let step = match event {
                 Some(Event::Delta { text, logprob, .. }) => Step::Delta { text, logprob },
@@ -198,9 +187,7 @@ impl Generation {
                     prompt_tokens,
                     max_ctx,
                 }) => {
-                    self.prompt_tokens = prompt_tokens;
-                    self.max_ctx = max_ctx;
-                    if std::mem::replace(&mut self.started, true) {
+                    if self.record_start(prompt_tokens, max_ctx) {
                         continue;
                     }
                     // The prompt's wait goes on: it prefills next.

@@ -359,10 +359,7 @@ pub async fn chat_completions(
         ..Request::default()
     };
     let stream = request.sampling.stream.unwrap_or(false);
-    let generation = match stream {
-        true => Generation::start_stream(&state, &entry, engine_request).await?,
-        false => Generation::start(&state, &entry, engine_request).await?,
-    };
+    let generation = Generation::start(&state, &entry, engine_request, stream).await?;
     if stream {
         return Ok(sse::respond(ChatStream {
             generation,
@@ -820,10 +817,7 @@ pub async fn completions(
         ..Request::default()
     };
     let stream = request.sampling.stream.unwrap_or(false);
-    let generation = match stream {
-        true => Generation::start_stream(&state, &entry, engine_request).await?,
-        false => Generation::start(&state, &entry, engine_request).await?,
-    };
+    let generation = Generation::start(&state, &entry, engine_request, stream).await?;
     let head = ChunkHead {
         id,
         created: unix_now(),

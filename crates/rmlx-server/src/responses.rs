@@ -466,10 +466,7 @@ pub async fn create(
         head,
         stored,
     };
-    let started = match stream {
-        true => Generation::start_stream(&state, &entry, engine_request).await,
-        false => Generation::start(&state, &entry, engine_request).await,
-    };
+    let started = Generation::start(&state, &entry, engine_request, stream).await;
     match started {
         Ok(generation) => turn.generation = Some(generation),
         // Over the context: Codex reads that from the stream's `response.failed`, as OpenAI

@@ -155,13 +155,6 @@ impl Generation {
         }
     }
 
-    /// The same before the engine took the request (a stream that answered while it waited).
-    #[cfg(test)]
-    pub fn not_started(mut self) -> Self {
-        self.started = false;
-        self
-    }
-
     /// The same, saying `Idle` after `heartbeat` without a first token.
     #[cfg(test)]
     pub fn with_heartbeat(mut self, heartbeat: Duration) -> Self {
